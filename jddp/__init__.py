@@ -1,0 +1,1 @@
+"""jddp: a JAX data-parallel trainer."""

@@ -1,0 +1,72 @@
+"""Model zoo and registry for jddp.
+
+``MODELS`` maps short names to model factories; :func:`get_model_factory` resolves a
+registered name or an import path of the form ``"package.module:factory"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from jddp.models.resnet import ResNet, resnet18, resnet34, resnet50, resnet101, resnet152
+
+__all__ = [
+    "MODELS",
+    "ResNet",
+    "get_model_factory",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+]
+
+MODELS: dict[str, Callable[..., ResNet]] = {
+    "resnet18": resnet18,
+    "resnet34": resnet34,
+    "resnet50": resnet50,
+    "resnet101": resnet101,
+    "resnet152": resnet152,
+}
+
+
+def get_model_factory(name: str) -> Callable:
+    """Return the model factory registered as ``name`` or importable as ``"pkg.mod:attr"``.
+
+    Args:
+      name: a key of :data:`MODELS` (e.g. ``"resnet50"``) or ``"package.module:factory"``.
+
+    Returns:
+      The factory callable (called with keyword arguments such as ``num_classes`` and
+      ``rngs``).
+
+    Raises:
+      ValueError: if ``name`` is not registered, cannot be imported, or is not callable.
+    """
+    if name in MODELS:
+        return MODELS[name]
+    allowed = ", ".join(sorted(MODELS))
+    hint = f"expected one of [{allowed}] or 'package.module:factory'"
+    if ":" not in name:
+        raise ValueError(f"unknown model {name!r}; {hint}")
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"malformed model path {name!r}; {hint}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"cannot import module {module_name!r} for model {name!r}: {e}; {hint}"
+        ) from e
+    factory = module
+    try:
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except AttributeError as e:
+        raise ValueError(
+            f"module {module_name!r} has no attribute {attr!r} (model {name!r}); {hint}"
+        ) from e
+    if not callable(factory):
+        raise ValueError(f"model factory {name!r} is not callable; {hint}")
+    return factory

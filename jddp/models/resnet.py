@@ -1,0 +1,327 @@
+"""ResNet-18/34/50/101/152 in Flax NNX (NHWC), matching torchvision v1.5.
+
+The architecture follows ``torchvision.models.resnet``: BasicBlock for ResNet-18/34,
+Bottleneck (expansion 4, stride on the 3x3 conv, "v1.5") for ResNet-50 and deeper,
+bias-free convolutions each followed by BatchNorm, a 1x1 conv + BN projection shortcut
+whenever the residual's shape changes, global average pooling and a Dense head. With the
+``"imagenet"`` stem and 1000 classes the ``nnx.Param`` counts equal torchvision's.
+
+Mixed precision: ``dtype`` is the compute dtype of the convolutions (e.g. bfloat16);
+parameters are stored in ``param_dtype``. BatchNorm always normalizes and computes its
+batch statistics in at least float32 (float64 under x64), the residual add
+happens in that precision too, and activations are cast back to ``dtype`` between blocks. The
+pooled features and the classifier head are float32, so logits are always float32.
+
+Train/eval mode uses NNX's standard mechanism: ``model.train()`` / ``model.eval()``
+toggle ``use_running_average`` on every ``nnx.BatchNorm``. The model only holds
+``nnx.Param`` and ``nnx.BatchStat`` variables, so
+``nnx.split(model, nnx.Param, nnx.BatchStat)`` returns exactly two states.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = [
+    "BasicBlock",
+    "Bottleneck",
+    "ResNet",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+]
+
+Dtype = Any
+ModuleDef = Callable[..., nnx.Module]
+
+# torchvision's kaiming_normal_(mode="fan_out", nonlinearity="relu") for conv kernels.
+_CONV_INIT = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
+_PAD1 = ((1, 1), (1, 1))
+_PAD3 = ((3, 3), (3, 3))
+_STEMS = ("imagenet", "cifar")
+
+
+class BasicBlock(nnx.Module):
+    """Two 3x3 convolutions with a residual connection (ResNet-18/34).
+
+    Args:
+      in_features: input channels.
+      features: output channels of both convolutions (expansion 1).
+      strides: stride of the first 3x3 conv.
+      conv: partial ``nnx.Conv`` constructor (no bias, dtype and rngs bound).
+      norm: partial ``nnx.BatchNorm`` constructor (momentum, epsilon, axis_name, rngs bound).
+      zero_init_residual: initialise the last BatchNorm scale to zero.
+      dtype: compute dtype of the block output.
+    """
+
+    expansion: int = 1
+
+    def __init__(
+        self,
+        in_features: int,
+        features: int,
+        strides: int,
+        *,
+        conv: ModuleDef,
+        norm: ModuleDef,
+        zero_init_residual: bool,
+        dtype: Dtype,
+    ) -> None:
+        out_features = features * self.expansion
+        self.dtype = dtype
+        self.conv1 = conv(in_features, features, (3, 3), strides, padding=_PAD1)
+        self.bn1 = norm(features)
+        self.conv2 = conv(features, out_features, (3, 3), 1, padding=_PAD1)
+        self.bn2 = norm(out_features, scale_init=_last_scale_init(zero_init_residual))
+        self.downsample = _make_shortcut(in_features, out_features, strides, conv, norm)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Apply the block to an NHWC batch."""
+        residual = x
+        y = nnx.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        if self.downsample is not None:
+            residual = self.downsample(x)
+        return nnx.relu(residual + y).astype(self.dtype)
+
+
+class Bottleneck(nnx.Module):
+    """1x1 -> 3x3 -> 1x1 bottleneck block, expansion 4, stride on the 3x3 conv (v1.5).
+
+    Args:
+      in_features: input channels.
+      features: bottleneck width; the block outputs ``4 * features`` channels.
+      strides: stride of the 3x3 conv.
+      conv: partial ``nnx.Conv`` constructor (no bias, dtype and rngs bound).
+      norm: partial ``nnx.BatchNorm`` constructor (momentum, epsilon, axis_name, rngs bound).
+      zero_init_residual: initialise the last BatchNorm scale to zero.
+      dtype: compute dtype of the block output.
+    """
+
+    expansion: int = 4
+
+    def __init__(
+        self,
+        in_features: int,
+        features: int,
+        strides: int,
+        *,
+        conv: ModuleDef,
+        norm: ModuleDef,
+        zero_init_residual: bool,
+        dtype: Dtype,
+    ) -> None:
+        out_features = features * self.expansion
+        self.dtype = dtype
+        self.conv1 = conv(in_features, features, (1, 1), 1, padding="VALID")
+        self.bn1 = norm(features)
+        self.conv2 = conv(features, features, (3, 3), strides, padding=_PAD1)
+        self.bn2 = norm(features)
+        self.conv3 = conv(features, out_features, (1, 1), 1, padding="VALID")
+        self.bn3 = norm(out_features, scale_init=_last_scale_init(zero_init_residual))
+        self.downsample = _make_shortcut(in_features, out_features, strides, conv, norm)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Apply the block to an NHWC batch."""
+        residual = x
+        y = nnx.relu(self.bn1(self.conv1(x)))
+        y = nnx.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        if self.downsample is not None:
+            residual = self.downsample(x)
+        return nnx.relu(residual + y).astype(self.dtype)
+
+
+class Downsample(nnx.Module):
+    """Projection shortcut: strided 1x1 conv followed by BatchNorm."""
+
+    def __init__(
+        self, in_features: int, out_features: int, strides: int, conv: ModuleDef, norm: ModuleDef
+    ) -> None:
+        self.conv = conv(in_features, out_features, (1, 1), strides, padding="VALID")
+        self.bn = norm(out_features)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Project ``x`` to the block's output shape."""
+        return self.bn(self.conv(x))
+
+
+def _make_shortcut(
+    in_features: int, out_features: int, strides: int, conv: ModuleDef, norm: ModuleDef
+) -> Downsample | None:
+    """Projection shortcut when the shape changes, else ``None`` (identity)."""
+    if strides != 1 or in_features != out_features:
+        return Downsample(in_features, out_features, strides, conv, norm)
+    return None
+
+
+def _last_scale_init(zero_init_residual: bool) -> nnx.initializers.Initializer:
+    return nnx.initializers.zeros_init() if zero_init_residual else nnx.initializers.ones_init()
+
+
+# The one table of architectures: depth name -> (block class, blocks per stage).
+RESNET_CONFIGS: dict[str, tuple[type[BasicBlock] | type[Bottleneck], tuple[int, ...]]] = {
+    "resnet18": (BasicBlock, (2, 2, 2, 2)),
+    "resnet34": (BasicBlock, (3, 4, 6, 3)),
+    "resnet50": (Bottleneck, (3, 4, 6, 3)),
+    "resnet101": (Bottleneck, (3, 4, 23, 3)),
+    "resnet152": (Bottleneck, (3, 8, 36, 3)),
+}
+
+
+class ResNet(nnx.Module):
+    """Generic ResNet (NHWC) built from a block class and per-stage block counts.
+
+    Args:
+      block_cls: :class:`BasicBlock` or :class:`Bottleneck`.
+      stage_sizes: number of blocks in each of the four stages.
+      num_classes: size of the classifier head.
+      stem: ``"imagenet"`` (7x7/2 conv + BN + ReLU + 3x3/2 max-pool) or ``"cifar"``
+        (3x3/1 conv + BN + ReLU, no pooling).
+      width: base channel width; stage ``i`` uses ``width * 2**i`` channels
+        (times 4 at the output of a bottleneck block).
+      sync_batchnorm: average BatchNorm batch statistics over ``axis_name`` (for use
+        inside ``jax.shard_map``).
+      axis_name: mesh axis used when ``sync_batchnorm`` is True.
+      zero_init_residual: zero-initialise the last BatchNorm scale of each block.
+      in_channels: channels of the input images (3 for RGB, 1 for grayscale).
+      dtype: compute dtype of convolutions (e.g. ``jnp.bfloat16``).
+      param_dtype: storage dtype of parameters.
+      rngs: NNX random streams (``params`` is used for initialisation).
+    """
+
+    def __init__(
+        self,
+        block_cls: type[BasicBlock] | type[Bottleneck],
+        stage_sizes: Sequence[int],
+        *,
+        num_classes: int = 1000,
+        stem: str = "imagenet",
+        width: int = 64,
+        sync_batchnorm: bool = False,
+        axis_name: str = "data",
+        zero_init_residual: bool = True,
+        in_channels: int = 3,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> None:
+        if stem not in _STEMS:
+            raise ValueError(f"unknown stem {stem!r}; expected one of {_STEMS}")
+        self.stem = stem
+        self.dtype = dtype
+        acc_dtype = jnp.promote_types(dtype, jnp.float32)
+        self.acc_dtype = acc_dtype
+        conv = functools.partial(
+            nnx.Conv,
+            use_bias=False,
+            kernel_init=_CONV_INIT,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        norm = functools.partial(
+            nnx.BatchNorm,
+            use_running_average=False,
+            momentum=0.9,
+            epsilon=1e-5,
+            dtype=acc_dtype,  # statistics and normalisation in at least float32
+            param_dtype=param_dtype,
+            axis_name=axis_name if sync_batchnorm else None,
+            rngs=rngs,
+        )
+        if stem == "imagenet":
+            self.conv1 = conv(in_channels, width, (7, 7), 2, padding=_PAD3)
+        else:
+            self.conv1 = conv(in_channels, width, (3, 3), 1, padding=_PAD1)
+        self.bn1 = norm(width)
+
+        blocks = []
+        in_features = width
+        for i, num_blocks in enumerate(stage_sizes):
+            features = width * 2**i
+            for j in range(num_blocks):
+                strides = 2 if i > 0 and j == 0 else 1
+                blocks.append(
+                    block_cls(
+                        in_features,
+                        features,
+                        strides,
+                        conv=conv,
+                        norm=norm,
+                        zero_init_residual=zero_init_residual,
+                        dtype=dtype,
+                    )
+                )
+                in_features = features * block_cls.expansion
+        self.blocks = nnx.List(blocks)
+        self.fc = nnx.Linear(
+            in_features, num_classes, dtype=acc_dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        stats_dtype = jnp.promote_types(param_dtype, jnp.float32)
+        if stats_dtype != jnp.float32:  # nnx.BatchNorm always creates float32 running stats
+            for _, module in nnx.iter_modules(self):
+                if isinstance(module, nnx.BatchNorm):
+                    module.mean.value = module.mean.value.astype(stats_dtype)
+                    module.var.value = module.var.value.astype(stats_dtype)
+
+    def __call__(self, x_BxHxWxC: jax.Array) -> jax.Array:
+        """Map an NHWC image batch to float32 logits of shape ``(B, num_classes)``."""
+        x = nnx.relu(self.bn1(self.conv1(x_BxHxWxC))).astype(self.dtype)
+        if self.stem == "imagenet":
+            x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=_PAD1)
+        for block in self.blocks:
+            x = block(x)
+        x_BxD = jnp.mean(x.astype(self.acc_dtype), axis=(1, 2))
+        return self.fc(x_BxD).astype(self.acc_dtype)
+
+
+def _factory(name: str, description: str) -> Callable[..., ResNet]:
+    block_cls, stage_sizes = RESNET_CONFIGS[name]
+
+    def factory(
+        *,
+        num_classes: int = 1000,
+        stem: str = "imagenet",
+        width: int = 64,
+        sync_batchnorm: bool = False,
+        axis_name: str = "data",
+        zero_init_residual: bool = True,
+        in_channels: int = 3,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ) -> ResNet:
+        return ResNet(
+            block_cls,
+            stage_sizes,
+            num_classes=num_classes,
+            stem=stem,
+            width=width,
+            sync_batchnorm=sync_batchnorm,
+            axis_name=axis_name,
+            zero_init_residual=zero_init_residual,
+            in_channels=in_channels,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = f"{description} See :class:`ResNet` for the arguments."
+    return factory
+
+
+resnet18 = _factory("resnet18", "ResNet-18 (BasicBlock, stages 2-2-2-2).")
+resnet34 = _factory("resnet34", "ResNet-34 (BasicBlock, stages 3-4-6-3).")
+resnet50 = _factory("resnet50", "ResNet-50 (Bottleneck, stages 3-4-6-3).")
+resnet101 = _factory("resnet101", "ResNet-101 (Bottleneck, stages 3-4-23-3).")
+resnet152 = _factory("resnet152", "ResNet-152 (Bottleneck, stages 3-8-36-3).")

@@ -1,0 +1,53 @@
+"""Optax optimizer and learning-rate schedule from the ``optim`` config section."""
+
+from __future__ import annotations
+
+import optax
+
+from jddp.config import OptimConfig
+
+
+def peak_learning_rate(cfg: OptimConfig, global_batch_size: int) -> float:
+    """The peak lr, after the linear scaling rule when ``lr_scaling=linear``.
+
+    Linear scaling (Goyal et al., 2017): ``lr * global_batch_size / base_batch_size``, so a
+    recipe tuned at ``base_batch_size`` keeps its per-example step size at other batch sizes.
+    """
+    if cfg.lr_scaling == "linear":
+        return cfg.lr * global_batch_size / cfg.base_batch_size
+    return cfg.lr
+
+
+def make_schedule(cfg: OptimConfig, global_batch_size: int, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 over ``warmup_steps``, then constant or cosine decay to 0."""
+    peak = peak_learning_rate(cfg, global_batch_size)
+    warmup = min(cfg.warmup_steps, total_steps)
+    if cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(peak, decay_steps=max(total_steps - warmup, 1))
+    else:
+        after = optax.constant_schedule(peak)
+    if warmup == 0:
+        return after
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, warmup), after], boundaries=[warmup]
+    )
+
+
+def make_optimizer(
+    cfg: OptimConfig, global_batch_size: int, total_steps: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optax transformation for ``cfg`` and its schedule (for logging the lr).
+
+    ``sgd``: L2 weight decay added to the gradient, then momentum SGD (the classic ResNet
+    recipe). ``adamw``: Adam with decoupled weight decay. Weight decay applies to every
+    parameter, biases and BatchNorm scales included, as in the reference ResNet recipes.
+    """
+    schedule = make_schedule(cfg, global_batch_size, total_steps)
+    if cfg.name == "sgd":
+        tx = optax.chain(
+            optax.add_decayed_weights(cfg.weight_decay),
+            optax.sgd(schedule, momentum=cfg.momentum or None, nesterov=cfg.nesterov),
+        )
+    else:
+        tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    return tx, schedule

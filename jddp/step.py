@@ -1,0 +1,176 @@
+"""Pure train and eval steps: ``(state, batch) -> (state, metrics)`` under ``jax.shard_map``.
+
+Parameters and optimizer state are replicated (``P()``); the batch is split over the mesh axis
+``data``. Each device runs forward and backward on its slice; gradients are averaged in one
+place, ``comm.average`` inside :func:`make_train_step`'s ``grads_stage``.
+
+Why the parameters are cast to *varying* before ``grad``: inside ``shard_map`` the gradient of
+a replicated (``P()``) input is already summed over devices by autodiff, so a ``pmean`` after
+it would return N times the mean gradient. Casting makes autodiff return per-device
+gradients, and the explicit ``pmean`` is then the one and only reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jddp.comm import Comm
+from jddp.mesh import DATA_AXIS
+from jddp.state import ModelDef, TrainState
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def cross_entropy_loss(label_smoothing: float = 0.0) -> LossFn:
+    """Per-example softmax cross-entropy ``(logits_BxK, labels_B) -> loss_B``.
+
+    With ``label_smoothing > 0`` the one-hot targets are smoothed towards uniform.
+    """
+
+    def loss_fn(logits_BxK: jax.Array, labels_B: jax.Array) -> jax.Array:
+        logits_BxK = logits_BxK.astype(jnp.promote_types(logits_BxK.dtype, jnp.float32))
+        if label_smoothing == 0.0:
+            return optax.softmax_cross_entropy_with_integer_labels(logits_BxK, labels_B)
+        targets = optax.smooth_labels(
+            jax.nn.one_hot(labels_B, logits_BxK.shape[-1]), label_smoothing
+        )
+        return optax.softmax_cross_entropy(logits_BxK, targets)
+
+    return loss_fn
+
+
+def _to_varying(tree: Any) -> Any:
+    return jax.lax.pcast(tree, DATA_AXIS, to="varying")
+
+
+def make_train_step(
+    model_def: ModelDef,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    comm: Comm,
+    *,
+    loss_fn: LossFn | None = None,
+    grad_accum_steps: int = 1,
+    compute_dtype: Any = jnp.float32,
+    schedule: optax.Schedule | None = None,
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """Build the data-parallel train step ``(state, batch) -> (state, metrics)``.
+
+    ``batch`` holds ``images`` [B,H,W,C] and ``labels`` [B] sharded over ``data``; B is the
+    global batch. Each device splits its slice into ``grad_accum_steps`` micro-batches, sums
+    their gradients, and the averaged gradient is applied once. Returned metrics are means
+    over the whole global batch: ``train/loss``, ``train/accuracy`` (and ``train/lr``).
+    The state argument is donated.
+    """
+    loss_fn = loss_fn or cross_entropy_loss()
+
+    def local_grads(params, batch_stats, images, labels):
+        def objective(p):
+            model = model_def.merge(p, batch_stats)
+            model.train()
+            logits = model(images.astype(compute_dtype))
+            loss_B = loss_fn(logits, labels)
+            correct_B = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+            new_stats = nnx.state(model, nnx.BatchStat)
+            return loss_B.mean(), (new_stats, correct_B.mean())
+
+        (loss, (new_stats, acc)), grads = jax.value_and_grad(objective, has_aux=True)(
+            _to_varying(params)
+        )
+        return grads, new_stats, loss, acc
+
+    def per_device(state: TrainState, images, labels):
+        if grad_accum_steps == 1:
+            grads, stats, loss, acc = local_grads(state.params, state.batch_stats, images, labels)
+        else:
+            micro = lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:])  # noqa: E731
+
+            def body(carry, mb):
+                g_sum, stats, loss_sum, acc_sum = carry
+                g, stats, loss, acc = local_grads(state.params, stats, *mb)
+                return (
+                    jax.tree.map(jnp.add, g_sum, g),
+                    stats,
+                    loss_sum + loss,
+                    acc_sum + acc,
+                ), None
+
+            zeros = jax.tree.map(jnp.zeros_like, _to_varying(state.params))
+            zero = _to_varying(jnp.zeros((), jnp.float32))
+            (grads, stats, loss, acc), _ = jax.lax.scan(
+                body,
+                (zeros, _to_varying(state.batch_stats), zero, zero),
+                (micro(images), micro(labels)),
+            )
+            grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
+            loss, acc = loss / grad_accum_steps, acc / grad_accum_steps
+        # The one place where gradients are averaged across devices (and processes).
+        grads = comm.average(grads)
+        # BatchNorm statistics: local ones are averaged so replicas stay identical; synced ones
+        # are already equal on every device and the mean leaves them as they are.
+        stats = comm.average(stats)
+        metrics = comm.average({"train/loss": loss, "train/accuracy": acc})
+        return grads, stats, metrics
+
+    grads_stage = jax.shard_map(
+        lambda state, batch: per_device(state, batch["images"], batch["labels"]),
+        mesh=mesh,
+        in_specs=(P(), P(DATA_AXIS)),
+        out_specs=P(),
+    )
+
+    def update_stage(state: TrainState, grads, stats, metrics):
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        if schedule is not None:
+            metrics = {**metrics, "train/lr": schedule(state.step)}
+        new_state = state.replace(
+            step=state.step + 1, params=params, batch_stats=stats, opt_state=opt_state
+        )
+        return new_state, metrics
+
+    return comm.compose(grads_stage, update_stage)
+
+
+def make_eval_step(
+    model_def: ModelDef,
+    mesh: Mesh,
+    *,
+    loss_fn: LossFn | None = None,
+    compute_dtype: Any = jnp.float32,
+) -> Callable[[TrainState, Batch], Metrics]:
+    """Build the eval step ``(state, batch) -> sums``.
+
+    ``batch`` carries ``mask`` [B] (1 for real examples, 0 for padding), so a padded last batch
+    counts each real example exactly once. Returns global *sums* ``loss_sum``, ``correct`` and
+    ``count``; the caller divides after the last batch.
+    """
+    loss_fn = loss_fn or cross_entropy_loss()
+
+    def per_device(state: TrainState, batch: Batch) -> Metrics:
+        model = model_def.merge(state.params, state.batch_stats)
+        model.eval()
+        logits = model(batch["images"].astype(compute_dtype))
+        mask = batch["mask"].astype(jnp.float32)
+        loss = loss_fn(logits, batch["labels"])
+        correct = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
+        sums = {
+            "loss_sum": (loss * mask).sum(),
+            "correct": (correct * mask).sum(),
+            "count": mask.sum(),
+        }
+        return jax.lax.psum(sums, DATA_AXIS)
+
+    return jax.jit(
+        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P())
+    )

@@ -1,0 +1,66 @@
+"""CLI: ``python -m jddp.train --config FILE.yaml [key.sub=value ...]``.
+
+Exit codes: 0 success; 2 bad config or command line (the message names the key);
+1 any other failure, with a one-line cause on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jddp import config as config_lib
+from jddp.config import ConfigError
+
+USAGE = "python -m jddp.train --config FILE.yaml [key.sub=value ...] [--print-config]"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # exit 2 with one line, as for config errors
+        raise ConfigError(f"command line: {message} (usage: {USAGE})")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``--config``, ``--print-config`` and the ``key=value`` overrides."""
+    parser = _Parser(
+        prog="python -m jddp.train",
+        usage=USAGE,
+        description="Train a Flax NNX model data-parallel over all devices.",
+        epilog=config_lib.help_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML config file (sections as in --help below)")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, YAML-typed")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_args(argv)
+        cfg = config_lib.load(args.config, args.overrides)
+        if args.print_config:
+            print(config_lib.dump(cfg), end="")
+            return 0
+        from jddp.trainer import train_and_evaluate  # heavy imports only when training
+
+        train_and_evaluate(cfg)
+        return 0
+    except ConfigError as e:
+        print(f"jddp: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("jddp: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI's contract is one line and exit 1
+        cause = " ".join(str(e).split()) or type(e).__name__
+        print(f"jddp: error: {type(e).__name__}: {cause}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Set up jddp on a fresh machine: a virtualenv in .venv with the pinned dependencies
+# (requirements.lock), jddp itself (editable), MPICH from PyPI, mpi4py and mpi4jax.
+# Idempotent: a second run only checks. Usage: bash scripts/setup.sh
+# Environment: PYTHON (interpreter, default python3), JDDP_VENV (default .venv),
+#              JDDP_CUDA=1 to also install jax[cuda12] and build mpi4jax's CUDA bridge.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${JDDP_VENV:-.venv}
+MPI4JAX_VERSION=0.9.1.post2
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+"$PY" -m pip install -q --upgrade pip
+"$PY" -m pip install -q -r requirements.lock
+"$PY" -m pip install -q --no-deps -e .
+if [ "${JDDP_CUDA:-0}" = 1 ]; then
+  "$PY" -m pip install -q -c requirements.lock -e ".[cuda12]"
+fi
+
+# mpi4jax builds from source against the MPICH that requirements.lock installed into the
+# venv (its mpicc lives in $VENV/bin). Its setup guesses the CUDA root from the nvcc on PATH;
+# on machines whose nvcc folder has no CUDA headers that guess fails the build. So: with
+# JDDP_CUDA=1 use CUDA_PATH (or the toolkit root that holds include/cuda_runtime.h); otherwise
+# point CUDA_PATH at an empty folder, which builds the CPU bridge only.
+if ! "$PY" -c "import mpi4jax" 2>/dev/null; then
+  cuda_path=""
+  if [ "${JDDP_CUDA:-0}" = 1 ]; then
+    for root in "${CUDA_PATH:-}" "${CUDA_HOME:-}" /usr/local/cuda; do
+      if [ -n "$root" ] && [ -f "$root/include/cuda_runtime.h" ]; then cuda_path=$root; break; fi
+    done
+    [ -n "$cuda_path" ] || { echo "setup: JDDP_CUDA=1 but no CUDA toolkit with include/cuda_runtime.h found; set CUDA_PATH" >&2; exit 1; }
+  else
+    cuda_path=$(mktemp -d)
+  fi
+  echo "setup: building mpi4jax $MPI4JAX_VERSION (CUDA_PATH=$cuda_path)"
+  PATH="$PWD/$VENV/bin:$PATH" CUDA_PATH="$cuda_path" MPI4JAX_BUILD_MPICC="$PWD/$VENV/bin/mpicc" \
+    "$PY" -m pip install -q --no-build-isolation --no-cache-dir "mpi4jax==$MPI4JAX_VERSION"
+fi
+
+# Fail loudly if anything the project needs cannot be imported.
+"$PY" - <<'PYCHECK'
+import importlib, sys
+missing = []
+for name in ["jax", "flax", "optax", "orbax.checkpoint", "sklearn", "mpi4py", "mpi4jax", "jddp.train"]:
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001
+        missing.append(f"{name} ({type(e).__name__}: {e})")
+if missing:
+    sys.exit("setup: cannot import " + "; ".join(missing))
+import jax
+print(f"setup: ok (jax {jax.__version__}, devices: {jax.devices()})")
+PYCHECK

@@ -1,0 +1,70 @@
+"""Run 3 data-parallel train steps on N fake CPU devices and save losses and parameters.
+
+Used by test_step.py in a subprocess, since the device count is fixed at JAX import:
+``python parity_worker.py N OUT.npz [--x64] [--comm=pmean|psum] [--accum=K]``.
+"""
+
+import os
+import sys
+
+num_devices = int(sys.argv[1])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
+
+import jax  # noqa: E402
+
+if "--x64" in sys.argv:
+    jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jddp.comm import XlaComm  # noqa: E402
+from jddp.data.loader import place_global  # noqa: E402
+from jddp.mesh import DATA_AXIS, make_mesh  # noqa: E402
+from jddp.models import resnet18  # noqa: E402
+from jddp.state import create_train_state  # noqa: E402
+from jddp.step import make_train_step  # noqa: E402
+
+
+class SumComm(XlaComm):
+    """The classic bug: summing instead of averaging (gradients N times too large)."""
+
+    def average(self, tree):
+        return jax.lax.psum(tree, DATA_AXIS)
+
+
+def main() -> None:
+    out = sys.argv[2]
+    dtype = jnp.float64 if "--x64" in sys.argv else jnp.float32
+    comm = SumComm() if "--comm=psum" in sys.argv else XlaComm()
+    accum = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--accum=")), 1)
+    mesh = make_mesh(jax.devices()[:num_devices])
+    model = resnet18(
+        num_classes=10,
+        stem="cifar",
+        width=4,
+        sync_batchnorm=True,
+        dtype=dtype,
+        param_dtype=dtype,
+        rngs=nnx.Rngs(0),
+    )
+    tx = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9))
+    model_def, state = create_train_state(model, tx, mesh)
+    step = make_train_step(model_def, tx, mesh, comm, grad_accum_steps=accum)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(3):
+        local = {
+            "images": rng.normal(size=(16, 8, 8, 3)).astype(dtype),
+            "labels": rng.integers(0, 10, size=16).astype(np.int32),
+        }
+        state, metrics = step(state, place_global(local, mesh, 16))
+        losses.append(float(metrics["train/loss"]))
+    params = np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.params)])
+    stats = np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.batch_stats)])
+    np.savez(out, losses=np.array(losses), params=params, stats=stats)
+
+
+main()

@@ -1,0 +1,84 @@
+"""The CLI end to end on a tiny model: outputs, metrics, checkpoints, resume, exit codes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+TINY = [
+    "model.width=4",
+    "data.name=synthetic",
+    "data.image_size=8",
+    "data.global_batch_size=16",
+    "optim.schedule=constant",
+    "optim.lr=0.05",
+    "log.every_steps=1",
+    "log.progress=off",
+]
+
+
+def train(workdir, *overrides):
+    return subprocess.run(
+        [sys.executable, "-m", "jddp.train", f"workdir={workdir}", *TINY, *overrides],
+        capture_output=True,
+        text=True,
+    )
+
+
+def read_metrics(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(workdir):
+    return {r["step"]: r["train/loss"] for r in read_metrics(workdir) if "train/loss" in r}
+
+
+@pytest.mark.slow
+def test_train_writes_outputs(tmp_path):
+    wd = tmp_path / "run"
+    out = train(wd, "train.steps=6", "train.eval_every_steps=3", "checkpoint.every_steps=3")
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("jddp: done step=6 eval/accuracy=")
+    cfg = yaml.safe_load((wd / "config.yaml").read_text())
+    assert cfg["train"]["steps"] == 6 and cfg["workdir"] == str(wd)
+    rows = read_metrics(wd)
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["train/loss"] > 0 and 0 <= r["train/accuracy"] <= 1 for r in train_rows)
+    assert all(r["train/img_per_s"] > 0 for r in train_rows[1:])
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert all(r["eval/count"] == 256 for r in evals)  # every synthetic eval example once
+    assert sorted(int(p.name) for p in (wd / "checkpoints").iterdir()) == [3, 6]
+
+
+@pytest.mark.slow
+def test_resume_continues_the_same_trajectory(tmp_path):
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    assert train(straight, "train.steps=6").returncode == 0
+    first = train(interrupted, "train.steps=4", "checkpoint.every_steps=2")
+    assert first.returncode == 0, first.stderr
+    again = train(interrupted, "train.steps=6", "checkpoint.every_steps=2")
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stdout and "at step 4" in again.stdout
+    assert again.stdout.strip().splitlines()[-1].startswith("jddp: done step=6")
+    a, b = train_losses(straight), train_losses(interrupted)
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]  # no duplicated or lost lines
+    for step in (5, 6):
+        assert b[step] == pytest.approx(a[step], rel=1e-6)
+    # The same command once more: nothing left to do, same final step, exit 0.
+    done = train(interrupted, "train.steps=6", "checkpoint.every_steps=2")
+    assert done.returncode == 0 and "done step=6" in done.stdout
+
+
+@pytest.mark.slow
+def test_bad_runtime_input_exits_nonzero_with_one_line(tmp_path):
+    out = train(tmp_path / "r", "data.name=cifar10", f"data.path={tmp_path / 'nothing'}")
+    assert out.returncode == 2
+    assert "data.path" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    out = train(tmp_path / "r", "data.global_batch_size=4096", "train.steps=1")
+    assert out.returncode == 1
+    assert "global_batch_size=4096" in out.stderr
