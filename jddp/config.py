@@ -94,7 +94,16 @@ class DistConfig:
         "xla",
         "xla: XLA collectives over all devices; mpi: pmean locally + mpi4jax across processes",
     )
-    num_local_devices: int | None = _f(None, "devices of this process to use (null: all)")
+    num_local_devices: int | None = _f(None, "devices of each process to use (null: all)")
+    coordinator_address: str | None = _f(
+        None, "host:port of process 0 for jax.distributed (null: from the launcher/cluster)"
+    )
+    num_processes: int | None = _f(None, "processes in the job (null: from the launcher/cluster)")
+    process_id: int | None = _f(None, "this process's index (null: from the launcher/cluster)")
+    init_timeout_s: int = _f(300, "seconds to wait for all processes to join at start")
+    heartbeat_timeout_s: int = _f(
+        100, "seconds without a heartbeat after which a peer counts as dead and the job stops"
+    )
 
 
 @dataclass
@@ -112,6 +121,11 @@ class LogConfig:
     every_steps: int = _f(10, "write a train line to metrics.jsonl every k steps")
     progress: Literal["auto", "on", "off"] = _f(
         "auto", "progress bar: auto (only on a terminal)|on|off"
+    )
+    baseline_img_per_s: float | None = _f(
+        None,
+        "measured img/s of ONE device at the same per-device batch; when set, train lines "
+        "report train/scaling_efficiency = img_per_s / (devices x baseline)",
     )
 
 
@@ -295,6 +309,8 @@ def validate(cfg: Config) -> Config:
         "train.epochs": cfg.train.epochs,
         "data.image_size": cfg.data.image_size,
         "dist.num_local_devices": cfg.dist.num_local_devices,
+        "dist.num_processes": cfg.dist.num_processes,
+        "log.baseline_img_per_s": cfg.log.baseline_img_per_s,
     }.items():
         if opt_val is not None:
             positive[opt_key] = opt_val
@@ -308,6 +324,9 @@ def validate(cfg: Config) -> Config:
         "train.eval_every_steps": cfg.train.eval_every_steps,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
         "data.prefetch_batches": cfg.data.prefetch_batches,
+        "dist.process_id": cfg.dist.process_id or 0,
+        "dist.init_timeout_s": cfg.dist.init_timeout_s,
+        "dist.heartbeat_timeout_s": cfg.dist.heartbeat_timeout_s,
     }
     for key, v in non_negative.items():
         if v < 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -30,3 +32,47 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def batch_sharded(mesh: Mesh) -> NamedSharding:
     """Sharding of a global batch: split along its leading axis over ``data``."""
     return NamedSharding(mesh, P(DATA_AXIS))
+
+
+def select_devices(num_local_devices: int | None = None) -> list[jax.Device]:
+    """The first ``num_local_devices`` devices of every process (default: all devices).
+
+    Raises ``ValueError`` when a process has fewer devices than asked for.
+    """
+    by_process: dict[int, list[jax.Device]] = {}
+    for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+        by_process.setdefault(d.process_index, []).append(d)
+    if num_local_devices is None:
+        return [d for ds in by_process.values() for d in ds]
+    fewest = min(len(ds) for ds in by_process.values())
+    if num_local_devices > fewest:
+        raise ValueError(
+            f"dist.num_local_devices={num_local_devices} but a process has only {fewest} devices"
+        )
+    return [d for ds in by_process.values() for d in ds[:num_local_devices]]
+
+
+def put_replicated(tree: Any, mesh: Mesh) -> Any:
+    """Copy every array leaf of ``tree`` (same values on every process) to every mesh device.
+
+    Works with one process and with many: each process supplies the copies for its own devices,
+    so no host-local array is ever resharded across processes.
+    """
+    sharding = replicated(mesh)
+
+    def put(x: Any) -> Any:
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree)
+
+
+def to_host(tree: Any) -> Any:
+    """Numpy copies of replicated arrays (read from this process's first shard)."""
+
+    def get(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return np.asarray(x.addressable_data(0))
+        return x
+
+    return jax.tree.map(get, tree)

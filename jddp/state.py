@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jddp.mesh import replicated
+from jddp.mesh import put_replicated
 
 
 @flax.struct.dataclass
@@ -45,7 +45,11 @@ def split_model(model: nnx.Module) -> tuple[ModelDef, nnx.State, nnx.State]:
 def create_train_state(
     model: nnx.Module, tx: optax.GradientTransformation, mesh: Mesh
 ) -> tuple[ModelDef, TrainState]:
-    """Split ``model``, initialise the optimizer, and replicate the state on every device."""
+    """Split ``model``, initialise the optimizer, and replicate the state on every device.
+
+    Every process must build ``model`` identically (same seed): each one supplies the copies
+    for its own devices.
+    """
     model_def, params, batch_stats = split_model(model)
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -53,8 +57,4 @@ def create_train_state(
         batch_stats=batch_stats,
         opt_state=tx.init(params),
     )
-    sharding = replicated(mesh)
-    return (
-        jax.device_put(model_def, sharding),
-        jax.device_put(state, sharding),
-    )
+    return put_replicated(model_def, mesh), put_replicated(state, mesh)

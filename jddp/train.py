@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(config_lib.dump(cfg), end="")
             return 0
-        from jddp.trainer import train_and_evaluate  # heavy imports only when training
+        # Heavy imports only when training; jax.distributed must start before any computation.
+        from jddp import distributed
+        from jddp.trainer import train_and_evaluate
 
+        distributed.initialize(cfg.dist)
         train_and_evaluate(cfg)
         return 0
     except ConfigError as e:

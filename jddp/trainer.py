@@ -18,7 +18,7 @@ from jddp.comm import make_comm
 from jddp.config import Config, ConfigError
 from jddp.data.loader import TrainBatches, check_divisible, eval_batches
 from jddp.data.sources import Splits, load_splits
-from jddp.mesh import make_mesh
+from jddp.mesh import make_mesh, select_devices, to_host
 from jddp.metrics import MetricsLog, is_writer, make_progress, say
 from jddp.models import get_model_factory
 from jddp.optimizer import make_optimizer
@@ -82,7 +82,7 @@ def evaluate(eval_step, state: TrainState, splits: Splits, batch_size: int, mesh
     """``eval/loss`` and ``eval/accuracy`` over every eval example exactly once."""
     totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
     for batch in eval_batches(splits.eval, batch_size, mesh):
-        sums = jax.device_get(eval_step(state, batch))
+        sums = to_host(eval_step(state, batch))
         for k in totals:
             totals[k] += float(sums[k])
     count = max(totals["count"], 1.0)
@@ -108,15 +108,10 @@ def train_and_evaluate(cfg: Config) -> RunResult:
     """Train ``cfg`` to its last step (resuming from ``workdir`` if allowed), evaluate, save."""
     wall_start = time.perf_counter()
     workdir = Path(cfg.workdir)
-    devices = jax.local_devices()
-    if cfg.dist.num_local_devices is not None:
-        if cfg.dist.num_local_devices > len(devices):
-            raise ConfigError(
-                f"dist.num_local_devices={cfg.dist.num_local_devices} but this process has "
-                f"{len(devices)} devices"
-            )
-        devices = devices[: cfg.dist.num_local_devices]
-    mesh = make_mesh(devices)
+    try:
+        mesh = make_mesh(select_devices(cfg.dist.num_local_devices))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         check_divisible(cfg.data.global_batch_size, mesh)
     except ValueError as e:
@@ -147,7 +142,7 @@ def train_and_evaluate(cfg: Config) -> RunResult:
     latest = ckpts.latest_step() if cfg.checkpoint.resume else None
     if latest is not None:
         state = ckpts.restore(latest, state)
-        start_step = int(jax.device_get(state.step))
+        start_step = int(to_host(state.step))
         say(f"jddp: resumed from {ckpts.directory / str(latest)} at step {start_step}")
 
     if is_writer():
@@ -221,13 +216,16 @@ def _loop(
                 log.write(step, {"train/compile_s": now - window_start})
                 window_start, window_steps = now, 0
             if step % cfg.log.every_steps == 0 or step == steps:
-                host = jax.device_get(metrics)
+                host = to_host(metrics)
                 now = time.perf_counter()
                 row = {k: float(v) for k, v in host.items()}
                 if window_steps:
                     dt = now - window_start
                     row["train/img_per_s"] = window_steps * global_batch / dt
                     row["train/step_time_s"] = dt / window_steps
+                    if cfg.log.baseline_img_per_s:
+                        ideal = mesh.devices.size * cfg.log.baseline_img_per_s
+                        row["train/scaling_efficiency"] = row["train/img_per_s"] / ideal
                     timed_images += window_steps * global_batch
                     timed_s += dt
                 log.write(step, row)

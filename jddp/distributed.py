@@ -1,0 +1,137 @@
+"""Process setup: join the job's processes with ``jax.distributed`` (or not, for one process).
+
+Where the process group comes from, first match wins:
+
+1. explicit ``dist.coordinator_address`` / ``dist.num_processes`` / ``dist.process_id``;
+2. the variables ``python -m jddp.launch`` sets (``JDDP_COORDINATOR_ADDRESS``,
+   ``JDDP_NUM_PROCESSES``, ``JDDP_PROCESS_ID``) or JAX's own (``JAX_COORDINATOR_ADDRESS``,
+   ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``);
+3. a SLURM job step with several tasks, or ``mpirun`` of Open MPI: JAX's cluster detection;
+4. ``mpirun`` of MPICH (``PMI_SIZE``): JAX's ``mpi4py`` cluster detection;
+5. otherwise a single process: nothing to do.
+
+With ``dist.backend=mpi`` processes do not share a JAX runtime (MPI carries the gradients), so
+none of this runs. On CPU the cross-process collectives use gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import jax
+
+from jddp.config import ConfigError, DistConfig
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this process was started: the ``jax.distributed.initialize`` arguments to use."""
+
+    kind: str  # "single", "explicit", "slurm", "ompi", "mpich"
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={value!r} is not an integer")
+    return None
+
+
+def _env_str(*names: str) -> str | None:
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
+
+
+def detect_launch(cfg: DistConfig) -> Launch:
+    """Work out from ``cfg`` and the environment how this process should join the job."""
+    address = cfg.coordinator_address or _env_str(
+        "JDDP_COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS"
+    )
+    num = cfg.num_processes or _env_int("JDDP_NUM_PROCESSES", "JAX_NUM_PROCESSES")
+    pid = cfg.process_id if cfg.process_id is not None else _env_int(
+        "JDDP_PROCESS_ID", "JAX_PROCESS_ID"
+    )
+    if address is not None or num is not None or pid is not None:
+        missing = [
+            k
+            for k, v in (
+                ("dist.coordinator_address", address),
+                ("dist.num_processes", num),
+                ("dist.process_id", pid),
+            )
+            if v is None
+        ]
+        if missing:
+            raise ConfigError(
+                f"{', '.join(missing)} must be set too: an explicit launch needs "
+                "dist.coordinator_address, dist.num_processes and dist.process_id"
+            )
+        if not 0 <= pid < num:
+            raise ConfigError(f"dist.process_id={pid} is not in [0, dist.num_processes={num})")
+        return Launch("explicit", address, num, pid)
+    if (_env_int("SLURM_NTASKS", "SLURM_NPROCS") or 1) > 1 and "SLURM_PROCID" in os.environ:
+        return Launch("slurm")
+    if (_env_int("OMPI_COMM_WORLD_SIZE") or 1) > 1:
+        return Launch("ompi")
+    if (_env_int("PMI_SIZE") or 1) > 1:
+        return Launch("mpich")
+    return Launch("single")
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Return once ``address`` accepts TCP connections, or raise after ``timeout_s``.
+
+    JAX's own client aborts the whole process (no Python exception) when the coordinator
+    cannot be reached; probing first turns that into a clear, catchable error.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]") or "localhost", int(port)), 2.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"could not reach the coordinator at {address} within {timeout_s:g} s "
+                    f"(dist.init_timeout_s): {e.strerror or e}; is process 0 running there?"
+                ) from None
+            time.sleep(0.25)
+
+
+def initialize(cfg: DistConfig) -> Launch:
+    """Join the distributed job if this process is part of one; returns how it was launched."""
+    if cfg.backend == "mpi":
+        return Launch("single")
+    launch = detect_launch(cfg)
+    if launch.kind == "single":
+        return launch
+    # Harmless on GPU machines: only the CPU client reads it. Must precede backend creation.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs = dict(
+        initialization_timeout=cfg.init_timeout_s,
+        heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+    )
+    if launch.kind == "explicit":
+        if launch.process_id != 0:
+            wait_for_coordinator(launch.coordinator_address, cfg.init_timeout_s)
+        jax.distributed.initialize(
+            launch.coordinator_address, launch.num_processes, launch.process_id, **kwargs
+        )
+    elif launch.kind == "mpich":
+        jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)
+    else:
+        jax.distributed.initialize(**kwargs)
+    return launch

@@ -1,0 +1,381 @@
+"""jddp.launch: env wiring, output prefixing, fail-fast, signal forwarding, reaping, usage."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from jddp import launch
+
+PY = sys.executable
+
+# Prepended to every child script: helpers to record the pid and wait for sibling files.
+PRELUDE = """\
+import os, signal, subprocess, sys, time
+from pathlib import Path
+RANK = int(os.environ["JDDP_PROCESS_ID"])
+N = int(os.environ["JDDP_NUM_PROCESSES"])
+TMP = Path(sys.argv[1])
+
+def mark(name, text=""):
+    p = TMP / name
+    p.with_suffix(".tmp").write_text(text)
+    p.with_suffix(".tmp").rename(p)
+
+def wait_for(names, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not all((TMP / n).exists() for n in names):
+        if time.monotonic() > deadline:
+            sys.exit(99)
+        time.sleep(0.02)
+
+mark(f"pid{RANK}", str(os.getpid()))
+"""
+
+
+def child_cmd(tmp_path: Path, body: str) -> list[str]:
+    """A ``python -c`` child command running PRELUDE + ``body`` with ``tmp_path`` as argv[1]."""
+    return [PY, "-c", PRELUDE + textwrap.dedent(body), str(tmp_path)]
+
+
+def launcher_argv(*flags: str) -> list[str]:
+    return [PY, "-m", "jddp.launch", *flags]
+
+
+def run_launcher(
+    flags: list[str], cmd: list[str], env: dict[str, str] | None = None, timeout: float = 60
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        launcher_argv(*flags, "--", *cmd),
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        timeout=timeout,
+        env=env,
+    )
+    return proc, time.monotonic() - t0
+
+
+def pid_gone(pid: int, timeout: float = 5.0) -> bool:
+    """True once ``pid`` no longer exists or is a zombie (the launcher is gone, so not ours)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        state = next((ln for ln in status.splitlines() if ln.startswith("State:")), "")
+        if "Z" in state.split(":", 1)[-1].split()[:1]:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def read_pids(tmp_path: Path, names: list[str]) -> list[int]:
+    return [int((tmp_path / n).read_text()) for n in names]
+
+
+def wait_files(tmp_path: Path, names: list[str], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all((tmp_path / n).exists() for n in names):
+        assert time.monotonic() < deadline, f"timed out waiting for {names}"
+        time.sleep(0.02)
+
+
+def test_env_wiring_and_prefixed_output(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env.pop("JAX_PLATFORMS", None)
+    env["XLA_FLAGS"] = "--xla_foo=1 --xla_force_host_platform_device_count=7"
+    body = """
+    e = os.environ
+    print("id", e["JDDP_PROCESS_ID"], "n", e["JDDP_NUM_PROCESSES"],
+          "local", e["JDDP_LOCAL_RANK"], "coord", e["JDDP_COORDINATOR_ADDRESS"])
+    print("xla", e["XLA_FLAGS"])
+    print("plat", e["JAX_PLATFORMS"], "unbuf", e["PYTHONUNBUFFERED"])
+    print("on stderr", RANK, file=sys.stderr)
+    sys.stdout.flush()
+    os.write(1, b"\\xffraw\\n")  # undecodable byte -> U+FFFD
+    sys.stdout.write("no newline")  # last line without "\\n" is still forwarded
+    """
+    cmd = child_cmd(tmp_path, body)
+    proc, _ = run_launcher(["--nproc", "3", "--devices-per-proc", "2"], cmd, env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    assert all(line.startswith("[rank ") for line in out), out
+    coords = set()
+    for i in range(3):
+        mine = [ln.removeprefix(f"[rank {i}] ") for ln in out if ln.startswith(f"[rank {i}] ")]
+        ident = next(ln for ln in mine if ln.startswith("id "))
+        fields = ident.split()
+        assert fields[1:6:2] == [str(i), "3", str(i)]
+        coords.add(fields[7])
+        assert "xla --xla_foo=1 --xla_force_host_platform_device_count=2" in mine
+        assert "plat cpu unbuf 1" in mine
+        assert "no newline" in mine
+        assert "\ufffdraw" in mine
+    assert len(coords) == 1
+    host, port = coords.pop().split(":")
+    assert host == "localhost" and 0 < int(port) < 65536
+    err = proc.stderr.splitlines()
+    for i in range(3):
+        assert f"[rank {i}] on stderr {i}" in err
+
+
+def test_explicit_port_and_existing_jax_platforms_kept(tmp_path: Path) -> None:
+    env = dict(os.environ, JAX_PLATFORMS="cuda")
+    env.pop("XLA_FLAGS", None)
+    body = """
+    e = os.environ
+    print(e["JDDP_COORDINATOR_ADDRESS"], e["JAX_PLATFORMS"], e.get("XLA_FLAGS"))
+    """
+    proc, _ = run_launcher(
+        ["--nproc", "1", "--port", "23456", "--devices-per-proc", "3"],
+        child_cmd(tmp_path, body),
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (
+        "[rank 0] localhost:23456 cuda --xla_force_host_platform_device_count=3\n"
+    )
+
+
+def test_no_devices_flag_leaves_xla_env_alone(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env.pop("JAX_PLATFORMS", None)
+    env.pop("XLA_FLAGS", None)
+    body = """
+    print(os.environ.get("XLA_FLAGS"), os.environ.get("JAX_PLATFORMS"))
+    """
+    proc, _ = run_launcher(["--nproc", "2"], child_cmd(tmp_path, body), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[rank 0] None None", "[rank 1] None None"]
+
+
+def test_no_output_lost(tmp_path: Path) -> None:
+    body = """
+    for k in range(3000):
+        print(f"line {k}")
+        if k % 3 == 0:
+            print(f"err {k}", file=sys.stderr)
+    """
+    proc, _ = run_launcher(["--nproc", "2"], child_cmd(tmp_path, body))
+    assert proc.returncode == 0, proc.stderr
+    for i in range(2):
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"[rank {i}] ")]
+        assert lines == [f"[rank {i}] line {k}" for k in range(3000)]
+        errs = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank {i}] ")]
+        assert errs == [f"[rank {i}] err {k}" for k in range(0, 3000, 3)]
+
+
+def test_fail_fast_exit_code_and_no_survivors(tmp_path: Path) -> None:
+    body = """
+    if RANK == 0:
+        # A grandchild in rank 0's process group: must be stopped too.
+        g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        mark("grandchild", str(g.pid))
+    if RANK == 1:
+        wait_for([f"pid{r}" for r in range(N)] + ["grandchild"])
+        print("failing", flush=True)
+        sys.exit(3)
+    time.sleep(600)
+    """
+    proc, elapsed = run_launcher(["--nproc", "3"], child_cmd(tmp_path, body))
+    assert proc.returncode == 3, proc.stderr
+    assert elapsed < 20
+    assert "jddp.launch: rank 1 exited with code 3; stopping the other 2 processes" in (
+        proc.stderr.splitlines()
+    )
+    assert "[rank 1] failing" in proc.stdout.splitlines()
+    for pid in read_pids(tmp_path, ["pid0", "pid1", "pid2", "grandchild"]):
+        assert pid_gone(pid), pid
+
+
+def test_signal_death_is_reported(tmp_path: Path) -> None:
+    body = """
+    if RANK == 0:
+        wait_for([f"pid{r}" for r in range(N)])
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+    """
+    proc, elapsed = run_launcher(["--nproc", "2"], child_cmd(tmp_path, body))
+    assert proc.returncode == 128 + signal.SIGKILL
+    assert elapsed < 20
+    assert "jddp.launch: rank 0 killed by signal SIGKILL; stopping the other 1 processes" in (
+        proc.stderr
+    )
+    for pid in read_pids(tmp_path, ["pid0", "pid1"]):
+        assert pid_gone(pid), pid
+
+
+def test_sigterm_ignoring_child_is_killed_after_kill_timeout(tmp_path: Path) -> None:
+    body = """
+    if RANK == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        mark("ignoring")
+        time.sleep(600)
+    wait_for(["ignoring", "pid1"])
+    mark("failing")
+    sys.exit(5)
+    """
+    proc, _ = run_launcher(["--nproc", "2", "--kill-timeout", "2"], child_cmd(tmp_path, body))
+    failed_at = (tmp_path / "failing").stat().st_mtime
+    assert proc.returncode == 5, proc.stderr
+    assert "rank 0 exited with code 5" in proc.stderr
+    took = time.time() - failed_at
+    assert 1.8 <= took < 10, took  # waited for --kill-timeout, then SIGKILL
+    (pid1,) = read_pids(tmp_path, ["pid1"])
+    assert pid_gone(pid1)
+
+
+def _start_and_wait_ready(tmp_path: Path, body: str, nproc: int) -> subprocess.Popen[str]:
+    launcher = subprocess.Popen(
+        launcher_argv(
+            "--nproc", str(nproc), "--kill-timeout", "5", "--", *child_cmd(tmp_path, body)
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_files(tmp_path, [f"ready{r}" for r in range(nproc)])
+    except BaseException:
+        launcher.kill()
+        launcher.communicate()
+        raise
+    return launcher
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_to_launcher_is_forwarded(tmp_path: Path, sig: signal.Signals) -> None:
+    body = """
+    def handler(signum, frame):
+        print("got", signal.Signals(signum).name, flush=True)
+        sys.exit(0)
+    if RANK == 0:
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+        # A grandchild that default-dies: it shares rank 0's process group.
+        g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        mark("grandchild", str(g.pid))
+    print("ready", flush=True)
+    mark(f"ready{RANK}")
+    time.sleep(600)  # rank 1 default-dies on SIGTERM (or KeyboardInterrupt on SIGINT)
+    """
+    launcher = _start_and_wait_ready(tmp_path, body, nproc=2)
+    t0 = time.monotonic()
+    launcher.send_signal(sig)
+    out, err = launcher.communicate(timeout=30)
+    assert time.monotonic() - t0 < 4  # all children die promptly: no kill-timeout needed
+    assert launcher.returncode == 128 + sig
+    assert f"[rank 0] got {sig.name}" in out.splitlines()
+    assert f"jddp.launch: received {sig.name}" in err
+    assert "exited with code" not in err  # deaths after forwarding are not failures
+    for pid in read_pids(tmp_path, ["pid0", "pid1", "grandchild"]):
+        assert pid_gone(pid), pid
+
+
+def test_second_signal_escalates_to_sigkill(tmp_path: Path) -> None:
+    body = """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    mark(f"ready{RANK}")
+    time.sleep(600)
+    """
+    launcher = _start_and_wait_ready(tmp_path, body, nproc=2)
+    t0 = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert launcher.poll() is None  # children ignore SIGTERM; kill-timeout is 5 s
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=30)
+    assert time.monotonic() - t0 < 4
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert "killing all" in err
+    for pid in read_pids(tmp_path, ["pid0", "pid1"]):
+        assert pid_gone(pid), pid
+
+
+def test_grandchildren_of_successful_ranks_are_stopped(tmp_path: Path) -> None:
+    body = """
+    g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    mark(f"grandchild{RANK}", str(g.pid))
+    print("done", flush=True)
+    """
+    proc, elapsed = run_launcher(["--nproc", "2"], child_cmd(tmp_path, body))
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed < 20
+    for pid in read_pids(tmp_path, ["pid0", "pid1", "grandchild0", "grandchild1"]):
+        assert pid_gone(pid), pid
+
+
+def test_missing_command_exits_127(tmp_path: Path) -> None:
+    proc, _ = run_launcher(["--nproc", "2"], [str(tmp_path / "does-not-exist")])
+    assert proc.returncode == 127
+    assert "cannot start" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--nproc", "2"], "'--'"),
+        (["--nproc", "2", "--"], "'--'"),
+        (["--nproc", "0", "--", "true"], "--nproc"),
+        (["--nproc", "-1", "--", "true"], "--nproc"),
+        (["--nproc", "x", "--", "true"], "--nproc"),
+        (["--", "true"], "--nproc"),
+        (["--nproc", "2", "--devices-per-proc", "0", "--", "true"], "--devices-per-proc"),
+        (["--nproc", "2", "--port", "70000", "--", "true"], "--port"),
+        (["--nproc", "2", "--kill-timeout", "-1", "--", "true"], "--kill-timeout"),
+        (["--nproc", "2", "true"], "'--'"),
+    ],
+)
+def test_usage_errors(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert launch.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jddp.launch: error: ")
+    assert needle in lines[0]
+
+
+def test_usage_error_via_module_entry_point() -> None:
+    proc = subprocess.run(
+        launcher_argv("--nproc", "0", "--", "true"), capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "jddp.launch: error: --nproc must be >= 1, got 0"
+
+
+def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launch.main(["--help"]) == 0
+    assert "--devices-per-proc" in capsys.readouterr().out
+
+
+def test_helpers() -> None:
+    assert launch.merge_xla_flags(None, 4) == "--xla_force_host_platform_device_count=4"
+    assert (
+        launch.merge_xla_flags("--a=1 --xla_force_host_platform_device_count=8 --b", 2)
+        == "--a=1 --b --xla_force_host_platform_device_count=2"
+    )
+    assert launch.describe_exit(3) == "exited with code 3"
+    assert launch.describe_exit(-9) == "killed by signal SIGKILL"
+    assert launch.exit_code_for(-15) == 143 and launch.exit_code_for(7) == 7
+    env = launch.child_env({"JAX_PLATFORMS": "tpu"}, rank=2, nproc=4, port=1234, devices_per_proc=1)
+    assert env["JDDP_COORDINATOR_ADDRESS"] == "localhost:1234"
+    assert (env["JDDP_PROCESS_ID"], env["JDDP_LOCAL_RANK"], env["JDDP_NUM_PROCESSES"]) == (
+        "2",
+        "2",
+        "4",
+    )
+    assert env["JAX_PLATFORMS"] == "tpu" and env["PYTHONUNBUFFERED"] == "1"
+    port = launch.find_free_port()
+    assert 0 < port < 65536
