@@ -43,7 +43,9 @@ def _env_int(*names: str) -> int | None:
             try:
                 return int(value)
             except ValueError:
-                raise ConfigError(f"environment variable {name}={value!r} is not an integer")
+                raise ConfigError(
+                    f"environment variable {name}={value!r} is not an integer"
+                ) from None
     return None
 
 
@@ -60,8 +62,10 @@ def detect_launch(cfg: DistConfig) -> Launch:
         "JDDP_COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS"
     )
     num = cfg.num_processes or _env_int("JDDP_NUM_PROCESSES", "JAX_NUM_PROCESSES")
-    pid = cfg.process_id if cfg.process_id is not None else _env_int(
-        "JDDP_PROCESS_ID", "JAX_PROCESS_ID"
+    pid = (
+        cfg.process_id
+        if cfg.process_id is not None
+        else _env_int("JDDP_PROCESS_ID", "JAX_PROCESS_ID")
     )
     if address is not None or num is not None or pid is not None:
         missing = [

@@ -29,9 +29,22 @@ TINY = [
 
 
 def launch(nproc, devices, workdir, *overrides, timeout=600):
-    cmd = [sys.executable, "-m", "jddp.launch", "--nproc", str(nproc),
-           "--devices-per-proc", str(devices), "--",
-           sys.executable, "-m", "jddp.train", f"workdir={workdir}", *TINY, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jddp.launch",
+        "--nproc",
+        str(nproc),
+        "--devices-per-proc",
+        str(devices),
+        "--",
+        sys.executable,
+        "-m",
+        "jddp.train",
+        f"workdir={workdir}",
+        *TINY,
+        *overrides,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -86,12 +99,28 @@ def test_two_process_resume(tmp_path, reference):
 
 def test_mpirun_as_launcher_with_xla_backend(tmp_path, reference):
     wd = tmp_path / "run"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+    }
     out = subprocess.run(
-        [str(VENV_BIN / "mpirun"), "-np", "2", sys.executable, "-m", "jddp.train",
-         f"workdir={wd}", *TINY, "train.steps=4", "dist.backend=xla"],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            str(VENV_BIN / "mpirun"),
+            "-np",
+            "2",
+            sys.executable,
+            "-m",
+            "jddp.train",
+            f"workdir={wd}",
+            *TINY,
+            "train.steps=4",
+            "dist.backend=xla",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     _, got = losses(wd)
@@ -112,10 +141,20 @@ def test_batch_not_divisible_by_processes_times_devices(tmp_path):
 def test_unreachable_coordinator_is_a_clear_error(tmp_path):
     start = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "jddp.train", f"workdir={tmp_path / 'run'}", *TINY,
-         "dist.coordinator_address=localhost:9", "dist.num_processes=2", "dist.process_id=1",
-         "dist.init_timeout_s=3"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "jddp.train",
+            f"workdir={tmp_path / 'run'}",
+            *TINY,
+            "dist.coordinator_address=localhost:9",
+            "dist.num_processes=2",
+            "dist.process_id=1",
+            "dist.init_timeout_s=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 1
     assert "could not reach the coordinator at localhost:9 within 3 s" in out.stderr
