@@ -17,11 +17,25 @@ from jddp.state import TrainState
 
 
 class Checkpoints:
-    """Save every ``every_steps`` steps (and on demand), keep the newest ``keep``, restore."""
+    """Save every ``every_steps`` steps (and on demand), keep the newest ``keep``, restore.
 
-    def __init__(self, directory: str | Path, *, every_steps: int, keep: int, async_save: bool):
+    Under ``jax.distributed`` every process calls :meth:`save` (orbax makes process 0 the
+    primary host). With ``writes=False`` (MPI ranks other than 0, which share no JAX runtime
+    and would each act as primary) the process only restores.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        every_steps: int,
+        keep: int,
+        async_save: bool,
+        writes: bool = True,
+    ):
         self.directory = Path(directory).absolute()
         self.every_steps = every_steps
+        self.writes = writes
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -40,8 +54,11 @@ class Checkpoints:
         return self.every_steps > 0 and step % self.every_steps == 0
 
     def save(self, step: int, state: TrainState, config: dict[str, Any]) -> None:
-        """Start saving ``state`` (and the resolved config, for reference) as ``step``."""
-        if step in self._manager.all_steps():
+        """Start saving ``state`` (and the resolved config, for reference) as ``step``.
+
+        A no-op on processes that don't write (MPI ranks other than 0).
+        """
+        if not self.writes or step in self._manager.all_steps():
             return
         self._manager.save(
             step,

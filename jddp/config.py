@@ -100,6 +100,12 @@ class DistConfig:
     )
     num_processes: int | None = _f(None, "processes in the job (null: from the launcher/cluster)")
     process_id: int | None = _f(None, "this process's index (null: from the launcher/cluster)")
+    grad_allreduce_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", "dtype in which gradients are sent for averaging (bfloat16 halves the bytes)"
+    )
+    check_sync_every: int = _f(
+        0, "every k steps verify (checksum) that all replicas hold the same parameters (0: off)"
+    )
     init_timeout_s: int = _f(300, "seconds to wait for all processes to join at start")
     heartbeat_timeout_s: int = _f(
         100, "seconds without a heartbeat after which a peer counts as dead and the job stops"
@@ -326,6 +332,7 @@ def validate(cfg: Config) -> Config:
         "data.prefetch_batches": cfg.data.prefetch_batches,
         "dist.process_id": cfg.dist.process_id or 0,
         "dist.init_timeout_s": cfg.dist.init_timeout_s,
+        "dist.check_sync_every": cfg.dist.check_sync_every,
         "dist.heartbeat_timeout_s": cfg.dist.heartbeat_timeout_s,
     }
     for key, v in non_negative.items():

@@ -30,7 +30,7 @@ from jddp.config import ConfigError, DistConfig
 class Launch:
     """How this process was started: the ``jax.distributed.initialize`` arguments to use."""
 
-    kind: str  # "single", "explicit", "slurm", "ompi", "mpich"
+    kind: str  # "single", "explicit", "slurm", "ompi", "mpich", "mpi" (the MPI backend)
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -115,10 +115,32 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
             time.sleep(0.25)
 
 
+_mpi_rank_size: tuple[int, int] | None = None
+
+
+def process_index() -> int:
+    """This process's rank in the job (the MPI rank under ``dist.backend=mpi``)."""
+    return _mpi_rank_size[0] if _mpi_rank_size else jax.process_index()
+
+
+def process_count() -> int:
+    """Processes in the job (the MPI world size under ``dist.backend=mpi``)."""
+    return _mpi_rank_size[1] if _mpi_rank_size else jax.process_count()
+
+
 def initialize(cfg: DistConfig) -> Launch:
-    """Join the distributed job if this process is part of one; returns how it was launched."""
+    """Join the distributed job if this process is part of one; returns how it was launched.
+
+    Under ``dist.backend=mpi`` only the MPI rank and size are recorded (see :func:`make_comm`
+    in :mod:`jddp.comm` for the checks that an MPI launch is present).
+    """
+    global _mpi_rank_size
     if cfg.backend == "mpi":
-        return Launch("single")
+        from jddp.comm import make_comm
+
+        comm = make_comm("mpi")
+        _mpi_rank_size = (comm.process_index, comm.process_count)
+        return Launch("mpi", num_processes=comm.process_count, process_id=comm.process_index)
     launch = detect_launch(cfg)
     if launch.kind == "single":
         return launch
@@ -139,3 +161,13 @@ def initialize(cfg: DistConfig) -> Launch:
     else:
         jax.distributed.initialize(**kwargs)
     return launch
+
+
+def abort_job(exit_code: int) -> None:
+    """Under the MPI backend, take every rank down with this one (a lone failure would leave
+    the others blocked in their next collective). Elsewhere a no-op: ``jax.distributed``'s
+    heartbeats and ``jddp.launch`` stop the peers."""
+    if _mpi_rank_size is not None and _mpi_rank_size[1] > 1:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(exit_code)

@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import jax
 from tqdm import tqdm
+
+from jddp import distributed
 
 
 def is_writer() -> bool:
     """Only process 0 prints and writes run outputs."""
-    return jax.process_index() == 0
+    return distributed.process_index() == 0
 
 
 def _plain(v: Any) -> Any:

@@ -2,7 +2,7 @@
 
 Parameters and optimizer state are replicated (``P()``); the batch is split over the mesh axis
 ``data``. Each device runs forward and backward on its slice; gradients are averaged in one
-place, ``comm.average`` inside :func:`make_train_step`'s ``grads_stage``.
+place, ``comm.average_grads`` inside :func:`make_train_step`'s ``grads_stage``.
 
 Why the parameters are cast to *varying* before ``grad``: inside ``shard_map`` the gradient of
 a replicated (``P()``) input is already summed over devices by autodiff, so a ``pmean`` after
@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jddp.comm import Comm
+from jddp.comm import XlaComm
 from jddp.mesh import DATA_AXIS
 from jddp.state import ModelDef, TrainState
 
@@ -57,7 +57,7 @@ def make_train_step(
     model_def: ModelDef,
     tx: optax.GradientTransformation,
     mesh: Mesh,
-    comm: Comm,
+    comm: XlaComm,
     *,
     loss_fn: LossFn | None = None,
     grad_accum_steps: int = 1,
@@ -115,7 +115,7 @@ def make_train_step(
             grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
             loss, acc = loss / grad_accum_steps, acc / grad_accum_steps
         # The one place where gradients are averaged across devices (and processes).
-        grads = comm.average(grads)
+        grads = comm.average_grads(grads)
         # BatchNorm statistics: local ones are averaged so replicas stay identical; synced ones
         # are already equal on every device and the mean leaves them as they are.
         stats = comm.average(stats)

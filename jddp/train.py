@@ -55,14 +55,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ConfigError as e:
         print(f"jddp: error: {e}", file=sys.stderr)
-        return 2
+        return _stop_peers(2)
     except KeyboardInterrupt:
         print("jddp: interrupted", file=sys.stderr)
-        return 130
+        return _stop_peers(130)
     except Exception as e:  # noqa: BLE001 - the CLI's contract is one line and exit 1
         cause = " ".join(str(e).split()) or type(e).__name__
         print(f"jddp: error: {type(e).__name__}: {cause}", file=sys.stderr)
-        return 1
+        return _stop_peers(1)
+
+
+def _stop_peers(exit_code: int) -> int:
+    if "jddp.distributed" in sys.modules:
+        sys.stderr.flush()
+        sys.modules["jddp.distributed"].abort_job(exit_code)
+    return exit_code
 
 
 if __name__ == "__main__":

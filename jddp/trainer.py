@@ -10,19 +10,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jddp import config as config_lib
+from jddp import distributed
 from jddp.checkpoint import Checkpoints
-from jddp.comm import make_comm
+from jddp.comm import XlaComm, config_fingerprint, make_comm
 from jddp.config import Config, ConfigError
-from jddp.data.loader import TrainBatches, check_divisible, eval_batches
+from jddp.data.loader import BatchLayout, TrainBatches, batch_layout, eval_batches
 from jddp.data.sources import Splits, load_splits
 from jddp.mesh import make_mesh, select_devices, to_host
 from jddp.metrics import MetricsLog, is_writer, make_progress, say
 from jddp.models import get_model_factory
 from jddp.optimizer import make_optimizer
-from jddp.state import ModelDef, TrainState, create_train_state
+from jddp.state import TrainState, create_train_state
 from jddp.step import cross_entropy_loss, make_eval_step, make_train_step
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -78,19 +80,61 @@ def load_data(cfg: Config) -> Splits:
     return splits
 
 
-def evaluate(eval_step, state: TrainState, splits: Splits, batch_size: int, mesh) -> dict:
+def evaluate(
+    eval_step,
+    state: TrainState,
+    splits: Splits,
+    batch_size: int,
+    mesh,
+    layout: BatchLayout,
+    comm: XlaComm,
+) -> dict:
     """``eval/loss`` and ``eval/accuracy`` over every eval example exactly once."""
     totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
-    for batch in eval_batches(splits.eval, batch_size, mesh):
+    for batch in eval_batches(splits.eval, batch_size, mesh, layout):
         sums = to_host(eval_step(state, batch))
         for k in totals:
             totals[k] += float(sums[k])
+    totals = comm.sum_across_processes(totals)
     count = max(totals["count"], 1.0)
     return {
         "eval/loss": totals["loss_sum"] / count,
         "eval/accuracy": totals["correct"] / count,
         "eval/count": int(totals["count"]),
     }
+
+
+def check_same_config(comm: XlaComm, config: dict[str, Any]) -> None:
+    """Refuse to start when processes were given different configs (e.g. different seeds)."""
+    prints = comm.allgather_int(config_fingerprint(config))
+    differ = [rank for rank, p in enumerate(prints) if p != prints[0]]
+    if differ:
+        raise ConfigError(
+            f"the config of rank {differ[0]} differs from rank 0's: every process must be "
+            "started with the same config file and overrides"
+        )
+
+
+def check_replicas_in_sync(comm: XlaComm, state: TrainState, step: int) -> None:
+    """Fail loudly unless every device of every process holds the same parameters.
+
+    Cheap: one float64 checksum per local device copy, compared across processes.
+    """
+    leaves = jax.tree.leaves(state.params)
+    local = set()
+    for shard_index in range(len(leaves[0].addressable_shards)):
+        total = 0.0
+        for leaf in leaves:
+            data = leaf.addressable_shards[shard_index].data
+            total += float(jnp.sum(data.astype(jnp.float32), dtype=jnp.float32))
+        local.add(total)
+    mine = int(np.float64(max(local)).view(np.int64)) if len(local) == 1 else -1
+    everyone = comm.allgather_int(mine)
+    if len(local) != 1 or len(set(everyone)) != 1:
+        raise RuntimeError(
+            f"replicas diverged at step {step}: parameter checksums differ between devices or "
+            f"processes ({sorted(local)} here); the run is stopped (dist.check_sync_every)"
+        )
 
 
 @dataclass
@@ -108,23 +152,26 @@ def train_and_evaluate(cfg: Config) -> RunResult:
     """Train ``cfg`` to its last step (resuming from ``workdir`` if allowed), evaluate, save."""
     wall_start = time.perf_counter()
     workdir = Path(cfg.workdir)
+    comm = make_comm(cfg.dist.backend, cfg.dist.grad_allreduce_dtype)
+    config_dict = config_lib.to_dict(cfg)
+    check_same_config(comm, config_dict)
     try:
         mesh = make_mesh(select_devices(cfg.dist.num_local_devices))
+        layout = batch_layout(
+            mesh, cfg.data.global_batch_size, comm.process_index, comm.process_count
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    try:
-        check_divisible(cfg.data.global_batch_size, mesh)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-    splits = load_data(cfg)
-    batches = TrainBatches(splits.train, cfg.data.global_batch_size, cfg.train.seed, mesh)
-    per_device = cfg.data.global_batch_size // mesh.devices.size
+    num_devices = len(mesh.local_devices) * distributed.process_count()
+    per_device = cfg.data.global_batch_size // num_devices
     if per_device % cfg.train.grad_accum_steps:
         raise ConfigError(
             f"train.grad_accum_steps={cfg.train.grad_accum_steps} does not divide the "
             f"per-device batch {per_device}"
         )
+
+    splits = load_data(cfg)
+    batches = TrainBatches(splits.train, cfg.data.global_batch_size, cfg.train.seed, mesh, layout)
     steps = total_steps(cfg, batches.steps_per_epoch)
 
     model = build_model(cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1])
@@ -132,11 +179,14 @@ def train_and_evaluate(cfg: Config) -> RunResult:
     model_def, state = create_train_state(model, tx, mesh)
     del model
 
+    # Under MPI every rank is its own orbax "primary host": rank 0 alone writes, the others
+    # only read (the directory must be shared).
     ckpts = Checkpoints(
         workdir / "checkpoints",
         every_steps=cfg.checkpoint.every_steps,
         keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_save,
+        writes=comm.name == "xla" or comm.process_index == 0,
     )
     start_step = 0
     latest = ckpts.latest_step() if cfg.checkpoint.resume else None
@@ -144,45 +194,13 @@ def train_and_evaluate(cfg: Config) -> RunResult:
         state = ckpts.restore(latest, state)
         start_step = int(to_host(state.step))
         say(f"jddp: resumed from {ckpts.directory / str(latest)} at step {start_step}")
+    state = comm.broadcast_state(state, mesh)
 
     if is_writer():
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.yaml").write_text(config_lib.dump(cfg))
     log = MetricsLog(workdir, resume_step=start_step)
-    result = _loop(
-        cfg,
-        mesh,
-        splits,
-        batches,
-        model_def,
-        tx,
-        schedule,
-        state,
-        ckpts,
-        log,
-        start_step,
-        steps,
-        wall_start,
-    )
-    return result
 
-
-def _loop(
-    cfg,
-    mesh,
-    splits,
-    batches,
-    model_def: ModelDef,
-    tx,
-    schedule,
-    state,
-    ckpts,
-    log,
-    start_step: int,
-    steps: int,
-    wall_start: float,
-) -> RunResult:
-    comm = make_comm(cfg.dist.backend)
     compute_dtype = COMPUTE_DTYPES[cfg.train.precision]
     loss_fn = cross_entropy_loss(cfg.train.label_smoothing)
     train_step = make_train_step(
@@ -196,9 +214,11 @@ def _loop(
         schedule=schedule,
     )
     eval_step = make_eval_step(model_def, mesh, loss_fn=loss_fn, compute_dtype=compute_dtype)
-    config_dict = config_lib.to_dict(cfg)
-    global_batch = cfg.data.global_batch_size
 
+    def run_eval(state: TrainState) -> dict:
+        return evaluate(eval_step, state, splits, cfg.data.global_batch_size, mesh, layout, comm)
+
+    global_batch = cfg.data.global_batch_size
     progress = make_progress(cfg.log.progress, steps, start_step)
     window_start, window_steps = time.perf_counter(), 0
     timed_images, timed_s = 0, 0.0
@@ -216,40 +236,40 @@ def _loop(
                 log.write(step, {"train/compile_s": now - window_start})
                 window_start, window_steps = now, 0
             if step % cfg.log.every_steps == 0 or step == steps:
-                host = to_host(metrics)
-                now = time.perf_counter()
-                row = {k: float(v) for k, v in host.items()}
+                row = {k: float(v) for k, v in to_host(metrics).items()}
                 if window_steps:
-                    dt = now - window_start
+                    dt = time.perf_counter() - window_start
                     row["train/img_per_s"] = window_steps * global_batch / dt
                     row["train/step_time_s"] = dt / window_steps
                     if cfg.log.baseline_img_per_s:
-                        ideal = mesh.devices.size * cfg.log.baseline_img_per_s
+                        ideal = num_devices * cfg.log.baseline_img_per_s
                         row["train/scaling_efficiency"] = row["train/img_per_s"] / ideal
                     timed_images += window_steps * global_batch
                     timed_s += dt
                 log.write(step, row)
                 progress.set_postfix(
-                    loss=f"{row['train/loss']:.4f}",
-                    img_s=f"{row.get('train/img_per_s', 0):.0f}",
+                    loss=f"{row['train/loss']:.4f}", img_s=f"{row.get('train/img_per_s', 0):.0f}"
                 )
                 window_start, window_steps = time.perf_counter(), 0
             progress.update(1)
+            if cfg.dist.check_sync_every and step % cfg.dist.check_sync_every == 0:
+                check_replicas_in_sync(comm, state, step)
             if (
                 cfg.train.eval_every_steps
                 and step % cfg.train.eval_every_steps == 0
-                and step < steps
+                and (step < steps)
             ):
-                eval_metrics = evaluate(eval_step, state, splits, global_batch, mesh)
+                eval_metrics = run_eval(state)
                 log.write(step, eval_metrics)
                 window_start = time.perf_counter()
             if ckpts.should_save(step):
                 ckpts.save(step, state, config_dict)
         progress.close()
-        eval_metrics = evaluate(eval_step, state, splits, global_batch, mesh)
+        eval_metrics = run_eval(state)
         log.write(step, eval_metrics)
         ckpts.save(step, state, config_dict)
         ckpts.close()
+        comm.barrier()  # nobody leaves before rank 0's checkpoint is complete
     finally:
         progress.close()
         log.close()

@@ -5,6 +5,7 @@ Used by test_step.py in a subprocess, since the device count is fixed at JAX imp
 """
 
 import os
+import re
 import sys
 
 num_devices = int(sys.argv[1])
@@ -21,7 +22,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jddp.comm import XlaComm  # noqa: E402
-from jddp.data.loader import place_global  # noqa: E402
+from jddp.data.loader import batch_layout, place_batch  # noqa: E402
 from jddp.mesh import DATA_AXIS, make_mesh  # noqa: E402
 from jddp.models import resnet18  # noqa: E402
 from jddp.state import create_train_state  # noqa: E402
@@ -38,7 +39,8 @@ class SumComm(XlaComm):
 def main() -> None:
     out = sys.argv[2]
     dtype = jnp.float64 if "--x64" in sys.argv else jnp.float32
-    comm = SumComm() if "--comm=psum" in sys.argv else XlaComm()
+    grad_dtype = "bfloat16" if "--grad-dtype=bfloat16" in sys.argv else "float32"
+    comm = SumComm() if "--comm=psum" in sys.argv else XlaComm(grad_dtype)
     accum = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--accum=")), 1)
     mesh = make_mesh(jax.devices()[:num_devices])
     model = resnet18(
@@ -54,17 +56,30 @@ def main() -> None:
     model_def, state = create_train_state(model, tx, mesh)
     step = make_train_step(model_def, tx, mesh, comm, grad_accum_steps=accum)
     rng = np.random.default_rng(0)
-    losses = []
+    losses, hlo = [], ""
     for _ in range(3):
         local = {
             "images": rng.normal(size=(16, 8, 8, 3)).astype(dtype),
             "labels": rng.integers(0, 10, size=16).astype(np.int32),
         }
-        state, metrics = step(state, place_global(local, mesh, 16))
+        batch = place_batch(local, mesh, batch_layout(mesh, 16))
+        hlo = hlo or step.lower(state, batch).as_text()
+        state, metrics = step(state, batch)
         losses.append(float(metrics["train/loss"]))
+    # Element types of the all-reduces in the step's program (what goes over the wire).
+    reduce_types = re.findall(
+        r"stablehlo\.all_reduce.*?\}\) : \(tensor<(?:[0-9x]*x)?([a-z]+[0-9]+)>", hlo, re.S
+    )
     params = np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.params)])
     stats = np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.batch_stats)])
-    np.savez(out, losses=np.array(losses), params=params, stats=stats)
+    np.savez(
+        out,
+        losses=np.array(losses),
+        params=params,
+        stats=stats,
+        reduce_types=np.array(reduce_types),
+        num_param_leaves=len(jax.tree.leaves(state.params)),
+    )
 
 
 main()

@@ -10,6 +10,7 @@ import pytest
 
 from jddp.data.loader import (
     TrainBatches,
+    batch_layout,
     epoch_permutation,
     eval_batches,
     prefetch_iterator,
@@ -72,6 +73,16 @@ def test_eval_counts_every_example_once():
     assert sorted(seen) == list(range(23))
 
 
+def test_layout_of_a_local_mesh_under_mpi():
+    """MPI ranks share no JAX runtime: each reads its block, arrays hold only that block."""
+    mesh = make_mesh()
+    n = len(mesh.local_devices)
+    layout = batch_layout(mesh, 8 * n, process_index=1, process_count=2)
+    assert layout.rows == slice(4 * n, 8 * n) and layout.array_rows == 4 * n
+    with pytest.raises(ValueError, match=f"not divisible by the {3 * n} devices .3 processes"):
+        batch_layout(mesh, 4 * n, process_index=0, process_count=3)
+
+
 def test_batch_larger_than_data_is_an_error():
     with pytest.raises(ValueError, match="global_batch_size=64.*20 train examples"):
         TrainBatches(source(n=20), 64, seed=0, mesh=make_mesh())
@@ -91,7 +102,7 @@ def test_prefetch_keeps_order_and_reraises():
 
 MULTI = """
 import numpy as np, jax
-from jddp.data.loader import TrainBatches, check_divisible
+from jddp.data.loader import TrainBatches, batch_layout
 from jddp.mesh import make_mesh
 from tests.test_loader import source
 src = source(n=64)
@@ -103,7 +114,7 @@ for k in range(8):
     assert len(b["labels"].sharding.device_set) == 4
     np.testing.assert_array_equal(a, np.asarray(b["labels"]))
 try:
-    check_divisible(6, make_mesh())
+    batch_layout(make_mesh(), 6)
 except ValueError as e:
     print("ERR", e)
 """
@@ -116,5 +127,7 @@ def test_same_global_batch_on_one_and_four_devices():
         [sys.executable, "-c", MULTI], env=env, cwd=root, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
-    assert "data.global_batch_size=6 is not divisible by the 4 devices" in out.stdout
+    assert (
+        "data.global_batch_size=6 is not divisible by the 4 devices (1 processes x 4" in out.stdout
+    )
     assert jax.device_count() >= 1

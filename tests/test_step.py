@@ -54,3 +54,20 @@ def test_parity_catches_summed_gradients(tmp_path, one_device_x64):
     """A step that sums instead of averaging (the N-times-too-large bug) fails the check."""
     wrong = run_worker(tmp_path, 2, "--x64", "--comm=psum")
     assert rel_l2(wrong["params"], one_device_x64["params"]) > 1e-3
+
+
+def test_bfloat16_gradient_allreduce(tmp_path, one_device_x32):
+    """dist.grad_allreduce_dtype=bfloat16: every gradient all-reduce in the compiled step is
+    bf16 (half the bytes of f32), and the losses move only within bf16 rounding."""
+    from jddp.comm import allreduce_bytes
+
+    f32 = run_worker(tmp_path, 2)
+    bf16 = run_worker(tmp_path, 2, "--grad-dtype=bfloat16")
+    n_leaves = int(bf16["num_param_leaves"])
+    assert list(f32["reduce_types"]).count("bf16") == 0
+    assert list(bf16["reduce_types"]).count("bf16") == n_leaves
+    assert bf16["losses"][0] == f32["losses"][0]  # no update has happened yet
+    drift = rel(bf16["losses"][1:], f32["losses"][1:])
+    assert 0 < drift < 2e-2  # bf16 keeps 8 mantissa bits (~4e-3 relative per rounding)
+    shapes = {"w": np.zeros((3, 3, 64, 64), np.float32), "b": np.zeros(64, np.float32)}
+    assert allreduce_bytes(shapes, "bfloat16") * 2 == allreduce_bytes(shapes, "float32")

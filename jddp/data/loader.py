@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -28,32 +29,54 @@ def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
-def process_slice(mesh: Mesh, global_batch_size: int) -> slice:
-    """Rows of every global batch that this process's devices hold (contiguous by mesh order)."""
+@dataclass(frozen=True)
+class BatchLayout:
+    """Which rows of every global batch this process reads, and how they are placed.
+
+    ``rows``: this process's contiguous block of the global batch. ``array_rows``: the leading
+    size of the arrays built on the mesh — the whole global batch when the mesh spans every
+    process (``jax.distributed``), only this process's block when the mesh is local (MPI).
+    """
+
+    rows: slice
+    array_rows: int
+
+
+def batch_layout(
+    mesh: Mesh, global_batch_size: int, process_index: int = 0, process_count: int = 1
+) -> BatchLayout:
+    """The :class:`BatchLayout` of this process; raises ``ValueError`` if the batch won't split.
+
+    ``process_index``/``process_count`` count the job's processes, which differ from JAX's when
+    processes share no JAX runtime (the MPI backend: then the mesh holds local devices only).
+    """
     devices = list(mesh.devices.flat)
-    per_device = global_batch_size // len(devices)
-    mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
-    if mine != list(range(mine[0], mine[-1] + 1)):
-        raise ValueError("this process's devices are not contiguous in the mesh")
-    return slice(mine[0] * per_device, (mine[-1] + 1) * per_device)
-
-
-def check_divisible(global_batch_size: int, mesh: Mesh) -> None:
-    """Raise ``ValueError`` naming both numbers unless the batch splits evenly over devices."""
-    num_devices = mesh.devices.size
-    if global_batch_size % num_devices:
+    spans_processes = len({d.process_index for d in devices}) > 1
+    local = len(mesh.local_devices)
+    total = len(devices) if spans_processes else local * process_count
+    if global_batch_size % total:
         raise ValueError(
-            f"data.global_batch_size={global_batch_size} is not divisible by the "
-            f"{num_devices} devices ({jax.process_count()} processes x "
-            f"{len(mesh.local_devices)} local devices)"
+            f"data.global_batch_size={global_batch_size} is not divisible by the {total} "
+            f"devices ({total // local} processes x {local} local devices)"
         )
+    per_device = global_batch_size // total
+    if spans_processes:
+        mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+        if mine != list(range(mine[0], mine[-1] + 1)):
+            raise ValueError("this process's devices are not contiguous in the mesh")
+        return BatchLayout(
+            slice(mine[0] * per_device, (mine[-1] + 1) * per_device), global_batch_size
+        )
+    per_process = per_device * local
+    start = process_index * per_process
+    return BatchLayout(slice(start, start + per_process), per_process)
 
 
-def place_global(local: dict[str, np.ndarray], mesh: Mesh, global_batch_size: int) -> Batch:
-    """Assemble global arrays sharded over ``data`` from each process's local rows."""
+def place_batch(local: dict[str, np.ndarray], mesh: Mesh, layout: BatchLayout) -> Batch:
+    """Arrays sharded over ``data`` from each process's rows (see :class:`BatchLayout`)."""
     sharding = batch_sharded(mesh)
     return {
-        k: jax.make_array_from_process_local_data(sharding, v, (global_batch_size, *v.shape[1:]))
+        k: jax.make_array_from_process_local_data(sharding, v, (layout.array_rows, *v.shape[1:]))
         for k, v in local.items()
     }
 
@@ -61,8 +84,15 @@ def place_global(local: dict[str, np.ndarray], mesh: Mesh, global_batch_size: in
 class TrainBatches:
     """Global train batches of ``source`` for steps ``k = 0, 1, ...``, placed on ``mesh``."""
 
-    def __init__(self, source: Source, global_batch_size: int, seed: int, mesh: Mesh):
-        check_divisible(global_batch_size, mesh)
+    def __init__(
+        self,
+        source: Source,
+        global_batch_size: int,
+        seed: int,
+        mesh: Mesh,
+        layout: BatchLayout | None = None,
+    ):
+        self.layout = layout or batch_layout(mesh, global_batch_size)
         self.source = source
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -73,7 +103,6 @@ class TrainBatches:
                 f"data.global_batch_size={global_batch_size} is larger than the "
                 f"{len(source)} train examples of {source!r}"
             )
-        self._rows = process_slice(mesh, global_batch_size)
         self._perm_cache: tuple[int, np.ndarray] | None = None
 
     def global_indices(self, step: int) -> np.ndarray:
@@ -86,12 +115,12 @@ class TrainBatches:
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch ``step`` as numpy arrays."""
-        images, labels = self.source.get_batch(self.global_indices(step)[self._rows])
+        images, labels = self.source.get_batch(self.global_indices(step)[self.layout.rows])
         return {"images": images, "labels": labels}
 
     def place(self, local: dict[str, np.ndarray]) -> Batch:
-        """This process's rows as global arrays sharded over ``data``."""
-        return place_global(local, self.mesh, self.global_batch_size)
+        """This process's rows as arrays sharded over ``data``."""
+        return place_batch(local, self.mesh, self.layout)
 
     def iterate(self, start_step: int, end_step: int, prefetch: int = 2) -> Iterator[Batch]:
         """Batches for steps ``start_step .. end_step-1``, loaded ``prefetch`` ahead."""
@@ -103,13 +132,15 @@ class TrainBatches:
         )
 
 
-def eval_batches(source: Source, global_batch_size: int, mesh: Mesh) -> Iterator[Batch]:
+def eval_batches(
+    source: Source, global_batch_size: int, mesh: Mesh, layout: BatchLayout | None = None
+) -> Iterator[Batch]:
     """Every example of ``source`` exactly once, in order; the last batch is padded and masked.
 
     Each batch has ``images``, ``labels`` and ``mask`` (1.0 for real rows, 0.0 for padding).
     """
-    check_divisible(global_batch_size, mesh)
-    rows = process_slice(mesh, global_batch_size)
+    layout = layout or batch_layout(mesh, global_batch_size)
+    rows = layout.rows
     n = len(source)
     for start in range(0, n, global_batch_size):
         idx = np.arange(start, start + global_batch_size)
@@ -117,7 +148,7 @@ def eval_batches(source: Source, global_batch_size: int, mesh: Mesh) -> Iterator
         idx = np.where(idx < n, idx, 0)[rows]
         images, labels = source.get_batch(idx)
         local = {"images": images, "labels": labels, "mask": mask[rows]}
-        yield place_global(local, mesh, global_batch_size)
+        yield place_batch(local, mesh, layout)
 
 
 _DONE = object()

@@ -1,0 +1,597 @@
+"""Gradient all-reduce benchmark: mpi4jax vs XLA/gloo, 2 processes on one machine.
+
+Usage (repo root, the virtualenv's python; it launches everything it needs itself):
+
+    .venv/bin/python experiments/bench_allreduce.py [--iters N] [--elements N]
+        [--warmup N] [--layouts flat,leaves] [--backends mpi4jax,gloo]
+        [--dtypes float32,bfloat16] [--no-baseline] [--out PATH]
+
+What it measures (2 processes, 1 JAX CPU device each), for each layout and wire dtype:
+
+* ``mpi4jax``: ``mpirun -np 2`` (the mpirun next to ``sys.executable``); a ``jax.jit`` over
+  single-device arrays calling ``mpi4jax.allreduce(x, op=MPI.SUM, comm=MPI.COMM_WORLD)``, as
+  ``dist.backend=mpi`` does. mpi4jax has no MPI type for bfloat16, so for bfloat16 it also times
+  ``mpi4jax-allgather``: the bf16 bits sent as uint16 with ``mpi4jax.allgather`` and summed
+  locally with explicit f32 adds (for 2 processes each rank receives the same bytes as an
+  all-reduce would), and ``mpi4jax-rs-ag``: jddp's own bf16 path (``MpiComm._bf16_allreduce_sum``
+  in the working tree of 2026-11-21: ``alltoall`` of uint16 bits, f32 ``.sum(0)``, ``allgather``).
+* ``gloo``: two subprocesses joined with ``jax.distributed.initialize`` (CPU collectives =
+  gloo); ``jax.jit(jax.shard_map(psum over "data"))`` on a (2, ...) array sharded over a 1-D
+  mesh of both processes' devices, as ``dist.backend=xla`` does.
+* ``local-x+1`` (baseline, no communication, run by the mpi4jax ranks at the same time): a jitted
+  ``x + 1`` over the same buffers, i.e. what producing a fresh output of that size costs here.
+
+Layouts: ``flat`` is one buffer of ``--elements`` values (default 11,173,962 = ResNet-18 with the
+CIFAR stem and 10 classes, jddp's ``resnet18``); ``leaves`` is the same model's 62 parameter
+tensors reduced leaf by leaf in one jitted call (what jddp does with a gradient pytree).
+
+Inputs are cast to the wire dtype before timing, so only the reduction is timed. Each timed
+call is preceded by a barrier (outside the timed region) and synchronised with
+``jax.block_until_ready``; a call's time is the slowest rank's. Every rank feeds ``rank + 1``
+and the result must be 3 everywhere, so a no-op cannot pass. algbw = bytes / median time;
+busbw = algbw * 2(n-1)/n (nccl-tests' definition; equal to algbw for n = 2).
+
+Prints a table and writes ``experiments/results/allreduce-<date>-<host>.json`` (a ``-runN``
+suffix is added if that file exists) with the machine, versions, commit and all timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.metadata as md
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+N_PROCS = 2
+EXPECTED = N_PROCS * (N_PROCS + 1) / 2  # sum over ranks of (rank + 1)
+RESNET18_ELEMENTS = 11_173_962
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+WORKER_TIMEOUT_S = 600
+
+
+def resnet18_shapes(num_classes: int = 10, width: int = 64) -> list[tuple[int, ...]]:
+    """Parameter shapes of jddp's ResNet-18 (CIFAR 3x3 stem, no bias on convs), NHWC/HWIO."""
+    shapes: list[tuple[int, ...]] = [(3, 3, 3, width), (width,), (width,)]
+    cin = width
+    for stage in range(4):
+        cout = width * 2**stage
+        for block in range(2):
+            shapes += [(3, 3, cin, cout), (cout,), (cout,), (3, 3, cout, cout), (cout,), (cout,)]
+            if block == 0 and cin != cout:
+                shapes += [(1, 1, cin, cout), (cout,), (cout,)]
+            cin = cout
+    shapes += [(cin, num_classes), (num_classes,)]
+    return shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def layout_shapes(layout: str, elements: int) -> list[tuple[int, ...]]:
+    if layout == "flat":
+        return [(elements,)]
+    shapes = resnet18_shapes()
+    assert len(shapes) == 62 and sum(map(_numel, shapes)) == RESNET18_ELEMENTS
+    return shapes
+
+
+# --------------------------------------------------------------------------------- workers
+
+
+def _cases(spec: dict, backend: str) -> list[dict]:
+    cases = []
+    for layout in spec["layouts"]:
+        for dtype in spec["dtypes"]:
+            cases.append({"backend": backend, "layout": layout, "dtype": dtype})
+            if backend == "mpi4jax" and dtype == "bfloat16":
+                for variant in ("mpi4jax-allgather", "mpi4jax-rs-ag"):
+                    cases.append({"backend": variant, "layout": layout, "dtype": dtype})
+            if backend == "mpi4jax" and spec.get("baseline", True):
+                cases.append({"backend": "local-x+1", "layout": layout, "dtype": dtype})
+    return cases
+
+
+def _time_case(fn, args, spec: dict, barrier) -> tuple[object, list[float]]:
+    import jax
+
+    for _ in range(spec["warmup"]):
+        jax.block_until_ready(fn(*args))
+    times, out = [], None
+    for _ in range(spec["iters"]):
+        barrier()
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return out, times
+
+
+def _check(leaves, expected: float) -> tuple[bool, float, float]:
+    import numpy as np
+
+    lo, hi = float("inf"), float("-inf")
+    for leaf in leaves:
+        a = np.asarray(leaf).astype(np.float32)
+        lo, hi = min(lo, float(a.min())), max(hi, float(a.max()))
+    return lo == hi == expected, lo, hi
+
+
+def _run_cases(spec: dict, backend: str, rank: int, build, barrier) -> list[dict]:
+    """``build(case, shapes, np_dtype) -> (fn, args, output_leaves, expected)`` per case."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    records = []
+    for case in _cases(spec, backend):
+        shapes = layout_shapes(case["layout"], spec["elements"])
+        np_dtype = np.dtype(jnp.dtype(case["dtype"]))
+        rec = dict(case, rank=rank, tensors=len(shapes), elements=sum(map(_numel, shapes)))
+        rec["bytes"] = rec["elements"] * np_dtype.itemsize
+        try:
+            fn, args, out_leaves, expected = build(case, shapes, np_dtype)
+            t0 = time.perf_counter()
+            out, times = _time_case(fn, args, spec, barrier)
+            ok, lo, hi = _check(out_leaves(out), expected)
+            rec.update(
+                status="ok" if ok else "WRONG",
+                times_s=times,
+                result_min=lo,
+                result_max=hi,
+                case_wall_s=time.perf_counter() - t0,
+            )
+        except Exception as e:  # record and go on (e.g. an unsupported dtype)
+            rec.update(status="error", error=f"{type(e).__name__}: {e}"[:500])
+            barrier()
+        print(
+            f"[{backend} rank {rank}] {case['layout']} {case['dtype']} {case['backend']}: "
+            f"{rec['status']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        records.append(rec)
+    return records
+
+
+def worker_mpi4jax(spec: dict, result_dir: Path) -> None:
+    import jax
+    import jax.numpy as jnp
+    import mpi4jax
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    assert size == N_PROCS, f"expected {N_PROCS} MPI ranks, got {size}"
+
+    def allreduce(tree):
+        return jax.tree.map(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm), tree)
+
+    def allgather_bits(tree):
+        def one(x):
+            bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
+            got = jax.lax.bitcast_convert_type(mpi4jax.allgather(bits, comm=comm), x.dtype)
+            # Explicit f32 adds: XLA:CPU's reduce over a leading axis of 2 (.sum(0)) was ~10x
+            # slower than the whole exchange here.
+            total = got[0].astype(jnp.float32)
+            for i in range(1, size):
+                total = total + got[i].astype(jnp.float32)
+            return total.astype(x.dtype)
+
+        return jax.tree.map(one, tree)
+
+    def reduce_scatter_allgather(tree):
+        # Same algorithm as jddp's MpiComm._bf16_allreduce_sum (working tree of 2026-11-21):
+        # alltoall of uint16 bits, f32 .sum(0) of the received chunks, allgather of the sums.
+        def one(x):
+            flat = x.reshape(-1)
+            pad = (-flat.size) % size
+            chunks = jnp.pad(flat, (0, pad)).reshape(size, -1)
+            bits = jax.lax.bitcast_convert_type(chunks, jnp.uint16)
+            received = jax.lax.bitcast_convert_type(mpi4jax.alltoall(bits, comm=comm), x.dtype)
+            mine = received.astype(jnp.float32).sum(0).astype(x.dtype)
+            bits = jax.lax.bitcast_convert_type(mine, jnp.uint16)
+            total = jax.lax.bitcast_convert_type(mpi4jax.allgather(bits, comm=comm), x.dtype)
+            return total.reshape(-1)[: flat.size].reshape(x.shape)
+
+        return jax.tree.map(one, tree)
+
+    def build(case, shapes, np_dtype):
+        xs = [jnp.asarray(np.full(s, rank + 1, dtype=np_dtype)) for s in shapes]
+        if case["backend"] == "local-x+1":  # no communication: one output buffer per leaf
+            return jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t)), (xs,), list, rank + 2
+        body = {
+            "mpi4jax": allreduce,
+            "mpi4jax-allgather": allgather_bits,
+            "mpi4jax-rs-ag": reduce_scatter_allgather,
+        }[case["backend"]]
+        # Called directly (no .lower().compile(): with mpi4jax inside, a compiled object
+        # worked only on its first call).
+        return jax.jit(body), (xs,), list, EXPECTED
+
+    records = _run_cases(spec, "mpi4jax", rank, build, comm.Barrier)
+    info = {
+        "devices": [str(d) for d in jax.devices()],
+        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+    }
+    out = {"info": info, "records": records}
+    (result_dir / f"mpi4jax-rank{rank}.json").write_text(json.dumps(out))
+
+
+def worker_gloo(spec: dict, result_dir: Path, process_id: int, port: int) -> None:
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=N_PROCS, process_id=process_id)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    psum = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P("data")
+        )
+    )
+    n_barrier = [0]
+
+    def barrier():
+        n_barrier[0] += 1
+        multihost_utils.sync_global_devices(f"bench-{n_barrier[0]}")
+
+    compiled: dict[str, dict] = {}
+
+    def build(case, shapes, np_dtype):
+        xs = [
+            jax.make_array_from_process_local_data(
+                sharding, np.full((1, *s), process_id + 1, dtype=np_dtype)
+            )
+            for s in shapes
+        ]
+        assert xs[0].shape == (N_PROCS, *shapes[0])
+        # What XLA:CPU really runs: how many all-reduce ops, in which element types.
+        text = psum.lower(xs).compile().as_text()
+        ops = [
+            re.split(r" all-reduce(?:-start)?\(", ln)[0]
+            for ln in text.splitlines()
+            if re.search(r" all-reduce(?:-start)?\(", ln)
+        ]
+        compiled[f"{case['layout']}/{case['dtype']}"] = {
+            "all_reduce_ops": len(ops),
+            "element_types": sorted({t for op in ops for t in re.findall(r"(\w+)\[", op)}),
+            "promoted": "_promoted" in text,
+        }
+        return psum, (xs,), lambda out: [x.addressable_data(0) for x in out], EXPECTED
+
+    records = _run_cases(spec, "gloo", process_id, build, barrier)
+    info = {
+        "devices": [str(d) for d in jax.devices()],
+        "local_devices": [str(d) for d in jax.local_devices()],
+        "compiled_all_reduces": compiled,
+        "collectives": jax.config.jax_cpu_collectives_implementation,
+    }
+    out = {"info": info, "records": records}
+    (result_dir / f"gloo-rank{process_id}.json").write_text(json.dumps(out))
+    jax.distributed.shutdown()
+
+
+# ---------------------------------------------------------------------------------- driver
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _mpirun() -> str:
+    here = Path(sys.executable).parent / "mpirun"
+    found = str(here) if here.exists() else shutil.which("mpirun")
+    if not found:
+        raise SystemExit("bench_allreduce: no mpirun next to sys.executable or on PATH")
+    return found
+
+
+def _worker_cmd(spec_path: Path, result_dir: Path, backend: str) -> list[str]:
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        backend,
+        "--spec",
+        str(spec_path),
+        "--result-dir",
+        str(result_dir),
+    ]
+
+
+def launch_mpi4jax(spec_path: Path, result_dir: Path) -> dict:
+    cmd = [_mpirun(), "-np", str(N_PROCS), *_worker_cmd(spec_path, result_dir, "mpi4jax")]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    return {
+        "command": cmd,
+        "returncode": proc.returncode,
+        "wall_s": time.perf_counter() - t0,
+        "stderr_tail": proc.stderr[-2000:],
+    }
+
+
+def launch_gloo(spec_path: Path, result_dir: Path) -> dict:
+    port = _free_port()
+    base = _worker_cmd(spec_path, result_dir, "gloo") + ["--port", str(port)]
+    t0 = time.perf_counter()
+    logs = [open(result_dir / f"gloo-{i}.log", "w+") for i in range(N_PROCS)]
+    procs = [
+        subprocess.Popen(base + ["--process-id", str(i)], stdout=logs[i], stderr=logs[i])
+        for i in range(N_PROCS)
+    ]
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    codes: list[int | None] = [None] * N_PROCS
+    while any(c is None for c in codes) and time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes):  # one failed: don't wait for its peer
+            time.sleep(2)
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    codes = [p.returncode for p in procs]
+    tails = []
+    for f in logs:
+        f.seek(0)
+        tails.append(f.read()[-2000:])
+        f.close()
+    return {
+        "command": base + ["--process-id", "<i>"],
+        "port": port,
+        "returncodes": codes,
+        "wall_s": time.perf_counter() - t0,
+        "stderr_tail": tails,
+    }
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def combine(rank_files: list[Path]) -> tuple[list[dict], list[dict]]:
+    """One record per case: per-call time = slowest rank's; ok only if every rank checked."""
+    per_rank = [json.loads(f.read_text()) for f in rank_files]
+    infos = [r["info"] for r in per_rank]
+    out = []
+    for recs in zip(*(r["records"] for r in per_rank), strict=True):
+        r0 = recs[0]
+        rec = {k: r0[k] for k in ("backend", "layout", "dtype", "tensors", "elements", "bytes")}
+        statuses = [r["status"] for r in recs]
+        rec["status"] = statuses[0] if len(set(statuses)) == 1 else "/".join(statuses)
+        errors = [r["error"] for r in recs if "error" in r]
+        if errors:
+            rec["error"] = errors[0]
+        if all("times_s" in r for r in recs):
+            times = [max(ts) for ts in zip(*(r["times_s"] for r in recs), strict=True)]
+            med = statistics.median(times)
+            local = rec["backend"].startswith("local")
+            algbw = rec["bytes"] / med / 1e9
+            rec.update(
+                iters=len(times),
+                median_ms=med * 1e3,
+                min_ms=min(times) * 1e3,
+                max_ms=max(times) * 1e3,
+                p10_ms=_pct(times, 0.1) * 1e3,
+                p90_ms=_pct(times, 0.9) * 1e3,
+                mean_ms=statistics.fmean(times) * 1e3,
+                algbw_GBps=algbw,
+                busbw_GBps=None if local else algbw * 2 * (N_PROCS - 1) / N_PROCS,
+                times_ms=[t * 1e3 for t in times],
+                per_rank_median_ms=[statistics.median(r["times_s"]) * 1e3 for r in recs],
+                result_range=[
+                    min(r["result_min"] for r in recs),
+                    max(r["result_max"] for r in recs),
+                ],
+            )
+        out.append(rec)
+    return out, infos
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict:
+    def sh(*cmd: str) -> str | None:
+        try:
+            return subprocess.run(
+                cmd, capture_output=True, text=True, timeout=30, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    mpichversion = Path(sys.executable).parent / "mpichversion"
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "gpu": None,
+        "python": platform.python_version(),
+        "versions": {d: _version(d) for d in ("jax", "jaxlib", "mpi4jax", "mpi4py", "mpich")},
+        "mpichversion": sh(str(mpichversion)) if mpichversion.exists() else None,
+        "git_commit": sh("git", "-C", str(REPO), "rev-parse", "HEAD"),
+        "git_dirty": bool(sh("git", "-C", str(REPO), "status", "--porcelain")),
+    }
+
+
+def _output_path(arg: str | None, date: str, host: str) -> Path:
+    if arg:
+        return Path(arg)
+    host = host.split(".")[0] or "cpu2"
+    path = RESULTS_DIR / f"allreduce-{date}-{host}.json"
+    n = 2
+    while path.exists():
+        path = RESULTS_DIR / f"allreduce-{date}-{host}-run{n}.json"
+        n += 1
+    return path
+
+
+def print_table(records: list[dict]) -> None:
+    head = (
+        f"{'backend':<18} {'layout':<6} {'dtype':<8} {'MB':>7} {'median ms':>10} "
+        f"{'min ms':>8} {'p10 ms':>8} {'p90 ms':>8} {'max ms':>8} {'algbw GB/s':>10} "
+        f"{'busbw GB/s':>10}  check"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in records:
+        mb = r["bytes"] / 1e6
+        if "median_ms" not in r:
+            print(
+                f"{r['backend']:<18} {r['layout']:<6} {r['dtype']:<8} {mb:>7.1f} "
+                f"{'-':>10} {'':>8} {'':>8} {'':>8} {'':>8} {'':>10} {'':>10}  "
+                f"{r['status']}: {r.get('error', '')[:60]}"
+            )
+            continue
+        busbw = "-" if r["busbw_GBps"] is None else f"{r['busbw_GBps']:.3f}"
+        print(
+            f"{r['backend']:<18} {r['layout']:<6} {r['dtype']:<8} {mb:>7.1f} "
+            f"{r['median_ms']:>10.2f} {r['min_ms']:>8.2f} {r['p10_ms']:>8.2f} "
+            f"{r['p90_ms']:>8.2f} {r['max_ms']:>8.2f} {r['algbw_GBps']:>10.3f} "
+            f"{busbw:>10}  {r['status']}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=10, help="timed calls per case (default 10)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
+    ap.add_argument(
+        "--elements",
+        type=int,
+        default=RESNET18_ELEMENTS,
+        help="elements of the 'flat' buffer (default: ResNet-18, 11,173,962)",
+    )
+    ap.add_argument("--layouts", default="flat,leaves", help="flat and/or leaves")
+    ap.add_argument("--backends", default="mpi4jax,gloo", help="mpi4jax and/or gloo")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="float32 and/or bfloat16")
+    ap.add_argument(
+        "--no-baseline", action="store_true", help="skip the local x+1 baseline (no communication)"
+    )
+    ap.add_argument("--out", default=None, help="JSON path (default experiments/results/...)")
+    ap.add_argument("--worker", choices=["mpi4jax", "gloo"], help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    ap.add_argument("--result-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        spec = json.loads(Path(args.spec).read_text())
+        if args.worker == "mpi4jax":
+            worker_mpi4jax(spec, Path(args.result_dir))
+        else:
+            worker_gloo(spec, Path(args.result_dir), args.process_id, args.port)
+        return 0
+
+    def split(s: str, allowed: set[str]) -> list[str]:
+        items = [x.strip() for x in s.split(",") if x.strip()]
+        bad = set(items) - allowed
+        if bad or not items:
+            ap.error(f"choose from {sorted(allowed)}, got {s!r}")
+        return items
+
+    spec = {
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "elements": args.elements,
+        "layouts": split(args.layouts, {"flat", "leaves"}),
+        "dtypes": split(args.dtypes, {"float32", "bfloat16"}),
+        "baseline": not args.no_baseline,
+    }
+    if args.iters < 1 or args.warmup < 0 or args.elements < 1:
+        ap.error("--iters >= 1, --warmup >= 0, --elements >= 1")
+    backends = split(args.backends, {"mpi4jax", "gloo"})
+    started = dt.datetime.now(dt.UTC)
+    load_before = os.getloadavg()
+    records, launches, worker_info = [], {}, {}
+    with tempfile.TemporaryDirectory(prefix="bench_allreduce-") as tmp:
+        tmp_path = Path(tmp)
+        spec_path = tmp_path / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        for backend in backends:
+            print(f"running {backend} ...", file=sys.stderr, flush=True)
+            launch = launch_mpi4jax if backend == "mpi4jax" else launch_gloo
+            launches[backend] = launch(spec_path, tmp_path)
+            files = [tmp_path / f"{backend}-rank{r}.json" for r in range(N_PROCS)]
+            if not all(f.exists() for f in files):
+                print(
+                    f"{backend} failed: {json.dumps(launches[backend], indent=1)}", file=sys.stderr
+                )
+                continue
+            recs, infos = combine(files)
+            records += recs
+            worker_info[backend] = infos[0]
+            print(f"{backend}: {launches[backend]['wall_s']:.1f} s", file=sys.stderr)
+
+    machine = machine_info()
+    date = started.date().isoformat()
+    out_path = _output_path(args.out, date, machine["hostname"])
+    result = {
+        "benchmark": "allreduce",
+        "date_utc": started.isoformat(timespec="seconds"),
+        "command": [Path(sys.executable).name, *sys.argv],
+        "cwd": os.getcwd(),
+        "machine": machine,
+        "loadavg_1_5_15": {"before": load_before, "after": os.getloadavg()},
+        "processes": N_PROCS,
+        "spec": spec,
+        "notes": (
+            "time per call = slowest rank's; barrier before each timed call; inputs "
+            "already in the wire dtype; algbw = bytes/median; busbw = algbw*2(n-1)/n"
+        ),
+        "launches": launches,
+        "worker_info": worker_info,
+        "records": records,
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1) + "\n")
+    print()
+    print_table(records)
+    print(f"\nwrote {out_path}")
+    bad = [r for r in records if r["status"] not in ("ok", "error")]
+    return 1 if bad or not records else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
