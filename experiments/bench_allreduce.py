@@ -13,7 +13,7 @@ What it measures (2 processes, 1 JAX CPU device each), for each layout and wire 
   ``dist.backend=mpi`` does. mpi4jax has no MPI type for bfloat16, so for bfloat16 it also times
   ``mpi4jax-allgather``: the bf16 bits sent as uint16 with ``mpi4jax.allgather`` and summed
   locally with explicit f32 adds (for 2 processes each rank receives the same bytes as an
-  all-reduce would), and ``mpi4jax-rs-ag``: jddp's own bf16 path (``MpiComm._bf16_allreduce_sum``
+  all-reduce would), and ``mpi4jax-rs-ag``: jddp's own bf16 path (``MpiComm.bf16_allreduce_sum``
   in the working tree of 2026-11-21: ``alltoall`` of uint16 bits, f32 ``.sum(0)``, ``allgather``).
 * ``gloo``: two subprocesses joined with ``jax.distributed.initialize`` (CPU collectives =
   gloo); ``jax.jit(jax.shard_map(psum over "data"))`` on a (2, ...) array sharded over a 1-D
@@ -195,20 +195,11 @@ def worker_mpi4jax(spec: dict, result_dir: Path) -> None:
         return jax.tree.map(one, tree)
 
     def reduce_scatter_allgather(tree):
-        # Same algorithm as jddp's MpiComm._bf16_allreduce_sum (working tree of 2026-11-21):
-        # alltoall of uint16 bits, f32 .sum(0) of the received chunks, allgather of the sums.
-        def one(x):
-            flat = x.reshape(-1)
-            pad = (-flat.size) % size
-            chunks = jnp.pad(flat, (0, pad)).reshape(size, -1)
-            bits = jax.lax.bitcast_convert_type(chunks, jnp.uint16)
-            received = jax.lax.bitcast_convert_type(mpi4jax.alltoall(bits, comm=comm), x.dtype)
-            mine = received.astype(jnp.float32).sum(0).astype(x.dtype)
-            bits = jax.lax.bitcast_convert_type(mine, jnp.uint16)
-            total = jax.lax.bitcast_convert_type(mpi4jax.allgather(bits, comm=comm), x.dtype)
-            return total.reshape(-1)[: flat.size].reshape(x.shape)
+        # jddp's own bf16 path: alltoall of uint16 bits, f32 adds, allgather of the sums.
+        from jddp.comm import MpiComm
 
-        return jax.tree.map(one, tree)
+        jddp_comm = MpiComm("bfloat16")
+        return jax.tree.map(lambda x: jddp_comm.bf16_allreduce_sum(x).astype(x.dtype), tree)
 
     def build(case, shapes, np_dtype):
         xs = [jnp.asarray(np.full(s, rank + 1, dtype=np_dtype)) for s in shapes]

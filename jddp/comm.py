@@ -22,6 +22,7 @@ copied back to all local devices.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -143,13 +144,13 @@ class MpiComm(XlaComm):
 
         def reduce(x: jax.Array) -> jax.Array:
             if wire is not None and jnp.issubdtype(x.dtype, jnp.floating):
-                return (self._bf16_allreduce_sum(x) / self.process_count).astype(x.dtype)
+                return (self.bf16_allreduce_sum(x) / self.process_count).astype(x.dtype)
             total = mpi4jax.allreduce(x, op=self._MPI.SUM, comm=self.world)
             return (total / self.process_count).astype(x.dtype)
 
         return jax.tree.map(reduce, tree)
 
-    def _bf16_allreduce_sum(self, x: jax.Array) -> jax.Array:
+    def bf16_allreduce_sum(self, x: jax.Array) -> jax.Array:
         """Sum over ranks with bfloat16 on the wire: reduce-scatter then all-gather.
 
         MPI has no bfloat16 type, so values travel bit-cast to uint16; each rank sums its
@@ -166,7 +167,9 @@ class MpiComm(XlaComm):
         as_bf16 = partial(jax.lax.bitcast_convert_type, new_dtype=jnp.bfloat16)
         # Row j of what arrives is rank j's copy of this rank's chunk.
         received = mpi4jax.alltoall(as_bits(chunks), comm=self.world)
-        my_sum = as_bf16(received).astype(jnp.float32).sum(0).astype(jnp.bfloat16)
+        rows = as_bf16(received).astype(jnp.float32)
+        # Explicit adds: XLA:CPU's reduce over a short leading axis was 40x slower here.
+        my_sum = functools.reduce(jnp.add, [rows[i] for i in range(p)]).astype(jnp.bfloat16)
         gathered = mpi4jax.allgather(as_bits(my_sum), comm=self.world)
         total = as_bf16(gathered).astype(jnp.float32).reshape(-1)
         return total[: flat.size].reshape(x.shape)
