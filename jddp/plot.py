@@ -1,0 +1,172 @@
+"""Plot a run's ``metrics.jsonl`` against step, several runs overlaid.
+
+``python -m jddp.plot WORKDIR [WORKDIR ...] [--out DIR]`` writes ``loss.png``,
+``accuracy.png``, ``lr.png`` and ``throughput.png`` into ``DIR`` (default: the first
+WORKDIR's ``plots/`` folder), skipping a plot whose keys appear in no run, and prints one line
+per file written. It exits 2 with a one-line message when a WORKDIR or its ``metrics.jsonl`` is
+missing or holds no valid line; malformed lines are skipped silently.
+
+Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no display, and the
+process-wide backend is left alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+METRICS_FILE = "metrics.jsonl"
+
+# (file name, y-axis label, metric keys drawn in it)
+PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("loss.png", "loss", ("train/loss", "eval/loss")),
+    ("accuracy.png", "accuracy", ("train/accuracy", "eval/accuracy")),
+    ("lr.png", "learning rate", ("train/lr",)),
+    ("throughput.png", "images / s", ("train/img_per_s",)),
+)
+
+
+class MetricsError(ValueError):
+    """A run folder or its ``metrics.jsonl`` is missing or holds no valid line."""
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a finite float, or None (bools, strings like ``"nan"``, inf, other types)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def load_metrics(workdir: str | Path) -> list[dict]:
+    """Read ``workdir/metrics.jsonl`` and return its valid lines, in file order.
+
+    A valid line is a JSON object with a numeric ``step``; anything else (bad JSON, a non-object,
+    no step) is skipped silently.
+
+    Raises:
+        MetricsError: naming the path, when ``workdir`` is not a folder, it has no
+            ``metrics.jsonl``, or that file holds no valid line.
+    """
+    workdir = Path(workdir)
+    if not workdir.is_dir():
+        raise MetricsError(f"{workdir}: no such run folder")
+    path = workdir / METRICS_FILE
+    if not path.is_file():
+        raise MetricsError(f"{path}: no such file")
+    rows = []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and _number(row.get("step")) is not None:
+                rows.append(row)
+    if not rows:
+        raise MetricsError(f"{path}: no valid metrics line")
+    return rows
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the rows that hold a finite number under ``key``, sorted by step."""
+    points = sorted((_number(r["step"]), v) for r in rows if (v := _number(r.get(key))) is not None)
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def _labels(workdirs: Sequence[Path]) -> list[str]:
+    """Each run's folder name, or its path as given where two runs share a name."""
+    names = [p.resolve().name or str(p) for p in workdirs]
+    counts = Counter(names)
+    return [str(p) if counts[n] > 1 else n for p, n in zip(workdirs, names, strict=True)]
+
+
+def plot_runs(workdirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
+    """Plot the runs in ``workdirs`` overlaid into PNGs in ``out_dir`` and return their paths.
+
+    Every run is read (and checked) before anything is written. Train series are solid lines,
+    eval series dashed with markers, one colour per run. A plot whose keys appear in no run is
+    not written. ``out_dir`` is created if needed; existing files of the same name are replaced.
+
+    Raises:
+        MetricsError: as :func:`load_metrics`, for the first bad run folder.
+    """
+    workdirs = [Path(w) for w in workdirs]
+    runs = [load_metrics(w) for w in workdirs]
+    labels = _labels(workdirs)
+    out_dir = Path(out_dir)
+    written = []
+    for filename, ylabel, keys in PLOTS:
+        fig = Figure(figsize=(8, 5), layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        drawn = False
+        for i, (rows, label) in enumerate(zip(runs, labels, strict=True)):
+            for key in keys:
+                steps, values = _series(rows, key)
+                if not steps:
+                    continue
+                kind = key.split("/", 1)[0]
+                style = {"linestyle": "-"}
+                if kind != "train":
+                    style = {"linestyle": "--", "marker": "o", "markersize": 4}
+                ax.plot(
+                    steps,
+                    values,
+                    color=f"C{i % 10}",
+                    label=label if len(keys) == 1 else f"{label} {kind}",
+                    **style,
+                )
+                drawn = True
+        if not drawn:
+            continue
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / filename
+        fig.savefig(path, dpi=100)
+        written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point; returns the exit status (0, or 2 for a bad run folder)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jddp.plot",
+        description="Plot metrics.jsonl of one or more run folders against step (PNG).",
+    )
+    parser.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="run folder(s)")
+    parser.add_argument(
+        "--out", metavar="DIR", help="output folder (default: the first WORKDIR's plots/)"
+    )
+    args = parser.parse_args(argv)
+    out_dir = Path(args.out) if args.out else Path(args.workdirs[0]) / "plots"
+    try:
+        written = plot_runs(args.workdirs, out_dir)
+    except MetricsError as e:
+        print(f"jddp.plot: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"jddp.plot: error: cannot write to {out_dir}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    if not written:
+        print("jddp.plot: no plottable metrics; nothing written", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
