@@ -1,19 +1,73 @@
-"""Orbax checkpoints of the train state in ``workdir/checkpoints/<step>/``.
+"""Orbax checkpoints of the train state in ``workdir/checkpoints/<step>/``, verified on restore.
 
 Orbax writes each step to a temporary folder and renames it when complete, so a crash during a
 save never leaves a half checkpoint under a step name. Saves are asynchronous: training goes on
 while the previous save is written; :meth:`Checkpoints.close` waits for the last one.
+
+Every checkpoint also holds a manifest: each state leaf's path, shape, dtype and CRC-32. On
+resume the newest checkpoint whose files restore *and* whose restored values match the manifest
+is used; a damaged one is named in a warning and skipped. A checkpoint written for another model
+(different leaf paths or shapes) is refused with the first mismatch named.
 """
 
 from __future__ import annotations
 
+import shutil
+import sys
+import time
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+from jddp import distributed
+from jddp.config import ConfigError
+from jddp.mesh import to_host
 from jddp.state import TrainState
+
+
+def manifest(state: TrainState) -> list[list[Any]]:
+    """``[path, shape, dtype, crc32]`` of every leaf of ``state`` (values read on this host)."""
+    rows = []
+    flat, _ = jax.tree_util.tree_flatten_with_path(to_host(state))
+    for path, leaf in flat:
+        arr = np.asarray(leaf, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
+        rows.append(
+            [jax.tree_util.keystr(path), list(arr.shape), str(arr.dtype), zlib.crc32(arr.data)]
+        )
+    return rows
+
+
+def check_same_model(saved: list[list[Any]], like: TrainState, where: Path) -> None:
+    """Raise ``ConfigError`` naming the first leaf whose path or shape differs from ``like``."""
+    now = [(p, tuple(shape)) for p, shape, *_ in manifest_shapes(like)]
+    before = [(p, tuple(shape)) for p, shape, *_ in saved]
+    for (p_now, s_now), (p_before, s_before) in zip(now, before, strict=False):
+        if p_now != p_before or s_now != s_before:
+            raise ConfigError(
+                f"checkpoint {where} was written for a different model: {p_before} has shape "
+                f"{s_before} there but {p_now} has shape {s_now} now (use another workdir or "
+                "checkpoint.resume=false)"
+            )
+    if len(now) != len(before):
+        raise ConfigError(
+            f"checkpoint {where} was written for a different model: {len(before)} state "
+            f"arrays there, {len(now)} now (use another workdir or checkpoint.resume=false)"
+        )
+
+
+def manifest_shapes(state: TrainState) -> list[list[Any]]:
+    """``[path, shape, dtype]`` of every leaf, without reading values."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    return [[jax.tree_util.keystr(p), list(x.shape), str(x.dtype)] for p, x in flat]
+
+
+def _warn(message: str) -> None:
+    print(f"jddp: warning: {message}", file=sys.stderr, flush=True)
 
 
 class Checkpoints:
@@ -40,21 +94,21 @@ class Checkpoints:
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
-                create=True,
+                create=writes,
                 enable_async_checkpointing=async_save,
             ),
         )
 
-    def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step, or None."""
-        return self._manager.latest_step()
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
 
     def should_save(self, step: int) -> bool:
         """Whether the periodic schedule saves after optimizer step ``step``."""
         return self.every_steps > 0 and step % self.every_steps == 0
 
     def save(self, step: int, state: TrainState, config: dict[str, Any]) -> None:
-        """Start saving ``state`` (and the resolved config, for reference) as ``step``.
+        """Start saving ``state``, its manifest and the resolved config as ``step``.
 
         A no-op on processes that don't write (MPI ranks other than 0).
         """
@@ -63,17 +117,78 @@ class Checkpoints:
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config)
+                state=ocp.args.StandardSave(state),
+                manifest=ocp.args.JsonSave({"leaves": manifest(state)}),
+                config=ocp.args.JsonSave(config),
             ),
         )
 
-    def restore(self, step: int, like: TrainState) -> TrainState:
-        """Restore ``step`` with the shapes, dtypes and shardings of ``like``."""
+    def restore_newest_good(
+        self, like: TrainState, agree: Callable[[bool], bool] = lambda ok: ok
+    ) -> tuple[TrainState, int] | None:
+        """The newest checkpoint that restores and verifies, as ``(state, step)``; None if none.
+
+        ``agree(ok)`` must return True only if every process found the candidate good, so all
+        processes fall back together. Raises ``ConfigError`` for a checkpoint of another model
+        and ``RuntimeError`` when checkpoints exist but none is usable.
+        """
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-        )
-        return restored["state"]
+        steps = self.all_steps()
+        damaged: list[int] = []
+        try:
+            return self._restore_newest_good(abstract, like, steps, damaged, agree)
+        finally:
+            if damaged:
+                self._set_aside(damaged, agree)
+
+    def _set_aside(self, damaged: list[int], agree: Callable[[bool], bool]) -> None:
+        # Keep damaged checkpoints (nothing written is deleted) but out of the step namespace,
+        # so a later save of the same step is not skipped as "already there".
+        if self.writes and distributed.process_index() == 0:
+            aside = self.directory.parent / "checkpoints-damaged"
+            aside.mkdir(exist_ok=True)
+            for step in damaged:
+                target = aside / f"{step}-{int(time.time())}"
+                shutil.move(str(self.directory / str(step)), str(target))
+                _warn(f"moved damaged checkpoint {self.directory / str(step)} to {target}")
+        agree(True)  # everyone waits for the move before looking at the folder again
+        self._manager.reload()
+
+    def _restore_newest_good(self, abstract, like, steps, damaged, agree):
+        for step in reversed(steps):
+            where = self.directory / str(step)
+            state, problem = None, None
+            try:
+                saved = self._manager.restore(
+                    step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
+                )["manifest"]["leaves"]
+            except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
+                saved, problem = None, f"its manifest cannot be read ({_short(e)})"
+            if saved is not None:
+                check_same_model(saved, like, where)
+                try:
+                    state = self._manager.restore(
+                        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+                    )["state"]
+                    bad = [a[0] for a, b in zip(saved, manifest(state), strict=True) if a != b]
+                    if bad:
+                        problem = f"{len(bad)} arrays differ from their checksums, e.g. {bad[0]}"
+                except Exception as e:  # noqa: BLE001
+                    problem = f"it cannot be restored ({_short(e)})"
+            if agree(problem is None):
+                return state, step
+            damaged.append(step)
+            _warn(
+                f"checkpoint {where} is damaged: {problem or 'on another process'}; "
+                "falling back to an older one"
+            )
+        if steps:
+            raise RuntimeError(
+                f"no usable checkpoint in {self.directory}: all {len(steps)} are damaged (moved "
+                f"to {self.directory.parent / 'checkpoints-damaged'}); rerun to start from step "
+                "0, or repair them by hand"
+            )
+        return None
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is on disk."""
@@ -83,3 +198,8 @@ class Checkpoints:
         """Finish pending saves and release the manager."""
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _short(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}"

@@ -86,6 +86,11 @@ class TrainConfig:
         "float32", "compute dtype; parameters and BatchNorm statistics stay float32"
     )
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss")
+    on_nonfinite: Literal["halt", "skip"] = _f(
+        "halt",
+        "a step with a non-finite loss/gradient: halt (error, exit 1, last checkpoint kept) or "
+        "skip (drop that update on every replica; counted in train/skipped_steps)",
+    )
 
 
 @dataclass
@@ -243,6 +248,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):

@@ -22,6 +22,7 @@ class TrainState:
     params: nnx.State
     batch_stats: nnx.State
     opt_state: optax.OptState
+    skipped_steps: jax.Array  # steps whose update was dropped for a non-finite loss/gradient
 
 
 @flax.struct.dataclass
@@ -56,5 +57,6 @@ def create_train_state(
         params=params,
         batch_stats=batch_stats,
         opt_state=tx.init(params),
+        skipped_steps=jnp.zeros((), jnp.int32),
     )
     return put_replicated(model_def, mesh), put_replicated(state, mesh)

@@ -49,6 +49,14 @@ def cross_entropy_loss(label_smoothing: float = 0.0) -> LossFn:
     return loss_fn
 
 
+STOP_KEY = "sys/stop"  # per-row stop request in a batch; > 0 in the metrics if any process asked
+NONFINITE_KEY = "train/nonfinite"  # 1.0 when this step's update was dropped
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
 def _to_varying(tree: Any) -> Any:
     return jax.lax.pcast(tree, DATA_AXIS, to="varying")
 
@@ -69,8 +77,11 @@ def make_train_step(
     ``batch`` holds ``images`` [B,H,W,C] and ``labels`` [B] sharded over ``data``; B is the
     global batch. Each device splits its slice into ``grad_accum_steps`` micro-batches, sums
     their gradients, and the averaged gradient is applied once. Returned metrics are means
-    over the whole global batch: ``train/loss``, ``train/accuracy`` (and ``train/lr``).
-    The state argument is donated.
+    over the whole global batch: ``train/loss``, ``train/accuracy``, ``train/nonfinite`` (1
+    when the update was dropped because the loss or a gradient was not finite),
+    ``train/skipped_steps`` (and ``train/lr``). An optional ``batch["sys/stop"]`` (one flag per
+    row, each process filling its rows) comes back as ``metrics["sys/stop"] > 0`` when any
+    process asked to stop, so all processes agree on the step. The state argument is donated.
     """
     loss_fn = loss_fn or cross_entropy_loss()
 
@@ -119,23 +130,44 @@ def make_train_step(
         # BatchNorm statistics: local ones are averaged so replicas stay identical; synced ones
         # are already equal on every device and the mean leaves them as they are.
         stats = comm.average(stats)
-        metrics = comm.average({"train/loss": loss, "train/accuracy": acc})
+        metrics = {"train/loss": loss, "train/accuracy": acc}
         return grads, stats, metrics
 
+    def per_device_batch(state: TrainState, batch: Batch):
+        grads, stats, metrics = per_device(state, batch["images"], batch["labels"])
+        if STOP_KEY in batch:  # any process asking to stop: the mean over devices is > 0
+            metrics[STOP_KEY] = jnp.max(batch[STOP_KEY]).astype(jnp.float32)
+        return grads, stats, comm.average(metrics)
+
     grads_stage = jax.shard_map(
-        lambda state, batch: per_device(state, batch["images"], batch["labels"]),
-        mesh=mesh,
-        in_specs=(P(), P(DATA_AXIS)),
-        out_specs=P(),
+        per_device_batch, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P()
     )
 
     def update_stage(state: TrainState, grads, stats, metrics):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        # A non-finite loss or gradient drops the whole update, identically on every replica
+        # (all of them see the same averaged values), so the state never holds NaNs.
+        finite = jnp.isfinite(metrics["train/loss"]) & _all_finite(grads)
+        params, opt_state, stats = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state, stats),
+            (state.params, state.opt_state, state.batch_stats),
+        )
+        skipped = state.skipped_steps + (~finite).astype(jnp.int32)
+        metrics = {
+            **metrics,
+            NONFINITE_KEY: (~finite).astype(jnp.float32),
+            "train/skipped_steps": skipped,
+        }
         if schedule is not None:
-            metrics = {**metrics, "train/lr": schedule(state.step)}
+            metrics["train/lr"] = schedule(state.step)
         new_state = state.replace(
-            step=state.step + 1, params=params, batch_stats=stats, opt_state=opt_state
+            step=state.step + 1,
+            params=params,
+            batch_stats=stats,
+            opt_state=opt_state,
+            skipped_steps=skipped,
         )
         return new_state, metrics
 

@@ -1,15 +1,18 @@
 """CLI: ``python -m jddp.train --config FILE.yaml [key.sub=value ...]``.
 
 Exit codes: 0 success; 2 bad config or command line (the message names the key);
+75 preempted (SIGTERM/SIGUSR1): a checkpoint was saved, rerun the same command to continue;
 1 any other failure, with a one-line cause on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jddp import config as config_lib
+from jddp import exit_codes
 from jddp.config import ConfigError
 
 USAGE = "python -m jddp.train --config FILE.yaml [key.sub=value ...] [--print-config]"
@@ -55,20 +58,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ConfigError as e:
         print(f"jddp: error: {e}", file=sys.stderr)
-        return _stop_peers(2)
+        return _stop_peers(exit_codes.BAD_INPUT)
     except KeyboardInterrupt:
         print("jddp: interrupted", file=sys.stderr)
         return _stop_peers(130)
     except Exception as e:  # noqa: BLE001 - the CLI's contract is one line and exit 1
+        if getattr(e, "exit_code", None) == exit_codes.PREEMPTED:  # trainer.Preempted
+            return exit_codes.PREEMPTED  # every process saved and stops by itself
         cause = " ".join(str(e).split()) or type(e).__name__
         print(f"jddp: error: {type(e).__name__}: {cause}", file=sys.stderr)
-        return _stop_peers(1)
+        return _stop_peers(exit_codes.FAILURE)
 
 
 def _stop_peers(exit_code: int) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
     if "jddp.distributed" in sys.modules:
-        sys.stderr.flush()
         sys.modules["jddp.distributed"].abort_job(exit_code)
+    if exit_code == exit_codes.FAILURE and "jax" in sys.modules:
+        # After a runtime failure, skip interpreter teardown: background checkpoint threads
+        # would print tracebacks after our one line, and jax.distributed's shutdown would wait
+        # for peers that may be gone.
+        os._exit(exit_code)
     return exit_code
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,18 +16,25 @@ import numpy as np
 from flax import nnx
 
 from jddp import config as config_lib
-from jddp import distributed
+from jddp import distributed, exit_codes
 from jddp.checkpoint import Checkpoints
 from jddp.comm import XlaComm, config_fingerprint, make_comm
 from jddp.config import Config, ConfigError
-from jddp.data.loader import BatchLayout, TrainBatches, batch_layout, eval_batches
-from jddp.data.sources import Splits, load_splits
+from jddp.data.loader import BatchLayout, TrainBatches, batch_layout, eval_batches, place_batch
+from jddp.data.sources import DataError, Splits, load_splits
 from jddp.mesh import make_mesh, select_devices, to_host
 from jddp.metrics import MetricsLog, is_writer, make_progress, say
 from jddp.models import get_model_factory
 from jddp.optimizer import make_optimizer
 from jddp.state import TrainState, create_train_state
-from jddp.step import cross_entropy_loss, make_eval_step, make_train_step
+from jddp.step import (
+    NONFINITE_KEY,
+    STOP_KEY,
+    cross_entropy_loss,
+    make_eval_step,
+    make_train_step,
+)
+from jddp.workdir import WorkdirLock, prepare
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -63,15 +72,20 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
 
 def load_data(cfg: Config) -> Splits:
     """Load the data set named in ``cfg.data`` and check it against ``model.num_classes``."""
-    if cfg.data.path is not None and not Path(cfg.data.path).exists():
-        raise ConfigError(f"data.path={cfg.data.path!r} does not exist")
-    splits = load_splits(
-        cfg.data.name,
-        cfg.data.path,
-        cfg.data.image_size,
-        seed=cfg.train.seed,
-        num_classes=cfg.model.num_classes,
-    )
+    try:
+        splits = load_splits(
+            cfg.data.name,
+            cfg.data.path,
+            cfg.data.image_size,
+            seed=cfg.train.seed,
+            num_classes=cfg.model.num_classes,
+        )
+    except DataError as e:
+        # A missing path or labels beyond model.num_classes are config mistakes (exit 2); a
+        # damaged file is a runtime failure (exit 1).
+        if str(e).startswith("data.path") or "model.num_classes" in str(e):
+            raise ConfigError(str(e)) from None
+        raise
     if splits.train.num_classes > cfg.model.num_classes:
         raise ConfigError(
             f"model.num_classes={cfg.model.num_classes} is smaller than the "
@@ -106,7 +120,8 @@ def evaluate(
 
 def check_same_config(comm: XlaComm, config: dict[str, Any]) -> None:
     """Refuse to start when processes were given different configs (e.g. different seeds)."""
-    prints = comm.allgather_int(config_fingerprint(config))
+    shared = {**config, "dist": {k: v for k, v in config["dist"].items() if k != "process_id"}}
+    prints = comm.allgather_int(config_fingerprint(shared))
     differ = [rank for rank, p in enumerate(prints) if p != prints[0]]
     if differ:
         raise ConfigError(
@@ -137,6 +152,40 @@ def check_replicas_in_sync(comm: XlaComm, state: TrainState, step: int) -> None:
         )
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(Exception):
+    """The run stopped early on SIGTERM/SIGUSR1 after saving a checkpoint (exit code 75)."""
+
+    exit_code = exit_codes.PREEMPTED
+
+
+class NonFiniteLoss(RuntimeError):
+    """``train.on_nonfinite=halt`` and a step's loss or gradient was not finite."""
+
+
+class StopRequest:
+    """Records SIGTERM/SIGUSR1 (SLURM's warning before a time-out) while installed."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 @dataclass
 class RunResult:
     """What a finished run reports: final step, final eval metrics, timing, checkpoint path."""
@@ -148,13 +197,40 @@ class RunResult:
     checkpoint_dir: str
 
 
+def _agree(comm: XlaComm, ok: bool) -> bool:
+    """True on every process iff ``ok`` on every process."""
+    return all(v == 1 for v in comm.allgather_int(int(ok)))
+
+
 def train_and_evaluate(cfg: Config) -> RunResult:
-    """Train ``cfg`` to its last step (resuming from ``workdir`` if allowed), evaluate, save."""
+    """Train ``cfg`` to its last step (resuming from ``workdir`` if allowed), evaluate, save.
+
+    Raises :class:`Preempted` after saving when SIGTERM/SIGUSR1 arrives, :class:`NonFiniteLoss`
+    for a non-finite step under ``train.on_nonfinite=halt``, ``ConfigError`` for bad input.
+    """
+    comm = make_comm(cfg.dist.backend, cfg.dist.grad_allreduce_dtype)
+    check_same_config(comm, config_lib.to_dict(cfg))
+    lock = WorkdirLock(cfg.workdir)
+    problem: ConfigError | None = None
+    if is_writer():
+        try:
+            prepare(cfg.workdir)
+            lock.acquire()
+        except ConfigError as e:
+            problem = e
+    if not _agree(comm, problem is None):
+        raise problem or ConfigError(f"process 0 could not use workdir={cfg.workdir!r}")
+    try:
+        with StopRequest() as stop:
+            return _train(cfg, comm, stop)
+    finally:
+        lock.release()
+
+
+def _train(cfg: Config, comm: XlaComm, stop: StopRequest) -> RunResult:
     wall_start = time.perf_counter()
     workdir = Path(cfg.workdir)
-    comm = make_comm(cfg.dist.backend, cfg.dist.grad_allreduce_dtype)
     config_dict = config_lib.to_dict(cfg)
-    check_same_config(comm, config_dict)
     try:
         mesh = make_mesh(select_devices(cfg.dist.num_local_devices))
         layout = batch_layout(
@@ -171,7 +247,12 @@ def train_and_evaluate(cfg: Config) -> RunResult:
         )
 
     splits = load_data(cfg)
-    batches = TrainBatches(splits.train, cfg.data.global_batch_size, cfg.train.seed, mesh, layout)
+    try:
+        batches = TrainBatches(
+            splits.train, cfg.data.global_batch_size, cfg.train.seed, mesh, layout
+        )
+    except ValueError as e:  # the batch is larger than the data set
+        raise ConfigError(str(e)) from None
     steps = total_steps(cfg, batches.steps_per_epoch)
 
     model = build_model(cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1])
@@ -189,15 +270,19 @@ def train_and_evaluate(cfg: Config) -> RunResult:
         writes=comm.name == "xla" or comm.process_index == 0,
     )
     start_step = 0
-    latest = ckpts.latest_step() if cfg.checkpoint.resume else None
-    if latest is not None:
-        state = ckpts.restore(latest, state)
-        start_step = int(to_host(state.step))
-        say(f"jddp: resumed from {ckpts.directory / str(latest)} at step {start_step}")
+    if cfg.checkpoint.resume:
+        try:
+            restored = ckpts.restore_newest_good(state, agree=lambda ok: _agree(comm, ok))
+        except BaseException:
+            ckpts.close()  # orbax's background threads must stop before the interpreter does
+            raise
+        if restored is not None:
+            state, saved_step = restored
+            start_step = int(to_host(state.step))
+            say(f"jddp: resumed from {ckpts.directory / str(saved_step)} at step {start_step}")
     state = comm.broadcast_state(state, mesh)
 
     if is_writer():
-        workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.yaml").write_text(config_lib.dump(cfg))
     log = MetricsLog(workdir, resume_step=start_step)
 
@@ -220,61 +305,102 @@ def train_and_evaluate(cfg: Config) -> RunResult:
 
     global_batch = cfg.data.global_batch_size
     progress = make_progress(cfg.log.progress, steps, start_step)
-    window_start, window_steps = time.perf_counter(), 0
-    timed_images, timed_s = 0, 0.0
-    eval_metrics: dict[str, Any] = {}
-    step = start_step
+    timer = {"start": time.perf_counter(), "steps": 0, "images": 0, "seconds": 0.0}
+
+    def stop_flags() -> dict[str, jax.Array]:
+        flag = np.full(layout.rows.stop - layout.rows.start, stop.signal_name is not None)
+        return place_batch({STOP_KEY: flag.astype(np.float32)}, mesh, layout)
+
+    def after_step(step: int, metrics: dict[str, jax.Array]) -> bool:
+        """Log ``step``'s metrics (read one step late, so the device never waits for the
+        host); returns whether some process asked to stop."""
+        host = {k: float(v) for k, v in to_host(metrics).items()}
+        stop_requested = host.pop(STOP_KEY, 0.0) > 0
+        if host[NONFINITE_KEY] and cfg.train.on_nonfinite == "halt":
+            kept = ckpts.all_steps()
+            raise NonFiniteLoss(
+                f"non-finite loss or gradient at step {step} (train.on_nonfinite=halt); the "
+                f"update was not applied; last checkpoint: "
+                f"{ckpts.directory / str(kept[-1]) if kept else 'none'}"
+            )
+        if step % cfg.log.every_steps == 0 or step == steps or host[NONFINITE_KEY]:
+            if timer["steps"]:
+                dt = time.perf_counter() - timer["start"]
+                host["train/img_per_s"] = timer["steps"] * global_batch / dt
+                host["train/step_time_s"] = dt / timer["steps"]
+                if cfg.log.baseline_img_per_s:
+                    ideal = num_devices * cfg.log.baseline_img_per_s
+                    host["train/scaling_efficiency"] = host["train/img_per_s"] / ideal
+                timer["images"] += timer["steps"] * global_batch
+                timer["seconds"] += dt
+            log.write(step, host)
+            progress.set_postfix(
+                loss=f"{host['train/loss']:.4f}", img_s=f"{host.get('train/img_per_s', 0):.0f}"
+            )
+            timer["start"], timer["steps"] = time.perf_counter(), 0
+        return stop_requested
+
     try:
+        eval_metrics: dict[str, Any] = {}
+        step = start_step
+        pending: tuple[int, dict] | None = None
+        stopped = False
         for batch in batches.iterate(start_step, steps, cfg.data.prefetch_batches):
-            state, metrics = train_step(state, batch)
+            state, metrics = train_step(state, {**batch, **stop_flags()})
             step += 1
-            window_steps += 1
             if step == start_step + 1:
                 # The first step includes compilation: time it apart from throughput.
                 jax.block_until_ready(metrics)
                 now = time.perf_counter()
-                log.write(step, {"train/compile_s": now - window_start})
-                window_start, window_steps = now, 0
-            if step % cfg.log.every_steps == 0 or step == steps:
-                row = {k: float(v) for k, v in to_host(metrics).items()}
-                if window_steps:
-                    dt = time.perf_counter() - window_start
-                    row["train/img_per_s"] = window_steps * global_batch / dt
-                    row["train/step_time_s"] = dt / window_steps
-                    if cfg.log.baseline_img_per_s:
-                        ideal = num_devices * cfg.log.baseline_img_per_s
-                        row["train/scaling_efficiency"] = row["train/img_per_s"] / ideal
-                    timed_images += window_steps * global_batch
-                    timed_s += dt
-                log.write(step, row)
-                progress.set_postfix(
-                    loss=f"{row['train/loss']:.4f}", img_s=f"{row.get('train/img_per_s', 0):.0f}"
-                )
-                window_start, window_steps = time.perf_counter(), 0
+                log.write(step, {"train/compile_s": now - timer["start"]})
+                timer["start"] = now
+            else:
+                timer["steps"] += 1
+            if pending is not None and after_step(*pending):
+                stopped = True  # every process saw the same flag at the same step
+                break
+            pending = (step, metrics)
             progress.update(1)
-            if cfg.dist.check_sync_every and step % cfg.dist.check_sync_every == 0:
-                check_replicas_in_sync(comm, state, step)
             if (
                 cfg.train.eval_every_steps
                 and step % cfg.train.eval_every_steps == 0
-                and (step < steps)
+                and step < steps
             ):
                 eval_metrics = run_eval(state)
                 log.write(step, eval_metrics)
-                window_start = time.perf_counter()
+                timer["start"] = time.perf_counter()
             if ckpts.should_save(step):
                 ckpts.save(step, state, config_dict)
+        if pending is not None and not stopped:
+            stopped = after_step(*pending)
         progress.close()
+        if stopped:
+            ckpts.save(step, state, config_dict)
+            ckpts.close()
+            comm.barrier()
+            log.close()
+            say(
+                f"jddp: preempted at step {step} ({stop.signal_name or 'signal on another process'}"
+                f"); checkpoint {ckpts.directory / str(step)} saved; rerun the same command to "
+                "continue"
+            )
+            raise Preempted(step)
         eval_metrics = run_eval(state)
         log.write(step, eval_metrics)
         ckpts.save(step, state, config_dict)
         ckpts.close()
         comm.barrier()  # nobody leaves before rank 0's checkpoint is complete
-    finally:
-        progress.close()
         log.close()
 
-    img_per_s = timed_images / timed_s if timed_s else 0.0
+    except NonFiniteLoss:
+        ckpts.close()  # every process raised at the same step: finish the saves in flight
+        raise
+    except BaseException:
+        if distributed.process_count() == 1:  # with peers gone, waiting on them could hang
+            ckpts.close()
+        raise
+
+    img_per_s = timer["images"] / timer["seconds"] if timer["seconds"] else 0.0
     wall_s = time.perf_counter() - wall_start
     result = RunResult(
         step=step,

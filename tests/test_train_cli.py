@@ -80,5 +80,5 @@ def test_bad_runtime_input_exits_nonzero_with_one_line(tmp_path):
     assert out.returncode == 2
     assert "data.path" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     out = train(tmp_path / "r", "data.global_batch_size=4096", "train.steps=1")
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert "global_batch_size=4096" in out.stderr

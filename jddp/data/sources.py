@@ -391,7 +391,7 @@ class ImageFolderSource:
         if num_classes is not None and num_classes < len(self.classes):
             raise DataError(
                 f"imagefolder: {str(split_dir)!r} has {len(self.classes)} classes (largest label "
-                f"{len(self.classes) - 1}) but data.num_classes={num_classes}"
+                f"{len(self.classes) - 1}) but model.num_classes={num_classes}"
             )
         self.num_classes = len(self.classes) if num_classes is None else int(num_classes)
         self.image_shape: tuple[int, int, int] = (self.image_size, self.image_size, 3)
@@ -534,7 +534,7 @@ def _make_splits(
             f"{where_test} are {x_test.dtype}: both splits need the same dtype"
         )
     if num_classes is not None:
-        limit_name, classes = "data.num_classes", int(num_classes)
+        limit_name, classes = "model.num_classes", int(num_classes)
     elif default_num_classes is not None:
         limit_name, classes = f"{name} num_classes", int(default_num_classes)
     else:
@@ -767,7 +767,7 @@ def _cifar10(path: str | None, image_size: int | None, num_classes: int | None) 
             labels,
             10 if num_classes is None else num_classes,
             wheres[n],
-            "data.num_classes" if num_classes is not None else "cifar10 num_classes",
+            "model.num_classes" if num_classes is not None else "cifar10 num_classes",
         )
     return _make_splits(
         "cifar10",
@@ -998,7 +998,7 @@ def load_splits(
         or not isinstance(num_classes, int | np.integer)
         or num_classes <= 0
     ):
-        raise DataError(f"data.num_classes={num_classes!r} must be a positive int or None")
+        raise DataError(f"model.num_classes={num_classes!r} must be a positive int or None")
     image_size = None if image_size is None else int(image_size)
     num_classes = None if num_classes is None else int(num_classes)
     loaders: dict[str, Callable[[], Splits]] = {

@@ -1,0 +1,1107 @@
+"""Training throughput benchmark: jddp vs PyTorch DistributedDataParallel, interleaved.
+
+Usage (repo root, the project's virtualenv plus ``experiments/requirements-bench.txt``):
+
+    .venv/bin/python experiments/bench.py                  # the CPU matrix below, ~12 min here
+    .venv/bin/python experiments/bench.py --dtypes float32 --rounds 2 \\
+        --configs jddp-2x1,jddp-2x1-1t,jddp-2x1-pin,torch-ddp-2x1     # thread variants
+    .venv/bin/python experiments/bench.py --profile --dtypes float32 \\
+        --configs jddp-2x1,torch-ddp-2x1                  # where one step's time goes
+    .venv/bin/python experiments/bench.py --platform gpu --preset resnet50-imagenet \\
+        --configs jddp-1x8,jddp-8x1,torch-ddp-8x1 --peak-tflops 989   # a GPU box (not run here)
+
+Default workload: jddp's ResNet-18 with the CIFAR stem (3x3/1 conv, no max-pool), width 64, 10
+classes, synthetic 32x32x3 images, global batch 128, SGD lr 0.1 momentum 0.9 with L2 weight decay
+5e-4 added to the gradient (jddp's ``sgd``: ``optax.chain(add_decayed_weights(5e-4), sgd(0.1,
+momentum=0.9))``; PyTorch ``SGD(lr=0.1, momentum=0.9, weight_decay=5e-4)``). ``--preset
+resnet50-imagenet`` is ResNet-50, 224x224, 1000 classes, global batch 256 (GPU only: far too slow
+for a 2-core CPU).
+
+Configurations (``--configs``, comma separated; ``P`` processes):
+
+* ``jddp-PxD``: jddp, P processes x D JAX devices each (D > 1 on CPU forces D host devices with
+  ``--xla_force_host_platform_device_count``). P > 1 joins the processes with
+  ``jddp.distributed.initialize`` from the ``JDDP_*`` variables that ``python -m jddp.launch``
+  sets (CPU collectives: gloo), so the step's ``pmean`` spans every process. The step is
+  ``jddp.step.make_train_step`` (one jitted ``shard_map`` program, state donated) on
+  ``jddp.state.create_train_state``; the batch is placed with ``jddp.data.loader.place_batch``.
+* ``torch-ddp-PxT``: ``experiments/peers/torch_ddp.py``, P processes; on CPU T is the intra-op
+  threads of each process (``torch.set_num_threads``; gloo), on GPU T must be 1 (one GPU per
+  process, NCCL).
+* suffixes (combinable, e.g. ``jddp-2x1-pin-noynnconv``): ``-pin``: process i is pinned to CPU i
+  (mod the CPU count) with ``sched_setaffinity`` before jax/torch start (XLA then sizes its
+  thread pools for 1 core); ``-1t`` (jddp): ``XLA_FLAGS`` gets ``--xla_cpu_multi_thread_eigen=false
+  intra_op_parallelism_threads=1``; ``-noynnconv`` (jddp): ``XLA_FLAGS`` gets
+  ``--xla_cpu_experimental_ynn_fusion_type=-individual_convolution`` (convolutions leave
+  YNNPACK, XLA:CPU's default conv library in jax 0.10, for XLA's own conv emitter/runtime).
+
+Default ``--configs``: ``jddp-1x1,jddp-2x1,jddp-2x1-pin,torch-ddp-2x1,torch-ddp-2x1-pin``, each
+in ``--dtypes float32,bfloat16``.
+bfloat16 = jddp's ``train.precision=bfloat16`` (model and step compute dtype bf16, BatchNorm
+statistics, residual adds, head and logits in f32, parameters, gradients and the gradient
+all-reduce in f32) and ``torch.autocast(dtype=torch.bfloat16)`` for PyTorch (parameters,
+gradients, all-reduce f32).
+
+Method. Every configuration runs in its own long-lived worker processes (started by this script
+with the same environment apart from the variables named above; no ``MALLOC_*`` or
+``LD_PRELOAD`` is set for either side: glibc malloc defaults, recorded in the JSON). A group is
+started, compiled and warmed up (``--warmup`` steps) while the others wait, one at a time; then
+``--rounds`` rounds run ``--steps-per-round`` timed steps of each group in turn (A B C A B C ...,
+all groups of one dtype alive together, dtypes one after the other). Idle groups block on a
+pipe. Data loading is not timed: each rank reuses one fixed random batch (its rows of the global
+batch). A step's time is the slowest rank's wall time for ``step(state, batch)`` until the new
+state and metrics are ready (``jax.block_until_ready``; PyTorch CPU ops are synchronous, CUDA
+is synchronised). Reported: median step time (p10, p90), images/s = global batch / median,
+compile time (jddp: ``lower`` + ``compile``; PyTorch: eager, none), the first step's time, peak
+host memory (``ru_maxrss`` of each worker, read at its end), and model FLOPs per step from XLA's
+cost analysis of jddp's compiled step (``compiled.cost_analysis()["flops"]`` of the per-device
+SPMD program x devices; PyTorch runs the same model and is given the same count). MFU = achieved
+FLOP/s over ``--peak-tflops``; on CPU the default peak is an assumption: cores x clock (``cpu MHz``
+of /proc/cpuinfo) x 64 FP32 FLOP/cycle (AVX-512, two FMA units per core), used for both dtypes.
+Ratios are jddp / ``torch-ddp-<same P>x*`` images/s at the same dtype.
+
+``--profile``: instead of timing rounds, rank 0 of each group traces one step (after warm-up)
+and prints where its time goes: jddp with ``jax.profiler`` (``--xla_cpu_enable_xprof_traceme``)
+joined with the optimised HLO (``--xla_dump_to``) into per-thunk categories (conv forward,
+conv input-gradient, conv weight-gradient, transposes/copies, ...), PyTorch with
+``torch.profiler`` per aten op. Times are summed over threads.
+
+Writes ``experiments/results/<date>-<machine>.json`` (``-runN`` suffix when it exists; machine =
+``--machine`` or the host name) with the machine, versions, commit, command and every step time,
+prints a table and writes ``<same stem>-throughput.png`` (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import glob
+import importlib.metadata as md
+import json
+import os
+import platform
+import queue
+import re
+import resource
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PEERS_DIR = Path(__file__).resolve().parent / "peers"
+TAG = "@@BENCH "
+REPLY_TIMEOUT_S = 900
+DEFAULT_CONFIGS = "jddp-1x1,jddp-2x1,jddp-2x1-pin,torch-ddp-2x1,torch-ddp-2x1-pin"
+NO_YNN_CONV_XLA_FLAG = "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution"
+ONE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+ALLOCATOR_VARS = (
+    "LD_PRELOAD",
+    "MALLOC_ARENA_MAX",
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_CONF",
+    "TCMALLOC_RELEASE_RATE",
+)
+PRESETS = {
+    "resnet18-cifar": dict(
+        model="resnet18", stem="cifar", image_size=32, num_classes=10, global_batch=128
+    ),
+    "resnet50-imagenet": dict(
+        model="resnet50", stem="imagenet", image_size=224, num_classes=1000, global_batch=256
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------- configs
+@dataclass
+class Workload:
+    """What every configuration trains: model, input, batch, precision."""
+
+    model: str = "resnet18"
+    stem: str = "cifar"
+    width: int = 64
+    num_classes: int = 10
+    image_size: int = 32
+    global_batch: int = 128
+    dtype: str = "float32"
+    platform: str = "cpu"
+
+
+@dataclass
+class GroupSpec:
+    """One configuration at one dtype: its processes and their environment."""
+
+    name: str
+    framework: str  # "jddp" | "torch"
+    nproc: int
+    per_proc: int  # jddp: devices per process; torch: CPU threads (GPU: 1 device)
+    variant: str  # "" or "-"-joined suffixes: "pin", "1t", "noynnconv"
+
+    def has(self, suffix: str) -> bool:
+        return suffix in self.variant.split("-")
+
+    work: Workload
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.work.dtype}"
+
+
+CONFIG_RE = re.compile(r"^(jddp|torch-ddp)-(\d+)x(\d+)((?:-(?:1t|pin|noynnconv))*)$")
+
+
+def parse_config(name: str, work: Workload) -> GroupSpec:
+    """``jddp-2x1``, ``torch-ddp-2x1``, ``jddp-2x1-1t``, ... -> :class:`GroupSpec`."""
+    m = CONFIG_RE.match(name)
+    if not m:
+        raise ValueError(
+            f"bad config {name!r}: expected jddp-PxD or torch-ddp-PxT [-pin] [-1t] [-noynnconv]"
+        )
+    fw = "jddp" if m.group(1) == "jddp" else "torch"
+    nproc, per, variant = int(m.group(2)), int(m.group(3)), m.group(4).strip("-")
+    if nproc < 1 or per < 1:
+        raise ValueError(f"bad config {name!r}: counts must be >= 1")
+    if fw != "jddp" and {"1t", "noynnconv"} & set(variant.split("-")):
+        raise ValueError(f"{name!r}: -1t and -noynnconv are XLA flags, for jddp configs only")
+    if fw == "torch" and work.platform == "gpu" and per != 1:
+        raise ValueError(f"{name!r}: on GPU each PyTorch process drives one GPU (use -Px1)")
+    return GroupSpec(name, fw, nproc, per, variant, work)
+
+
+# ------------------------------------------------------------------------------------ worker
+def _send(msg: dict) -> None:
+    sys.stdout.write(TAG + json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+def _threads_now() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
+
+
+def _maxrss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _serve(step_once, profile_once, finish) -> None:
+    """The worker's command loop: ``run K`` | ``profile`` | ``quit`` on stdin."""
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "run":
+            times, losses = [], []
+            for _ in range(int(cmd[1])):
+                t, loss = step_once()
+                times.append(t)
+                losses.append(loss)
+            _send({"step_s": times, "loss": losses})
+        elif cmd[0] == "profile":
+            _send({"profile": profile_once()})
+        elif cmd[0] == "quit":
+            extra = finish()
+            _send({"maxrss_mib": _maxrss_mib(), "threads": _threads_now(), **extra})
+            return
+
+
+def worker_jddp(spec: dict) -> None:
+    """One jddp process: build, compile, warm up, then serve timing commands."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import jddp.comm
+    import jddp.distributed
+    import jddp.mesh
+    import jddp.models
+    import jddp.state
+    import jddp.step
+    from jddp.config import DistConfig
+    from jddp.data.loader import batch_layout, place_batch
+
+    w = Workload(**spec["work"])
+    jddp.distributed.initialize(DistConfig())
+    rank = jax.process_index()
+    dtype = jnp.bfloat16 if w.dtype == "bfloat16" else jnp.float32
+    factory = jddp.models.MODELS[w.model]
+    model = factory(
+        num_classes=w.num_classes, stem=w.stem, width=w.width, dtype=dtype, rngs=nnx.Rngs(0)
+    )
+    tx = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.1, momentum=0.9))
+    mesh = jddp.mesh.make_mesh()
+    model_def, state = jddp.state.create_train_state(model, tx, mesh)
+    step = jddp.step.make_train_step(model_def, tx, mesh, jddp.comm.XlaComm(), compute_dtype=dtype)
+    rng = np.random.default_rng(1)
+    shape = (w.global_batch, w.image_size, w.image_size, 3)
+    layout = batch_layout(mesh, w.global_batch)
+    host = {
+        "images": rng.standard_normal(shape, dtype=np.float32)[layout.rows],
+        "labels": rng.integers(0, w.num_classes, w.global_batch).astype(np.int32)[layout.rows],
+    }
+    batch = place_batch(host, mesh, layout)
+    jax.block_until_ready(batch)
+
+    t0 = time.perf_counter()
+    lowered = step.lower(state, batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+
+    box = {"state": state}
+
+    def step_once() -> tuple[float, float]:
+        t = time.perf_counter()
+        new_state, metrics = compiled(box["state"], batch)
+        jax.block_until_ready((new_state, metrics))
+        elapsed = time.perf_counter() - t
+        box["state"] = new_state
+        return elapsed, float(metrics["train/loss"])
+
+    warm = [step_once() for _ in range(spec["warmup"])]
+
+    def profile_once() -> dict:
+        trace_dir = spec["trace_dir"] + f"/rank{rank}"
+        with jax.profiler.trace(trace_dir):
+            t, _ = step_once()
+        if rank != 0:
+            return {"step_s": t}
+        return {"step_s": t, **jddp_profile_breakdown(spec["dump_dir"], trace_dir)}
+
+    _send(
+        {
+            "rank": rank,
+            "lower_s": t1 - t0,
+            "compile_only_s": t2 - t1,
+            "compile_s": t2 - t0,
+            "warmup_s": [t for t, _ in warm],
+            "warmup_loss": [loss for _, loss in warm],
+            "flops_per_device": cost.get("flops"),
+            "bytes_accessed_per_device": cost.get("bytes accessed"),
+            "devices": len(mesh.devices.flat),
+            "local_devices": len(mesh.local_devices),
+            "process_count": jax.process_count(),
+            "threads": _threads_now(),
+            "affinity": sorted(os.sched_getaffinity(0)),
+            "backend": jax.default_backend(),
+            "device_kind": jax.devices()[0].device_kind,
+        }
+    )
+
+    def finish() -> dict:
+        if jax.process_count() > 1:
+            jax.distributed.shutdown()
+        return {}
+
+    _serve(step_once, profile_once, finish)
+
+
+def worker_torch(spec: dict) -> None:
+    """One PyTorch DDP process (the peer in ``experiments/peers/torch_ddp.py``)."""
+    sys.path.insert(0, str(PEERS_DIR))
+    import torch
+    import torch.distributed as dist
+    import torch_ddp
+
+    w = Workload(**spec["work"])
+    cfg = torch_ddp.PeerConfig(
+        model=w.model,
+        stem=w.stem,
+        width=w.width,
+        num_classes=w.num_classes,
+        image_size=w.image_size,
+        global_batch=w.global_batch,
+        dtype=w.dtype,
+        device="cuda" if w.platform == "gpu" else "cpu",
+        threads=spec["threads"],
+    )
+    torch_ddp.set_threads(cfg.threads)
+    torch_ddp.init_process_group(cfg.device)
+    runner = torch_ddp.DDPRunner(cfg)
+    warm = [runner.step() for _ in range(spec["warmup"])]
+
+    def profile_once() -> dict:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t, _ = runner.step()
+        if runner.rank != 0:
+            return {"step_s": t}
+        return {"step_s": t, **torch_profile_breakdown(prof)}
+
+    _send(
+        {
+            "rank": runner.rank,
+            "compile_s": None,
+            "warmup_s": [t for t, _ in warm],
+            "warmup_loss": [loss for _, loss in warm],
+            "torch_threads": torch.get_num_threads(),
+            "torch_interop_threads": torch.get_num_interop_threads(),
+            "threads": _threads_now(),
+            "affinity": sorted(os.sched_getaffinity(0)),
+            "backend": dist.get_backend(),
+            "mkldnn": torch.backends.mkldnn.is_available(),
+        }
+    )
+
+    def finish() -> dict:
+        dist.destroy_process_group()
+        return {}
+
+    _serve(runner.step, profile_once, finish)
+
+
+# ----------------------------------------------------------------------------------- profile
+def _hlo_computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+    comps: dict[str, list[str]] = {}
+    cur, entry = None, None
+    for line in text.splitlines():
+        m = re.match(r"^(ENTRY )?%(\S+) ", line)
+        if m and line.rstrip().endswith("{"):
+            cur = m.group(2)
+            comps[cur] = []
+            if m.group(1):
+                entry = cur
+        elif cur is not None:
+            comps[cur].append(line)
+    return comps, entry
+
+
+def _classify(inst: str, comps: dict[str, list[str]]) -> str:
+    """Category of one top-level HLO instruction of the optimised step (a thunk)."""
+    called = re.search(r"calls=%([\w.\-]+)", inst)
+    body = "\n".join(comps.get(called.group(1), [])) if called else ""
+    convs = [ln for ln in (body + "\n" + inst).splitlines() if " convolution(" in ln]
+    if convs:
+        conv = convs[0]
+        if "lhs_dilate" in conv:
+            return "conv input-grad (strided)"
+        window = re.search(r"size=(\d+)x", conv)
+        if window and int(window.group(1)) >= 4:  # the weight gradient: window = feature map
+            return "conv weight-grad"
+        if "transpose(jvp" in inst or "transpose(jvp" in conv:
+            return "conv input-grad"
+        return "conv forward"
+    head = inst.split("(")[0]
+    if " dot(" in body or " dot(" in inst:
+        return "dot (fc)"
+    if "all-reduce" in head:
+        return "all-reduce"
+    if "transpose" in head or "copy" in head:
+        return "transpose/copy"
+    if " reduce(" in body or " reduce(" in inst:
+        return "reduce (BN statistics, loss)"
+    return "elementwise/other"
+
+
+def jddp_profile_breakdown(dump_dir: str, trace_dir: str) -> dict:
+    """Thunk time per category (summed over threads) of one traced jddp step."""
+    from jax._src.lib import _profile_data
+
+    hlo_files = sorted(glob.glob(f"{dump_dir}/*jit_step*cpu_after_optimizations.txt"))
+    pb = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not hlo_files or not pb:
+        return {"error": f"no HLO dump ({len(hlo_files)}) or trace ({len(pb)})"}
+    comps, entry = _hlo_computations(Path(hlo_files[-1]).read_text())
+    kinds = {}
+    for line in comps.get(entry, []):
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
+        if m:
+            kinds[m.group(1)] = _classify(line, comps)
+    ms: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    top: collections.Counter = collections.Counter()
+    data = _profile_data.ProfileData.from_file(pb[0])
+    for plane in data.planes:
+        for line in plane.lines:
+            for ev in line.events:
+                if ev.name in kinds:
+                    ms[kinds[ev.name]] += ev.duration_ns / 1e6
+                    count[kinds[ev.name]] += 1
+                    top[f"{ev.name} [{kinds[ev.name]}]"] += ev.duration_ns / 1e6
+    ynn = sum(1 for ln in comps.get(entry, []) if "__ynn_fusion" in ln)
+    return {
+        "thread_ms_by_category": dict(ms.most_common()),
+        "ops_by_category": dict(count),
+        "top_ops_ms": dict(top.most_common(12)),
+        "ynn_fusions_in_entry": ynn,
+        "hlo_file": hlo_files[-1],
+    }
+
+
+def torch_profile_breakdown(prof) -> dict:
+    """Self CPU time per aten op (summed over threads) of one profiled PyTorch step."""
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    groups: collections.Counter = collections.Counter()
+    for e in rows:
+        name = e.key
+        if "convolution_backward" in name or "mkldnn_convolution_backward" in name:
+            cat = "conv backward (input+weight grad)"
+        elif "convolution" in name or "conv2d" in name:
+            cat = "conv forward"
+        elif "batch_norm" in name:
+            cat = "batch norm (fwd+bwd)"
+        elif "allreduce" in name.lower() or "gloo" in name.lower() or "c10d" in name:
+            cat = "DDP all-reduce / c10d"
+        elif "sgd" in name.lower() or "_foreach" in name:
+            cat = "optimizer"
+        else:
+            cat = "other"
+        groups[cat] += e.self_cpu_time_total / 1e3
+    return {
+        "self_cpu_ms_by_category": dict(groups.most_common()),
+        "top_ops_ms": {e.key: e.self_cpu_time_total / 1e3 for e in rows[:12]},
+    }
+
+
+# ------------------------------------------------------------------------------------ driver
+class Group:
+    """The running processes of one :class:`GroupSpec`, talking over pipes."""
+
+    def __init__(self, spec: GroupSpec, args: argparse.Namespace, tmp: Path):
+        self.spec = spec
+        self.procs: list[subprocess.Popen] = []
+        self.queues: list[queue.Queue] = []
+        self.logs: list[Path] = []
+        self.ready: list[dict] = []
+        self.runs: list[list[dict]] = []  # per round, per rank
+        self.profile: list[dict] = []
+        self.final: list[dict] = []
+        port = _free_port()
+        work = asdict(spec.work)
+        ncpu = os.cpu_count() or 1
+        for rank in range(spec.nproc):
+            wspec = {
+                "framework": spec.framework,
+                "work": work,
+                "warmup": args.warmup,
+                "threads": spec.per_proc,
+                "trace_dir": str(tmp / f"trace-{spec.name}-{spec.work.dtype}"),
+                "dump_dir": str(tmp / f"hlo-{spec.name}-{spec.work.dtype}-r{rank}"),
+            }
+            env = worker_env(spec, rank, port, args, wspec["dump_dir"])
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", json.dumps(wspec)]
+            if spec.has("pin"):
+                cmd[2:2] = ["--_pin", str(rank % ncpu)]
+            log = tmp / f"{spec.name}-{spec.work.dtype}-rank{rank}.log"
+            self.logs.append(log)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=open(log, "w"),
+                text=True,
+                bufsize=1,
+            )
+            q: queue.Queue = queue.Queue()
+            threading.Thread(target=_pump, args=(proc, q, log), daemon=True).start()
+            self.procs.append(proc)
+            self.queues.append(q)
+
+    def replies(self) -> list[dict]:
+        out = []
+        for rank, q in enumerate(self.queues):
+            try:
+                msg = q.get(timeout=REPLY_TIMEOUT_S)
+            except queue.Empty:
+                msg = None
+            if msg is None:
+                tail = self.logs[rank].read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{self.spec.key} rank {rank} died or hung; log tail:\n{tail}")
+            out.append(msg)
+        return out
+
+    def command(self, text: str) -> list[dict]:
+        for p in self.procs:
+            p.stdin.write(text + "\n")
+            p.stdin.flush()
+        return self.replies()
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _pump(proc: subprocess.Popen, q: queue.Queue, log: Path) -> None:
+    with open(log, "a") as f:
+        for line in proc.stdout:
+            if line.startswith(TAG):
+                q.put(json.loads(line[len(TAG) :]))
+            else:
+                f.write(line)
+    q.put(None)
+
+
+def worker_env(spec: GroupSpec, rank: int, port: int, args, dump_dir: str) -> dict[str, str]:
+    """The same base environment for every worker, plus the configuration's own variables."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for key in (
+        "JDDP_COORDINATOR_ADDRESS",
+        "JDDP_NUM_PROCESSES",
+        "JDDP_PROCESS_ID",
+        "JAX_COORDINATOR_ADDRESS",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
+        env.pop(key, None)
+    xla_flags = env.get("XLA_FLAGS", "").split()
+    if spec.framework == "jddp":
+        env["JAX_PLATFORMS"] = "cuda" if spec.work.platform == "gpu" else "cpu"
+        if spec.work.platform == "cpu":
+            xla_flags = [
+                f for f in xla_flags if not f.startswith("--xla_force_host_platform_device_count")
+            ]
+            xla_flags.append(f"--xla_force_host_platform_device_count={spec.per_proc}")
+        elif spec.nproc > 1:  # one process per group of GPUs
+            first = rank * spec.per_proc
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(first, first + spec.per_proc)))
+        if spec.nproc > 1:
+            env.update(
+                JDDP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JDDP_NUM_PROCESSES=str(spec.nproc),
+                JDDP_PROCESS_ID=str(rank),
+                JDDP_LOCAL_RANK=str(rank),
+            )
+        if spec.has("1t"):
+            xla_flags += ONE_THREAD_XLA_FLAGS.split()
+        if spec.has("noynnconv"):
+            xla_flags.append(NO_YNN_CONV_XLA_FLAG)
+        if args.profile:
+            xla_flags += [
+                "--xla_cpu_enable_xprof_traceme=true",
+                f"--xla_dump_to={dump_dir}",
+                "--xla_dump_hlo_as_text",
+                "--xla_dump_hlo_module_re=.*jit_step.*",
+            ]
+        env["XLA_FLAGS"] = " ".join(xla_flags)
+    else:
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(spec.nproc),
+        )
+    env.update(spec.extra_env)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _slowest(per_rank: list[list[float]]) -> list[float]:
+    return [max(ts) for ts in zip(*per_rank, strict=True)]
+
+
+def summarise(g: Group, flops_by_dtype: dict[str, float], peak_flops: float | None) -> dict:
+    """One record per group: the slowest rank's step times and what follows from them."""
+    spec, w = g.spec, g.spec.work
+    rounds = [_slowest([r["step_s"] for r in rnd]) for rnd in g.runs]
+    times = [t for rnd in rounds for t in rnd]
+    rec = {
+        "config": spec.name,
+        "framework": spec.framework,
+        "dtype": w.dtype,
+        "processes": spec.nproc,
+        (
+            "devices_per_process" if spec.framework == "jddp" else "threads_per_process"
+        ): spec.per_proc,
+        "variant": spec.variant or None,
+        "global_batch": w.global_batch,
+        "env": {k: v for k, v in spec.extra_env.items()},
+        "xla_flags": worker_env(spec, 0, 0, argparse.Namespace(profile=False), "").get("XLA_FLAGS")
+        if spec.framework == "jddp"
+        else None,
+        "step_s_by_round": rounds,
+        "loss_rank0": [x for rnd in g.runs for x in rnd[0]["loss"]],
+        "warmup_s": _slowest([r["warmup_s"] for r in g.ready]),
+        "compile_s": max(
+            (r["compile_s"] for r in g.ready if r.get("compile_s") is not None), default=None
+        ),
+        "worker_ready": g.ready,
+        "worker_final": g.final,
+        "maxrss_mib_per_process": [r["maxrss_mib"] for r in g.final],
+    }
+    if g.profile:
+        rec["profile"] = g.profile
+    if not times:
+        return rec
+    med = statistics.median(times)
+    flops = None
+    if spec.framework == "jddp":
+        per_dev = g.ready[0].get("flops_per_device")
+        flops = per_dev * g.ready[0]["devices"] if per_dev else None
+    else:
+        flops = flops_by_dtype.get(w.dtype)
+    rec.update(
+        timed_steps=len(times),
+        median_step_s=med,
+        p10_step_s=_pct(times, 0.1),
+        p90_step_s=_pct(times, 0.9),
+        min_step_s=min(times),
+        max_step_s=max(times),
+        median_step_s_without_first_of_round=(
+            statistics.median([t for rnd in rounds for t in rnd[1:]])
+            if all(len(r) > 1 for r in rounds)
+            else None
+        ),
+        img_per_s=w.global_batch / med,
+        first_step_s=rec["warmup_s"][0] if rec["warmup_s"] else None,
+        model_flops_per_step=flops,
+        model_flops_source=(
+            "XLA cost_analysis of this step"
+            if spec.framework == "jddp"
+            else "XLA cost_analysis of jddp's step (same model, dtype and batch)"
+        )
+        if flops
+        else None,
+        achieved_gflops=flops / med / 1e9 if flops else None,
+        mfu=flops / med / peak_flops if flops and peak_flops else None,
+        step_s=times,
+    )
+    return rec
+
+
+def add_ratios(records: list[dict]) -> None:
+    """jddp images/s over PyTorch DDP's: same dtype, same process count, same variant if run."""
+    for r in records:
+        if r["framework"] != "jddp" or "img_per_s" not in r:
+            continue
+        peers = [
+            p
+            for p in records
+            if p["framework"] == "torch" and p["dtype"] == r["dtype"] and "img_per_s" in p
+        ]
+
+        def pick(procs: int, variant: str | None, peers=peers) -> list[dict]:
+            return [p for p in peers if p["processes"] == procs and p["variant"] == variant]
+
+        same = (
+            pick(r["processes"], r["variant"])
+            or pick(r["processes"], None)
+            or pick(2, r["variant"])
+            or pick(2, None)
+        )
+        if same:
+            r["ratio_vs"] = same[0]["config"]
+            r["ratio_img_per_s"] = r["img_per_s"] / same[0]["img_per_s"]
+
+
+def run_block(specs: list[GroupSpec], args, tmp: Path, log) -> list[Group]:
+    """Start every group of one block (one at a time), interleave the rounds, stop them."""
+    groups: list[Group] = []
+    try:
+        for spec in specs:
+            t = time.perf_counter()
+            log(f"start {spec.key} ({spec.nproc} proc) ...")
+            g = Group(spec, args, tmp)
+            groups.append(g)
+            g.ready = g.replies()
+            r0 = g.ready[0]
+            comp = f"compile {r0['compile_s']:.1f} s, " if r0.get("compile_s") else ""
+            warm = ", ".join(f"{x:.2f}" for x in _slowest([r["warmup_s"] for r in g.ready]))
+            log(f"  ready in {time.perf_counter() - t:.0f} s ({comp}warm-up steps {warm} s)")
+        if args.profile:
+            for g in groups:
+                g.profile = [r["profile"] for r in g.command("profile")]
+                log(f"  profiled {g.spec.key}: {json.dumps(g.profile[0])[:2000]}")
+        else:
+            for rnd in range(args.rounds):
+                for g in groups:
+                    replies = g.command(f"run {args.steps_per_round}")
+                    g.runs.append(replies)
+                    ts = ", ".join(f"{x:.2f}" for x in _slowest([r["step_s"] for r in replies]))
+                    log(f"  round {rnd + 1}/{args.rounds} {g.spec.key}: {ts} s")
+        for g in groups:
+            g.final = g.command("quit")
+    finally:
+        for g in groups:
+            for p in g.procs:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    pass
+            g.stop()
+    return groups
+
+
+# ---------------------------------------------------------------------------------- reporting
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _sh(*cmd: str) -> str | None:
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=30, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine_info(name: str | None) -> dict:
+    cpu_model, mhz = None, None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu_model is None:
+                cpu_model = line.split(":", 1)[1].strip()
+            if line.startswith("cpu MHz") and mhz is None:
+                mhz = float(line.split(":", 1)[1])
+    except OSError:
+        pass
+    flags = set()
+    try:
+        flags = set(
+            re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split()
+        )
+    except (OSError, AttributeError):
+        pass
+    mem = None
+    try:
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) / 1024**2
+    except (OSError, ValueError, IndexError):
+        pass
+    host = socket.gethostname().split(".")[0]
+    return {
+        "name": name or host or "cpu",
+        "hostname": host,
+        "platform": platform.platform(),
+        "cpu_model": cpu_model,
+        "cpu_mhz": mhz,
+        "cpu_count": os.cpu_count(),
+        "isa": sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+        "mem_gib": mem,
+        "gpus": (_sh("nvidia-smi", "-L") or "").splitlines(),
+        "python": platform.python_version(),
+        "versions": {
+            d: _version(d)
+            for d in (
+                "jax",
+                "jaxlib",
+                "flax",
+                "optax",
+                "numpy",
+                "torch",
+                "jax-cuda12-plugin",
+                "jax-cuda13-plugin",
+            )
+        },
+        "git_commit": _sh("git", "-C", str(REPO), "rev-parse", "--short", "HEAD"),
+        "git_dirty_paths": (
+            _sh("git", "-C", str(REPO), "status", "--porcelain") or ""
+        ).splitlines(),
+        "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_VARS},
+    }
+
+
+def default_peak_flops(machine: dict, platform_name: str) -> tuple[float | None, str]:
+    if platform_name != "cpu" or not machine.get("cpu_mhz"):
+        return None, "none given (--peak-tflops): achieved FLOP/s only"
+    cores, ghz = machine["cpu_count"], machine["cpu_mhz"] / 1e3
+    per_cycle = 64 if "avx512f" in machine["isa"] else 32
+    peak = cores * ghz * 1e9 * per_cycle
+    return peak, (
+        f"assumed FP32 vector peak: {cores} cores x {ghz:.2f} GHz x {per_cycle} FLOP/cycle "
+        f"({'AVX-512' if per_cycle == 64 else 'AVX2'}, 2 FMA units/core) = "
+        f"{peak / 1e9:.1f} GFLOP/s, used for both dtypes (AMX bf16 peak is far higher)"
+    )
+
+
+def print_table(records: list[dict]) -> None:
+    head = (
+        f"{'config':<16} {'dtype':<8} {'n':>2} {'step s median (p10-p90)':>25} "
+        f"{'img/s':>7} {'x torch':>7} {'compile s':>9} {'1st step s':>10} "
+        f"{'RSS MiB/proc':>12} {'GFLOP/s':>8} {'MFU':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in records:
+        if "median_step_s" not in r:
+            print(f"{r['config']:<16} {r['dtype']:<8} (no timed steps)")
+            continue
+        step = f"{r['median_step_s']:.3f} ({r['p10_step_s']:.3f}-{r['p90_step_s']:.3f})"
+        ratio = f"{r['ratio_img_per_s']:.2f}" if "ratio_img_per_s" in r else "-"
+        comp = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-"
+        rss = "/".join(f"{x:.0f}" for x in r["maxrss_mib_per_process"])
+        gf = f"{r['achieved_gflops']:.1f}" if r.get("achieved_gflops") else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        print(
+            f"{r['config']:<16} {r['dtype']:<8} {r['timed_steps']:>2} {step:>25} "
+            f"{r['img_per_s']:>7.1f} {ratio:>7} {comp:>9} {r['first_step_s']:>10.2f} "
+            f"{rss:>12} {gf:>8} {mfu:>6}"
+        )
+
+
+def plot(records: list[dict], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return False
+    recs = [r for r in records if "img_per_s" in r]
+    configs = list(dict.fromkeys(r["config"] for r in recs))
+    dtypes = list(dict.fromkeys(r["dtype"] for r in recs))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(configs) * len(dtypes)), 4.2))
+    width = 0.8 / max(len(dtypes), 1)
+    colors = {"float32": "#4C72B0", "bfloat16": "#DD8452"}
+    for j, dtype in enumerate(dtypes):
+        xs, ys, lo, hi = [], [], [], []
+        for i, c in enumerate(configs):
+            r = next((r for r in recs if r["config"] == c and r["dtype"] == dtype), None)
+            if r is None:
+                continue
+            b = r["global_batch"]
+            xs.append(i + (j - (len(dtypes) - 1) / 2) * width)
+            ys.append(r["img_per_s"])
+            lo.append(r["img_per_s"] - b / r["p90_step_s"])
+            hi.append(b / r["p10_step_s"] - r["img_per_s"])
+        bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=dtype, color=colors.get(dtype))
+        ax.bar_label(bars, fmt="%.1f", padding=2, fontsize=8)
+    ax.set_xticks(range(len(configs)), configs)
+    ax.set_ylabel("images/s (median; bars: p10-p90 step time)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def output_path(arg: str | None, date: str, machine: str) -> Path:
+    if arg:
+        return Path(arg)
+    path = RESULTS_DIR / f"{date}-{machine}.json"
+    n = 2
+    while path.exists():
+        path = RESULTS_DIR / f"{date}-{machine}-run{n}.json"
+        n += 1
+    return path
+
+
+# -------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--configs",
+        default=DEFAULT_CONFIGS,
+        help="comma-separated jddp-PxD / torch-ddp-PxT, suffixes -pin -1t -noynnconv",
+    )
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument(
+        "--steps-per-round",
+        type=int,
+        default=2,
+        help="timed steps of a group per round (default 2)",
+    )
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps after start (default 2)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="resnet18-cifar")
+    ap.add_argument("--model", choices=["resnet18", "resnet50"])
+    ap.add_argument("--stem", choices=["cifar", "imagenet"])
+    ap.add_argument("--image-size", type=int)
+    ap.add_argument("--num-classes", type=int)
+    ap.add_argument("--global-batch", type=int)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--platform", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak for MFU (default on CPU: an assumed AVX-512 FP32 peak)",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="trace one step per group instead of timing rounds"
+    )
+    ap.add_argument("--machine", default=None, help="name in the output file (default: host)")
+    ap.add_argument("--out", default=None, help="JSON path (default experiments/results/...)")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--_worker", help=argparse.SUPPRESS)
+    ap.add_argument("--_pin", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args._worker:
+        if args._pin is not None:
+            os.sched_setaffinity(0, {args._pin})
+        spec = json.loads(args._worker)
+        (worker_jddp if spec["framework"] == "jddp" else worker_torch)(spec)
+        return 0
+
+    preset = dict(PRESETS[args.preset])
+    for key in ("model", "stem", "image_size", "num_classes", "global_batch"):
+        if getattr(args, key) is not None:
+            preset[key] = getattr(args, key)
+    if args.platform == "cpu" and preset["model"] == "resnet50" and preset["image_size"] >= 160:
+        print(
+            "warning: ResNet-50 at this size takes minutes per step on a small CPU", file=sys.stderr
+        )
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or set(dtypes) - {"float32", "bfloat16"}:
+        ap.error("--dtypes: float32 and/or bfloat16")
+    if args.rounds < 1 or args.steps_per_round < 1 or args.warmup < 1:
+        ap.error("--rounds, --steps-per-round and --warmup must be >= 1")
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    try:
+        blocks = [
+            [
+                parse_config(
+                    n, Workload(**preset, width=args.width, dtype=d, platform=args.platform)
+                )
+                for n in names
+            ]
+            for d in dtypes
+        ]
+    except ValueError as e:
+        ap.error(str(e))
+
+    started = dt.datetime.now(dt.UTC)
+    machine = machine_info(args.machine)
+    peak, peak_note = (
+        (args.peak_tflops * 1e12, f"given: {args.peak_tflops} TFLOP/s")
+        if args.peak_tflops
+        else default_peak_flops(machine, args.platform)
+    )
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    load = [os.getloadavg()]
+    groups: list[Group] = []
+    failures: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="jddp-bench-") as tmp:
+        for block in blocks:
+            try:
+                groups += run_block(block, args, Path(tmp), log)
+            except (RuntimeError, OSError) as e:  # keep the blocks that finished
+                log(f"block {[s.key for s in block]} failed: {e}")
+                failures.append({"block": [s.key for s in block], "error": str(e)[-4000:]})
+            load.append(os.getloadavg())
+    flops_by_dtype = {}
+    for g in groups:
+        if g.spec.framework == "jddp" and g.ready and g.ready[0].get("flops_per_device"):
+            flops_by_dtype.setdefault(
+                g.spec.work.dtype, g.ready[0]["flops_per_device"] * g.ready[0]["devices"]
+            )
+    records = [summarise(g, flops_by_dtype, peak) for g in groups]
+    add_ratios(records)
+
+    date = started.date().isoformat()
+    out = output_path(args.out, date, machine["name"])
+    result = {
+        "benchmark": "train-throughput",
+        "date_utc": started.isoformat(timespec="seconds"),
+        "wall_s": time.perf_counter() - t_start,
+        "command": shlex.join(
+            [
+                ".venv/bin/python",
+                "experiments/bench.py",
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
+        "machine": machine,
+        "workload": preset | {"width": args.width, "platform": args.platform},
+        "method": {
+            "rounds": args.rounds,
+            "steps_per_round": args.steps_per_round,
+            "warmup": args.warmup,
+            "profile": args.profile,
+            "interleaving": "groups of one dtype alive together, A B C A B C ...; dtypes in turn",
+            "step_time": "slowest rank's wall time of step(state, batch) until outputs ready",
+            "data": "one fixed random batch per rank, reused; loading not timed",
+            "allocator": "same environment for every worker; no MALLOC_*/LD_PRELOAD set by the "
+            "benchmark (see machine.allocator_env): glibc malloc defaults",
+            "peak_flops": peak,
+            "peak_note": peak_note,
+        },
+        "loadavg_1_5_15": load,
+        "records": records,
+        "failures": failures,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print()
+    print(
+        f"{machine['name']}: {machine['cpu_model']} x{machine['cpu_count']}, "
+        f"jax {machine['versions']['jax']}, torch {machine['versions']['torch']}, "
+        f"commit {machine['git_commit']}; {preset['model']} {preset['stem']} "
+        f"{preset['image_size']}px, global batch {preset['global_batch']}"
+    )
+    print(f"MFU peak: {peak_note}")
+    print_table(records)
+    for r in records:
+        if "ratio_img_per_s" in r:
+            print(
+                f"ratio {r['config']}/{r['dtype']} vs {r['ratio_vs']}/{r['dtype']}: "
+                f"{r['ratio_img_per_s']:.2f}x images/s"
+            )
+    if args.profile:
+        for r in records:
+            for rank0 in r.get("profile", [])[:1]:
+                cats = rank0.get("thread_ms_by_category") or rank0.get("self_cpu_ms_by_category")
+                print(
+                    f"\n{r['config']}/{r['dtype']} rank 0 traced step {rank0['step_s']:.2f} s; "
+                    "ms summed over threads:"
+                )
+                for k, v in (cats or {}).items():
+                    print(f"  {k:<36} {v:9.1f}")
+    print(f"\nwrote {out}")
+    if not args.no_plot and not args.profile and any("img_per_s" in r for r in records):
+        png = out.with_name(out.stem + "-throughput.png")
+        title = (
+            f"{preset['model']} {preset['stem']} {preset['image_size']}px, global batch "
+            f"{preset['global_batch']}, {machine['name']} ({machine['cpu_count']} CPUs), "
+            f"{date}, commit {machine['git_commit']}"
+        )
+        if plot(records, png, title):
+            print(f"wrote {png}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""PyTorch DistributedDataParallel peer of jddp: same ResNet, same optimizer, synthetic data.
+
+Usage (repo root; needs ``pip install -r experiments/requirements-bench.txt``):
+
+    .venv/bin/python experiments/peers/torch_ddp.py [--nproc 2] [--threads 1]
+        [--steps 8] [--warmup 2] [--dtype float32|bfloat16] [--global-batch 128]
+        [--model resnet18|resnet50] [--stem cifar|imagenet] [--image-size 32]
+        [--width 64] [--num-classes 10] [--device cpu|cuda] [--channels-last]
+
+It starts ``--nproc`` processes itself with ``torch.multiprocessing`` (``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set like ``torchrun`` does). Run under
+``torchrun`` (those variables already set) it is one worker and starts nothing. Process group:
+gloo on CPU, NCCL on CUDA (one GPU per process, ``cuda:LOCAL_RANK``).
+
+What a step is: ``zero_grad`` -> forward -> cross-entropy -> ``backward`` (DDP all-reduces the
+gradient buckets, averaged over ranks, overlapped with the backward pass) -> ``SGD.step``.
+The model is written out here (torchvision has no CPU build for this torch): torchvision's
+ResNet layout (``conv1/bn1/layer1..4/fc``, BasicBlock for ResNet-18, Bottleneck v1.5 for
+ResNet-50), with jddp's options: ``stem="cifar"`` is a 3x3/1 conv with no max-pool, BatchNorm
+momentum 0.1 (= flax 0.9) and eps 1e-5, conv init kaiming_normal(fan_out), last BN of each block
+zero-initialised (jddp's ``zero_init_residual=True``). Optimizer: ``SGD(lr=0.1, momentum=0.9,
+weight_decay=5e-4)``, i.e. jddp's ``optax.chain(add_decayed_weights(5e-4), sgd(0.1, 0.9))``
+(weight decay on every parameter, added to the gradient before momentum).
+
+``bfloat16`` is ``torch.autocast(device_type, dtype=torch.bfloat16)`` around forward and loss
+(parameters, gradients and the all-reduce stay float32, as in jddp).
+
+Data: one fixed random batch per rank (``global_batch // world`` images, NCHW float32, labels
+in ``[0, num_classes)``) reused every step; loading is not timed (jddp's benchmark does the
+same). Threads: ``torch.set_num_threads(--threads)`` and ``set_num_interop_threads(1)`` in every
+worker; use 1 thread per process when 2 processes share 2 cores.
+
+Timing: wall time of each step (CPU ops are synchronous; on CUDA a ``synchronize`` ends the
+step). A step's time is the slowest rank's (``all_reduce(MAX)`` over the recorded times after
+the loop). Rank 0 prints one JSON line: per-step times, losses, ``ru_maxrss`` of every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ------------------------------------------------------------------------------------- model
+def _conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+
+
+def _conv1x1(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock: two 3x3 convs, projection shortcut when the shape changes."""
+
+    expansion = 1
+
+    def __init__(self, cin: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = _conv3x3(cin, planes, stride)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = _conv3x3(planes, planes)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = None
+        if stride != 1 or cin != planes:
+            self.downsample = nn.Sequential(_conv1x1(cin, planes, stride), nn.BatchNorm2d(planes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class Bottleneck(nn.Module):
+    """torchvision's Bottleneck v1.5 (stride on the 3x3 conv), expansion 4."""
+
+    expansion = 4
+
+    def __init__(self, cin: int, planes: int, stride: int = 1):
+        super().__init__()
+        cout = planes * self.expansion
+        self.conv1 = _conv1x1(cin, planes)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = _conv3x3(planes, planes, stride)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = _conv1x1(planes, cout)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(_conv1x1(cin, cout, stride), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+ARCHS = {"resnet18": (BasicBlock, (2, 2, 2, 2)), "resnet50": (Bottleneck, (3, 4, 6, 3))}
+
+
+class ResNet(nn.Module):
+    """torchvision ResNet with a ``cifar`` (3x3/1 conv, no max-pool) or ``imagenet`` stem."""
+
+    def __init__(
+        self, arch: str = "resnet18", num_classes: int = 10, stem: str = "cifar", width: int = 64
+    ):
+        super().__init__()
+        block, sizes = ARCHS[arch]
+        if stem == "cifar":
+            self.conv1 = nn.Conv2d(3, width, 3, stride=1, padding=1, bias=False)
+            self.maxpool = nn.Identity()
+        else:
+            self.conv1 = nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False)
+            self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        cin = width
+        for i, n in enumerate(sizes):
+            planes = width * 2**i
+            layers = []
+            for j in range(n):
+                layers.append(block(cin, planes, 2 if i > 0 and j == 0 else 1))
+                cin = planes * block.expansion
+            setattr(self, f"layer{i + 1}", nn.Sequential(*layers))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        for m in self.modules():  # zero_init_residual=True, as jddp's default
+            if isinstance(m, Bottleneck):
+                nn.init.zeros_(m.bn3.weight)
+            elif isinstance(m, BasicBlock):
+                nn.init.zeros_(m.bn2.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+# ------------------------------------------------------------------------------------ runner
+@dataclass
+class PeerConfig:
+    """One DDP run: model, batch, precision, device and threads."""
+
+    model: str = "resnet18"
+    stem: str = "cifar"
+    width: int = 64
+    num_classes: int = 10
+    image_size: int = 32
+    global_batch: int = 128
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 1
+    channels_last: bool = False
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    seed: int = 0
+
+
+class DDPRunner:
+    """A joined DDP worker: ``step()`` runs one timed training step and returns (seconds, loss).
+
+    Call :func:`init_process_group` first (or run under ``torchrun``).
+    """
+
+    def __init__(self, cfg: PeerConfig):
+        self.cfg = cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if cfg.global_batch % self.world:
+            raise ValueError(f"global batch {cfg.global_batch} not divisible by {self.world}")
+        if cfg.device == "cuda":
+            local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        model = ResNet(cfg.model, cfg.num_classes, cfg.stem, cfg.width).to(self.device)
+        self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+        model = model.to(memory_format=self.memory_format)
+        ids = [self.device.index] if cfg.device == "cuda" else None
+        self.model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        self.opt = torch.optim.SGD(
+            self.model.parameters(),
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+        )
+        gen = torch.Generator().manual_seed(cfg.seed + 1 + self.rank)
+        local = cfg.global_batch // self.world
+        shape = (local, 3, cfg.image_size, cfg.image_size)
+        images = torch.randn(shape, generator=gen)
+        labels = torch.randint(0, cfg.num_classes, (local,), generator=gen)
+        self.images = images.to(self.device).contiguous(memory_format=self.memory_format)
+        self.labels = labels.to(self.device)
+        self.autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else None
+        self.model.train()
+
+    def step(self) -> tuple[float, float]:
+        """One training step; returns (wall seconds on this rank, this rank's loss)."""
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast(
+            self.device.type,
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+        ):
+            logits = self.model(self.images)
+            loss = F.cross_entropy(logits.float(), self.labels)
+        loss.backward()
+        self.opt.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        return dt, float(loss.detach())
+
+    def slowest(self, values: list[float]) -> list[float]:
+        """Element-wise maximum over ranks of this rank's per-step ``values``."""
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.cfg.device == "cuda":
+            t = t.to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.cpu().tolist()
+
+    def gather(self, value: float) -> list[float]:
+        """``value`` from every rank, in rank order."""
+        t = torch.zeros(self.world, dtype=torch.float64)
+        t[self.rank] = value
+        if self.cfg.device == "cuda":
+            t = t.to(self.device)
+        dist.all_reduce(t)
+        return t.cpu().tolist()
+
+
+def set_threads(threads: int) -> None:
+    """Intra-op threads of this process (inter-op pool: 1); call before any torch work."""
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already started (second call in the same process)
+        pass
+
+
+def init_process_group(device: str) -> None:
+    """Join the group from torchrun-style variables: gloo on CPU, NCCL on CUDA."""
+    dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+
+
+def maxrss_mib() -> float:
+    """Peak resident set size of this process (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_worker(cfg: PeerConfig, steps: int, warmup: int) -> dict | None:
+    """Join, train ``warmup + steps`` steps, return the record on rank 0 (None elsewhere)."""
+    set_threads(cfg.threads)
+    init_process_group(cfg.device)
+    try:
+        runner = DDPRunner(cfg)
+        times, losses = [], []
+        for _ in range(warmup + steps):
+            dt, loss = runner.step()
+            times.append(dt)
+            losses.append(loss)
+        times = runner.slowest(times)
+        rss = runner.gather(maxrss_mib())
+        if runner.rank != 0:
+            return None
+        return {
+            "config": asdict(cfg),
+            "world_size": runner.world,
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "warmup_s": times[:warmup],
+            "step_s": times[warmup:],
+            "loss_rank0": losses,
+            "maxrss_mib": rss,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(local_rank: int, world: int, port: int, cfg: PeerConfig, steps: int, warmup: int):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world),
+    )
+    record = run_worker(cfg, steps, warmup)
+    if record is not None:
+        print(json.dumps(record), flush=True)
+
+
+def free_port() -> int:
+    """A localhost TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--global-batch", type=int, default=128)
+    p.add_argument("--model", choices=sorted(ARCHS), default="resnet18")
+    p.add_argument("--stem", choices=["cifar", "imagenet"], default="cifar")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--num-classes", type=int, default=10)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--channels-last", action="store_true")
+    a = p.parse_args(argv)
+    cfg = PeerConfig(
+        model=a.model,
+        stem=a.stem,
+        width=a.width,
+        num_classes=a.num_classes,
+        image_size=a.image_size,
+        global_batch=a.global_batch,
+        dtype=a.dtype,
+        device=a.device,
+        threads=a.threads,
+        channels_last=a.channels_last,
+    )
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: one worker
+        record = run_worker(cfg, a.steps, a.warmup)
+        if record is not None:
+            print(json.dumps(record), flush=True)
+        return
+    mp.spawn(_spawned, args=(a.nproc, free_port(), cfg, a.steps, a.warmup), nprocs=a.nproc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Fault tolerance: exact resume after SIGKILL, resume on another topology, preemption,
+damaged checkpoints, dead peers, non-finite losses, workdir locks."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "model.width=4",
+    "model.sync_batchnorm=true",
+    "data.name=synthetic",
+    "data.image_size=8",
+    "data.global_batch_size=16",
+    "optim.schedule=constant",
+    "optim.lr=0.05",
+    "log.every_steps=1",
+    "log.progress=off",
+]
+
+
+def cmd_train(workdir, *overrides):
+    return [sys.executable, "-m", "jddp.train", f"workdir={workdir}", *TINY, *overrides]
+
+
+def cmd_launch(nproc, devices, workdir, *overrides):
+    return [
+        sys.executable,
+        "-m",
+        "jddp.launch",
+        "--nproc",
+        str(nproc),
+        "--devices-per-proc",
+        str(devices),
+        "--",
+        *cmd_train(workdir, *overrides),
+    ]
+
+
+def run(cmd, env=None, timeout=600):
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def losses(workdir):
+    rows = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def steps_saved(workdir):
+    d = Path(workdir) / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def wait_for(predicate, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """2 processes x 2 devices, 16 steps, uninterrupted."""
+    wd = tmp_path_factory.mktemp("straight") / "run"
+    out = run(cmd_launch(2, 2, wd, "train.steps=16", "checkpoint.every_steps=4"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return wd
+
+
+def test_exact_resume_after_sigkill(tmp_path, straight):
+    wd = tmp_path / "run"
+    args = cmd_launch(2, 2, wd, "train.steps=16", "checkpoint.every_steps=4")
+    job = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    # Kill every process of the job with SIGKILL once the first checkpoint exists.
+    assert wait_for(lambda: steps_saved(wd), 300), "no checkpoint appeared"
+    os.killpg(job.pid, signal.SIGKILL)
+    for line in subprocess.run(
+        ["pgrep", "-f", str(wd)], capture_output=True, text=True
+    ).stdout.split():
+        os.kill(int(line), signal.SIGKILL)
+    job.wait()
+    resumed_from = steps_saved(wd)[-1]
+    out = run(args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"at step {resumed_from}" in out.stdout
+    got, want = losses(wd), losses(straight)
+    assert sorted(got) == list(range(1, 17))
+    for step in range(resumed_from + 1, 17):
+        assert got[step] == want[step], step  # bitwise
+
+
+@pytest.mark.parametrize("nproc, devices", [(1, 4), (1, 1)])
+def test_resume_on_another_topology(tmp_path, straight, nproc, devices):
+    wd = tmp_path / "run"
+    src = Path(straight) / "checkpoints" / "8"
+    (wd / "checkpoints").mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(src), str(wd / "checkpoints" / "8")], check=True)
+    out = run(cmd_launch(nproc, devices, wd, "train.steps=12"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "at step 8" in out.stdout
+    got, want = losses(wd), losses(straight)
+    for step in range(9, 13):
+        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_saves_and_exits(tmp_path, sig):
+    wd = tmp_path / "run"
+    job = subprocess.Popen(
+        cmd_launch(2, 1, wd, "train.steps=100000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert wait_for(lambda: (wd / "metrics.jsonl").exists() and len(losses(wd)) >= 3, 300)
+    ranks = [
+        int(p)
+        for p in subprocess.run(
+            ["pgrep", "-f", f"workdir={wd}"], capture_output=True, text=True
+        ).stdout.split()
+        if int(p) != job.pid
+    ]
+    assert len(ranks) == 2
+    start = time.monotonic()
+    os.kill(max(ranks), sig)  # one rank only: the other must learn it through the step
+    out, err = job.communicate(timeout=60)
+    assert time.monotonic() - start < 30
+    assert job.returncode == 75, err[-3000:]
+    saved = steps_saved(wd)
+    assert saved and "preempted at step" in out
+    stopped = int(out.split("preempted at step ")[1].split()[0])
+    assert saved[-1] == stopped
+    if sig == signal.SIGUSR1:  # the rerun continues from there (once is enough for CI time)
+        again = run(cmd_launch(2, 1, wd, f"train.steps={stopped + 2}"))
+        assert again.returncode == 0 and f"at step {stopped}" in again.stdout
+
+
+def test_dead_peer_stops_the_job(tmp_path):
+    wd = tmp_path / "run"
+    job = subprocess.Popen(
+        cmd_launch(2, 1, wd, "train.steps=100000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert wait_for(lambda: (wd / "metrics.jsonl").exists() and len(losses(wd)) >= 2, 300)
+    pids = subprocess.run(
+        ["pgrep", "-f", f"workdir={wd}"], capture_output=True, text=True
+    ).stdout.split()
+    ranks = [int(p) for p in pids if int(p) != job.pid]
+    start = time.monotonic()
+    os.kill(max(ranks), signal.SIGKILL)
+    _, err = job.communicate(timeout=90)
+    assert time.monotonic() - start < 60
+    assert job.returncode != 0 and "killed by signal SIGKILL" in err
+
+
+def test_dead_peer_without_launcher_times_out(tmp_path):
+    """Plain processes (no launcher): the survivor stops after dist.heartbeat_timeout_s."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    wd = tmp_path / "run"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    common = [
+        "train.steps=100000",
+        f"dist.coordinator_address=localhost:{port}",
+        "dist.num_processes=2",
+        "dist.heartbeat_timeout_s=10",
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd_train(wd, *common, f"dist.process_id={i}"),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    assert wait_for(lambda: (wd / "metrics.jsonl").exists() and len(losses(wd)) >= 2, 300)
+    start = time.monotonic()
+    procs[1].kill()
+    try:
+        procs[0].wait(timeout=90)
+    finally:
+        procs[0].kill()
+    assert time.monotonic() - start < 60
+    assert procs[0].returncode != 0
