@@ -633,7 +633,7 @@ def _slowest(per_rank: list[list[float]]) -> list[float]:
     return [max(ts) for ts in zip(*per_rank, strict=True)]
 
 
-def summarise(g: Group, flops_by_dtype: dict[str, float], peak_flops: float | None) -> dict:
+def summarise(g: Group, flops_by_dtype: dict[str, float]) -> dict:
     """One record per group: the slowest rank's step times and what follows from them."""
     spec, w = g.spec, g.spec.work
     rounds = [_slowest([r["step_s"] for r in rnd]) for rnd in g.runs]
@@ -696,14 +696,24 @@ def summarise(g: Group, flops_by_dtype: dict[str, float], peak_flops: float | No
         if flops
         else None,
         achieved_gflops=flops / med / 1e9 if flops else None,
-        mfu=flops / med / peak_flops if flops and peak_flops else None,
         step_s=times,
     )
     return rec
 
 
+def derive(records: list[dict], peak_by_dtype: dict[str, float | None]) -> None:
+    """Fields computed from the measured ones: MFU and the jddp / PyTorch ratios."""
+    for r in records:
+        peak = peak_by_dtype.get(r["dtype"])
+        gflops = r.get("achieved_gflops")
+        r["mfu"] = gflops * 1e9 / peak if gflops and peak else None
+        r.pop("ratio_vs", None)
+        r.pop("ratio_img_per_s", None)
+    add_ratios(records)
+
+
 def add_ratios(records: list[dict]) -> None:
-    """jddp images/s over PyTorch DDP's: same dtype, same process count, same variant if run."""
+    """jddp images/s over PyTorch DDP's: same dtype and process count, pinned if jddp is."""
     for r in records:
         if r["framework"] != "jddp" or "img_per_s" not in r:
             continue
@@ -716,12 +726,9 @@ def add_ratios(records: list[dict]) -> None:
         def pick(procs: int, variant: str | None, peers=peers) -> list[dict]:
             return [p for p in peers if p["processes"] == procs and p["variant"] == variant]
 
-        same = (
-            pick(r["processes"], r["variant"])
-            or pick(r["processes"], None)
-            or pick(2, r["variant"])
-            or pick(2, None)
-        )
+        # PyTorch variants are only "pin" or none; jddp's XLA-flag suffixes have no peer.
+        want = "pin" if "pin" in (r["variant"] or "").split("-") else None
+        same = pick(r["processes"], want) or pick(2, want) or pick(r["processes"], None)
         if same:
             r["ratio_vs"] = same[0]["config"]
             r["ratio_img_per_s"] = r["img_per_s"] / same[0]["img_per_s"]
@@ -846,13 +853,21 @@ def default_peak_flops(machine: dict, platform_name: str) -> tuple[float | None,
     return peak, (
         f"assumed FP32 vector peak: {cores} cores x {ghz:.2f} GHz x {per_cycle} FLOP/cycle "
         f"({'AVX-512' if per_cycle == 64 else 'AVX2'}, 2 FMA units/core) = "
-        f"{peak / 1e9:.1f} GFLOP/s, used for both dtypes (AMX bf16 peak is far higher)"
+        f"{peak / 1e9:.1f} GFLOP/s; MFU for float32 only (bfloat16 runs on AMX/AVX512-BF16 "
+        "units with a far higher, unknown peak: achieved GFLOP/s only)"
     )
+
+
+def peak_by_dtype(peak: float | None, given: bool, platform_name: str) -> dict:
+    """The assumed CPU FP32 peak applies to float32 only; a given peak to both dtypes."""
+    if given or platform_name != "cpu":
+        return {"float32": peak, "bfloat16": peak}
+    return {"float32": peak, "bfloat16": None}
 
 
 def print_table(records: list[dict]) -> None:
     head = (
-        f"{'config':<16} {'dtype':<8} {'n':>2} {'step s median (p10-p90)':>25} "
+        f"{'config':<22} {'dtype':<8} {'n':>2} {'step s median (p10-p90)':>25} "
         f"{'img/s':>7} {'x torch':>7} {'compile s':>9} {'1st step s':>10} "
         f"{'RSS MiB/proc':>12} {'GFLOP/s':>8} {'MFU':>6}"
     )
@@ -860,7 +875,7 @@ def print_table(records: list[dict]) -> None:
     print("-" * len(head))
     for r in records:
         if "median_step_s" not in r:
-            print(f"{r['config']:<16} {r['dtype']:<8} (no timed steps)")
+            print(f"{r['config']:<22} {r['dtype']:<8} (no timed steps)")
             continue
         step = f"{r['median_step_s']:.3f} ({r['p10_step_s']:.3f}-{r['p90_step_s']:.3f})"
         ratio = f"{r['ratio_img_per_s']:.2f}" if "ratio_img_per_s" in r else "-"
@@ -869,7 +884,7 @@ def print_table(records: list[dict]) -> None:
         gf = f"{r['achieved_gflops']:.1f}" if r.get("achieved_gflops") else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         print(
-            f"{r['config']:<16} {r['dtype']:<8} {r['timed_steps']:>2} {step:>25} "
+            f"{r['config']:<22} {r['dtype']:<8} {r['timed_steps']:>2} {step:>25} "
             f"{r['img_per_s']:>7.1f} {ratio:>7} {comp:>9} {r['first_step_s']:>10.2f} "
             f"{rss:>12} {gf:>8} {mfu:>6}"
         )
@@ -887,7 +902,7 @@ def plot(records: list[dict], path: Path, title: str) -> bool:
     recs = [r for r in records if "img_per_s" in r]
     configs = list(dict.fromkeys(r["config"] for r in recs))
     dtypes = list(dict.fromkeys(r["dtype"] for r in recs))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(configs) * len(dtypes)), 4.2))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(configs) + 1.5), 4.5))
     width = 0.8 / max(len(dtypes), 1)
     colors = {"float32": "#4C72B0", "bfloat16": "#DD8452"}
     for j, dtype in enumerate(dtypes):
@@ -903,7 +918,7 @@ def plot(records: list[dict], path: Path, title: str) -> bool:
             hi.append(b / r["p10_step_s"] - r["img_per_s"])
         bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=dtype, color=colors.get(dtype))
         ax.bar_label(bars, fmt="%.1f", padding=2, fontsize=8)
-    ax.set_xticks(range(len(configs)), configs)
+    ax.set_xticks(range(len(configs)), configs, rotation=15, ha="right", fontsize=8)
     ax.set_ylabel("images/s (median; bars: p10-p90 step time)")
     ax.set_title(title, fontsize=9)
     ax.legend()
@@ -922,6 +937,48 @@ def output_path(arg: str | None, date: str, machine: str) -> Path:
         path = RESULTS_DIR / f"{date}-{machine}-run{n}.json"
         n += 1
     return path
+
+
+def recompute(path: Path, plot_it: bool) -> int:
+    """Re-derive MFU and ratios of a results file with the current rules (measured data kept)."""
+    result = json.loads(path.read_text())
+    method, machine = result["method"], result["machine"]
+    given = method.get("peak_note", "").startswith("given")
+    derive(
+        result["records"],
+        peak_by_dtype(method.get("peak_flops"), given, result["workload"]["platform"]),
+    )
+    if not given and result["workload"]["platform"] == "cpu" and machine.get("cpu_mhz"):
+        method["peak_note"] = default_peak_flops(machine, "cpu")[1]
+    result.setdefault("recomputed_utc", []).append(
+        dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    )
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"MFU peak: {method.get('peak_note')}")
+    print_table(result["records"])
+    print_ratios(result["records"])
+    print(f"rewrote {path}")
+    if plot_it:
+        w = result["workload"]
+        date = result["date_utc"][:10]
+        png = path.with_name(path.stem + "-throughput.png")
+        title = (
+            f"{w['model']} {w['stem']} {w['image_size']}px, global batch {w['global_batch']}, "
+            f"{machine['name']} ({machine['cpu_count']} CPUs), {date}, "
+            f"commit {machine['git_commit']}"
+        )
+        if plot(result["records"], png, title):
+            print(f"wrote {png}")
+    return 0
+
+
+def print_ratios(records: list[dict]) -> None:
+    for r in records:
+        if "ratio_img_per_s" in r:
+            print(
+                f"ratio {r['config']}/{r['dtype']} vs {r['ratio_vs']}/{r['dtype']}: "
+                f"{r['ratio_img_per_s']:.2f}x images/s"
+            )
 
 
 # -------------------------------------------------------------------------------------- main
@@ -961,6 +1018,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--machine", default=None, help="name in the output file (default: host)")
     ap.add_argument("--out", default=None, help="JSON path (default experiments/results/...)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument(
+        "--recompute",
+        metavar="JSON",
+        help="recompute derived fields (MFU, ratios) of a results file, reprint, replot",
+    )
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     ap.add_argument("--_pin", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -971,6 +1033,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(args._worker)
         (worker_jddp if spec["framework"] == "jddp" else worker_torch)(spec)
         return 0
+
+    if args.recompute:
+        return recompute(Path(args.recompute), plot_it=not args.no_plot)
 
     preset = dict(PRESETS[args.preset])
     for key in ("model", "stem", "image_size", "num_classes", "global_batch"):
@@ -1028,8 +1093,8 @@ def main(argv: list[str] | None = None) -> int:
             flops_by_dtype.setdefault(
                 g.spec.work.dtype, g.ready[0]["flops_per_device"] * g.ready[0]["devices"]
             )
-    records = [summarise(g, flops_by_dtype, peak) for g in groups]
-    add_ratios(records)
+    records = [summarise(g, flops_by_dtype) for g in groups]
+    derive(records, peak_by_dtype(peak, args.peak_tflops is not None, args.platform))
 
     date = started.date().isoformat()
     out = output_path(args.out, date, machine["name"])
@@ -1074,12 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"MFU peak: {peak_note}")
     print_table(records)
-    for r in records:
-        if "ratio_img_per_s" in r:
-            print(
-                f"ratio {r['config']}/{r['dtype']} vs {r['ratio_vs']}/{r['dtype']}: "
-                f"{r['ratio_img_per_s']:.2f}x images/s"
-            )
+    print_ratios(records)
     if args.profile:
         for r in records:
             for rank0 in r.get("profile", [])[:1]:

@@ -1,1 +1,42 @@
-"""jddp: a JAX data-parallel trainer."""
+"""jddp: a JAX data-parallel trainer for Flax NNX models.
+
+The few public names: :func:`fit` and :func:`initialize` to train your own model, loss and data;
+the building blocks :func:`make_mesh`, :func:`create_train_state`, :func:`make_train_step`,
+:func:`make_eval_step`; the models in :mod:`jddp.models`; :class:`Config` and
+:func:`load_config`. Imports are lazy so ``python -m jddp.train --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "fit": "jddp.api",
+    "initialize": "jddp.api",
+    "load_config": "jddp.api",
+    "as_source": "jddp.api",
+    "RunResult": "jddp.trainer",
+    "Config": "jddp.config",
+    "ConfigError": "jddp.config",
+    "make_mesh": "jddp.mesh",
+    "create_train_state": "jddp.state",
+    "TrainState": "jddp.state",
+    "make_train_step": "jddp.step",
+    "make_eval_step": "jddp.step",
+    "cross_entropy_loss": "jddp.step",
+    "XlaComm": "jddp.comm",
+    "MpiComm": "jddp.comm",
+    "models": "jddp.models",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jddp' has no attribute {name!r}")
+    module = importlib.import_module(_EXPORTS[name])
+    return module if name == "models" else getattr(module, name)

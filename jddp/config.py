@@ -285,7 +285,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``tree[a][b][c] = value`` for ``key="a.b.c"``, creating sections as needed."""
     parts = key.split(".")
     node = tree
     for p in parts[:-1]:
@@ -388,7 +389,7 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
             raise ConfigError(f"--config {str(p)!r}: expected a mapping of sections at top level")
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(data, key, value)
+        set_dotted(data, key, value)
     cfg = from_dict(data)
     if cfg.workdir is None:
         cfg.workdir = str(Path("runs") / (Path(path).stem if path is not None else "default"))

@@ -68,6 +68,7 @@ def make_train_step(
     comm: XlaComm,
     *,
     loss_fn: LossFn | None = None,
+    metrics_fn: Callable[[jax.Array, jax.Array], dict[str, jax.Array]] | None = None,
     grad_accum_steps: int = 1,
     compute_dtype: Any = jnp.float32,
     schedule: optax.Schedule | None = None,
@@ -91,46 +92,47 @@ def make_train_step(
             model.train()
             logits = model(images.astype(compute_dtype))
             loss_B = loss_fn(logits, labels)
-            correct_B = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-            new_stats = nnx.state(model, nnx.BatchStat)
-            return loss_B.mean(), (new_stats, correct_B.mean())
+            extra = {"accuracy": (jnp.argmax(logits, -1) == labels).astype(jnp.float32)}
+            if metrics_fn is not None:
+                extra.update(metrics_fn(logits, labels))
+            extra = {f"train/{k}": v.astype(jnp.float32).mean() for k, v in extra.items()}
+            return loss_B.mean(), (nnx.state(model, nnx.BatchStat), extra)
 
-        (loss, (new_stats, acc)), grads = jax.value_and_grad(objective, has_aux=True)(
+        (loss, (new_stats, extra)), grads = jax.value_and_grad(objective, has_aux=True)(
             _to_varying(params)
         )
-        return grads, new_stats, loss, acc
+        return grads, new_stats, {"train/loss": loss, **extra}
 
     def per_device(state: TrainState, images, labels):
         if grad_accum_steps == 1:
-            grads, stats, loss, acc = local_grads(state.params, state.batch_stats, images, labels)
+            grads, stats, metrics = local_grads(state.params, state.batch_stats, images, labels)
         else:
             micro = lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:])  # noqa: E731
 
             def body(carry, mb):
-                g_sum, stats, loss_sum, acc_sum = carry
-                g, stats, loss, acc = local_grads(state.params, stats, *mb)
+                g_sum, stats, m_sum = carry
+                g, stats, m = local_grads(state.params, stats, *mb)
                 return (
                     jax.tree.map(jnp.add, g_sum, g),
                     stats,
-                    loss_sum + loss,
-                    acc_sum + acc,
+                    jax.tree.map(jnp.add, m_sum, m),
                 ), None
 
-            zeros = jax.tree.map(jnp.zeros_like, _to_varying(state.params))
-            zero = _to_varying(jnp.zeros((), jnp.float32))
-            (grads, stats, loss, acc), _ = jax.lax.scan(
+            shapes = jax.eval_shape(
+                local_grads, state.params, state.batch_stats, micro(images)[0], micro(labels)[0]
+            )
+            zeros = jax.tree.map(lambda a: _to_varying(jnp.zeros(a.shape, a.dtype)), shapes)
+            (grads, stats, metrics), _ = jax.lax.scan(
                 body,
-                (zeros, _to_varying(state.batch_stats), zero, zero),
+                (zeros[0], _to_varying(state.batch_stats), zeros[2]),
                 (micro(images), micro(labels)),
             )
-            grads = jax.tree.map(lambda g: g / grad_accum_steps, grads)
-            loss, acc = loss / grad_accum_steps, acc / grad_accum_steps
+            grads, metrics = jax.tree.map(lambda x: x / grad_accum_steps, (grads, metrics))
         # The one place where gradients are averaged across devices (and processes).
         grads = comm.average_grads(grads)
         # BatchNorm statistics: local ones are averaged so replicas stay identical; synced ones
         # are already equal on every device and the mean leaves them as they are.
         stats = comm.average(stats)
-        metrics = {"train/loss": loss, "train/accuracy": acc}
         return grads, stats, metrics
 
     def per_device_batch(state: TrainState, batch: Batch):

@@ -202,11 +202,30 @@ def _agree(comm: XlaComm, ok: bool) -> bool:
     return all(v == 1 for v in comm.allgather_int(int(ok)))
 
 
-def train_and_evaluate(cfg: Config) -> RunResult:
+@dataclass
+class Parts:
+    """What a library user supplies instead of the config's built-in choices (all optional).
+
+    ``model``: an NNX module, built identically on every process. ``optimizer``: an optax
+    transformation. ``splits``: train/eval :class:`~jddp.data.sources.Source` objects.
+    ``loss_fn``:
+    ``(logits_BxK, labels_B) -> loss_B``. ``metrics_fn``: ``(logits_BxK, labels_B) -> {name:
+    value_B}``, logged as ``train/<name>`` means over the global batch.
+    """
+
+    model: nnx.Module | None = None
+    optimizer: Any = None
+    splits: Splits | None = None
+    loss_fn: Any = None
+    metrics_fn: Any = None
+
+
+def train_and_evaluate(cfg: Config, parts: Parts | None = None) -> RunResult:
     """Train ``cfg`` to its last step (resuming from ``workdir`` if allowed), evaluate, save.
 
-    Raises :class:`Preempted` after saving when SIGTERM/SIGUSR1 arrives, :class:`NonFiniteLoss`
-    for a non-finite step under ``train.on_nonfinite=halt``, ``ConfigError`` for bad input.
+    ``parts`` replaces the model, optimizer, data or loss that ``cfg`` names. Raises
+    :class:`Preempted` after saving when SIGTERM/SIGUSR1 arrives, :class:`NonFiniteLoss` for a
+    non-finite step under ``train.on_nonfinite=halt``, ``ConfigError`` for bad input.
     """
     comm = make_comm(cfg.dist.backend, cfg.dist.grad_allreduce_dtype)
     check_same_config(comm, config_lib.to_dict(cfg))
@@ -222,12 +241,12 @@ def train_and_evaluate(cfg: Config) -> RunResult:
         raise problem or ConfigError(f"process 0 could not use workdir={cfg.workdir!r}")
     try:
         with StopRequest() as stop:
-            return _train(cfg, comm, stop)
+            return _train(cfg, comm, stop, parts or Parts())
     finally:
         lock.release()
 
 
-def _train(cfg: Config, comm: XlaComm, stop: StopRequest) -> RunResult:
+def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunResult:
     wall_start = time.perf_counter()
     workdir = Path(cfg.workdir)
     config_dict = config_lib.to_dict(cfg)
@@ -246,7 +265,7 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest) -> RunResult:
             f"per-device batch {per_device}"
         )
 
-    splits = load_data(cfg)
+    splits = parts.splits or load_data(cfg)
     try:
         batches = TrainBatches(
             splits.train, cfg.data.global_batch_size, cfg.train.seed, mesh, layout
@@ -255,8 +274,13 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest) -> RunResult:
         raise ConfigError(str(e)) from None
     steps = total_steps(cfg, batches.steps_per_epoch)
 
-    model = build_model(cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1])
-    tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
+    model = parts.model or build_model(
+        cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1]
+    )
+    if parts.optimizer is not None:
+        tx, schedule = parts.optimizer, None
+    else:
+        tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
     model_def, state = create_train_state(model, tx, mesh)
     del model
 
@@ -287,13 +311,14 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest) -> RunResult:
     log = MetricsLog(workdir, resume_step=start_step)
 
     compute_dtype = COMPUTE_DTYPES[cfg.train.precision]
-    loss_fn = cross_entropy_loss(cfg.train.label_smoothing)
+    loss_fn = parts.loss_fn or cross_entropy_loss(cfg.train.label_smoothing)
     train_step = make_train_step(
         model_def,
         tx,
         mesh,
         comm,
         loss_fn=loss_fn,
+        metrics_fn=parts.metrics_fn,
         grad_accum_steps=cfg.train.grad_accum_steps,
         compute_dtype=compute_dtype,
         schedule=schedule,

@@ -1,0 +1,117 @@
+"""The library API: jddp.fit with custom models, losses, metrics and data; user model factories
+from the CLI; the runnable examples (also under jddp.launch)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jddp
+from tests.user_models import TinyMLP
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8, 8, 3)).astype(np.float32)
+    y = (x.mean(axis=(1, 2, 3)) > 0).astype(np.int32)  # linear in the pixels: learnable
+    return x, y
+
+
+def test_public_names_are_documented():
+    for name in jddp.__all__:
+        obj = getattr(jddp, name)
+        assert obj.__doc__, name
+
+
+def test_fit_with_arrays_custom_loss_and_metric(tmp_path):
+    calls = []
+
+    def loss_fn(logits, labels):
+        calls.append(1)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+    result = jddp.fit(
+        TinyMLP(192, 2, nnx.Rngs(0)),
+        optax.adam(1e-2),
+        train_data=data(512),
+        eval_data=data(40, seed=1),
+        loss_fn=loss_fn,
+        metrics_fn=lambda logits, labels: {"mean_logit": logits.mean(axis=-1)},
+        config={"workdir": str(tmp_path / "run"), "train": {"steps": 60}},
+        overrides=["data.global_batch_size=16", "log.progress=off", "log.every_steps=10"],
+    )
+    assert calls and result.step == 60
+    assert result.eval["eval/count"] == 40  # every eval example once
+    assert result.eval["eval/accuracy"] > 0.7
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/mean_logit" in r for r in rows)
+    assert (tmp_path / "run" / "checkpoints" / "60").is_dir()
+
+
+def test_fit_with_record_source_and_iterable(tmp_path):
+    x, y = data()
+    records = [(x[i], int(y[i])) for i in range(len(x))]  # len + [i]: like a grain source
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]  # an iterable
+    for name, train in [("records", records), ("iterable", iter(batches))]:
+        result = jddp.fit(
+            TinyMLP(192, 2, nnx.Rngs(0)),
+            optax.sgd(0.1),
+            train_data=train,
+            config={"workdir": str(tmp_path / name)},
+            overrides=["train.steps=3", "data.global_batch_size=16", "log.progress=off"],
+        )
+        assert result.step == 3 and result.eval["eval/count"] == 64
+
+
+@pytest.mark.slow
+def test_user_model_factory_from_the_cli(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jddp.train",
+            f"workdir={tmp_path / 'run'}",
+            "model.name=tests.user_models:tiny_mlp",
+            "data.name=synthetic",
+            "data.image_size=8",
+            "data.global_batch_size=16",
+            "train.steps=3",
+            "log.progress=off",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "jddp: done step=3" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "launcher, script, min_accuracy",
+    [
+        ([], "custom_cnn_digits.py", 0.9),
+        ([sys.executable, "-m", "jddp.launch", "--nproc", "2", "--"], "custom_cnn_digits.py", 0.9),
+        ([], "label_smoothing_loss.py", 0.9),
+    ],
+)
+def test_examples_run(tmp_path, launcher, script, min_accuracy):
+    out = subprocess.run(
+        [*launcher, sys.executable, str(ROOT / "experiments" / "examples" / script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    done = [line for line in out.stdout.splitlines() if "jddp: done" in line]
+    assert len(done) == 1
+    accuracy = float(done[0].split("eval/accuracy=")[1].split()[0])
+    assert accuracy >= min_accuracy
