@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -132,6 +133,9 @@ class LogConfig:
     every_steps: int = _f(10, "write a train line to metrics.jsonl every k steps")
     progress: Literal["auto", "on", "off"] = _f(
         "auto", "progress bar: auto (only on a terminal)|on|off"
+    )
+    profile_steps: str | None = _f(
+        None, "'a:b': write a jax.profiler trace of steps a..b-1 to workdir/profile (TensorBoard)"
     )
     baseline_img_per_s: float | None = _f(
         None,
@@ -303,6 +307,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r} must look like key.sub=value")
     key, raw = text.split("=", 1)
     key = key.strip()
+    if re.fullmatch(r"\s*\d+\s*:\s*\d+\s*", raw):  # YAML 1.1 would read 2:4 as 124
+        return key, raw.strip()
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
@@ -355,6 +361,17 @@ def validate(cfg: Config) -> Config:
         )
     if not 0.0 <= cfg.optim.momentum < 1.0:
         raise ConfigError(f"optim.momentum: must be in [0, 1), got {cfg.optim.momentum}")
+    if cfg.log.profile_steps is not None:
+        parts = cfg.log.profile_steps.split(":")
+        if (
+            len(parts) != 2
+            or not all(p.strip().isdigit() for p in parts)
+            or (int(parts[0]) >= int(parts[1]))
+        ):
+            raise ConfigError(
+                f"log.profile_steps: expected 'a:b' with integers 0 <= a < b, got "
+                f"{cfg.log.profile_steps!r}"
+            )
     if cfg.train.steps is not None and cfg.train.epochs is not None:
         raise ConfigError("train.steps and train.epochs are both set; set only one of them")
     if cfg.data.global_batch_size % cfg.train.grad_accum_steps:

@@ -51,18 +51,26 @@ class MetricsLog:
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.path)
         self._file = self.path.open("a", buffering=1)
+        # TensorBoard event files next to metrics.jsonl (tensorboard --logdir WORKDIR).
+        from tensorboardX import SummaryWriter
+
+        self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"), purge_step=resume_step + 1)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
-        """Write ``{"step": step, **values}`` as one line."""
+        """Write ``{"step": step, **values}`` as one line (and as TensorBoard scalars)."""
         if self._file is not None:
             row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
             self._file.write(json.dumps(row) + "\n")
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, int(step))
 
     def close(self) -> None:
-        """Flush and close the file."""
+        """Flush and close the files."""
         if self._file is not None:
             self._file.close()
             self._file = None
+            self._tb.close()
 
 
 def make_progress(mode: str, total: int, initial: int) -> tqdm:

@@ -368,11 +368,22 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
     try:
         eval_metrics: dict[str, Any] = {}
         step = start_step
+        profile = (
+            tuple(int(x) for x in cfg.log.profile_steps.split(":"))
+            if cfg.log.profile_steps
+            else None
+        )
         pending: tuple[int, dict] | None = None
         stopped = False
         for batch in batches.iterate(start_step, steps, cfg.data.prefetch_batches):
+            if profile and step == profile[0]:
+                jax.profiler.start_trace(str(workdir / "profile"))
             state, metrics = train_step(state, {**batch, **stop_flags()})
             step += 1
+            if profile and step == profile[1]:
+                jax.block_until_ready(metrics)
+                jax.profiler.stop_trace()
+                say(f"jddp: profile of steps {profile[0]}..{profile[1] - 1} in {workdir}/profile")
             if step == start_step + 1:
                 # The first step includes compilation: time it apart from throughput.
                 jax.block_until_ready(metrics)
@@ -433,6 +444,17 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
         wall_s=wall_s,
         img_per_s=img_per_s,
         checkpoint_dir=str(ckpts.directory / str(step)),
+    )
+    say(
+        "jddp: summary\n"
+        f"  steps          {start_step} -> {step} of {steps}\n"
+        f"  eval           loss {eval_metrics['eval/loss']:.4f}, accuracy "
+        f"{eval_metrics['eval/accuracy']:.4f} over {eval_metrics['eval/count']} examples\n"
+        f"  throughput     {img_per_s:.1f} img/s on {num_devices} devices "
+        f"({distributed.process_count()} processes)\n"
+        f"  wall time      {wall_s:.1f} s\n"
+        f"  checkpoint     {result.checkpoint_dir}\n"
+        f"  metrics        {workdir / 'metrics.jsonl'} (plots: python -m jddp.plot {workdir})"
     )
     say(
         f"jddp: done step={step} eval/accuracy={eval_metrics['eval/accuracy']:.4f} "

@@ -38,7 +38,13 @@ def train_losses(workdir):
 @pytest.mark.slow
 def test_train_writes_outputs(tmp_path):
     wd = tmp_path / "run"
-    out = train(wd, "train.steps=6", "train.eval_every_steps=3", "checkpoint.every_steps=3")
+    out = train(
+        wd,
+        "train.steps=6",
+        "train.eval_every_steps=3",
+        "checkpoint.every_steps=3",
+        "log.profile_steps=2:4",
+    )
     assert out.returncode == 0, out.stderr
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("jddp: done step=6 eval/accuracy=")
@@ -53,6 +59,10 @@ def test_train_writes_outputs(tmp_path):
     assert [r["step"] for r in evals] == [3, 6]
     assert all(r["eval/count"] == 256 for r in evals)  # every synthetic eval example once
     assert sorted(int(p.name) for p in (wd / "checkpoints").iterdir()) == [3, 6]
+    assert list((wd / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((wd / "profile").rglob("*.xplane.pb"))  # log.profile_steps=2:4
+    assert "jddp: summary" in out.stdout and "img/s on 1 devices" in out.stdout
+    assert not (wd / ".jddp.lock").exists()  # released at the end
 
 
 @pytest.mark.slow
