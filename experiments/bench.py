@@ -2,7 +2,7 @@
 
 Usage (repo root, the project's virtualenv plus ``experiments/requirements-bench.txt``):
 
-    .venv/bin/python experiments/bench.py                  # the CPU matrix below, ~12 min here
+    .venv/bin/python experiments/bench.py                  # the CPU matrix below, ~9 min here
     .venv/bin/python experiments/bench.py --dtypes float32 --rounds 2 \\
         --configs jddp-2x1,jddp-2x1-1t,jddp-2x1-pin,torch-ddp-2x1     # thread variants
     .venv/bin/python experiments/bench.py --profile --dtypes float32 \\
@@ -57,14 +57,19 @@ host memory (``ru_maxrss`` of each worker, read at its end), and model FLOPs per
 cost analysis of jddp's compiled step (``compiled.cost_analysis()["flops"]`` of the per-device
 SPMD program x devices; PyTorch runs the same model and is given the same count). MFU = achieved
 FLOP/s over ``--peak-tflops``; on CPU the default peak is an assumption: cores x clock (``cpu MHz``
-of /proc/cpuinfo) x 64 FP32 FLOP/cycle (AVX-512, two FMA units per core), used for both dtypes.
-Ratios are jddp / ``torch-ddp-<same P>x*`` images/s at the same dtype.
+of /proc/cpuinfo) x 64 FP32 FLOP/cycle (AVX-512, two FMA units per core), and MFU is given for
+float32 only (bfloat16 may run on AMX units with a much higher peak: achieved GFLOP/s only).
+Ratios are jddp / ``torch-ddp-<same P>x*`` images/s at the same dtype (the pinned PyTorch run
+for a pinned jddp run). ``--recompute FILE`` re-derives MFU and ratios of a results file.
 
 ``--profile``: instead of timing rounds, rank 0 of each group traces one step (after warm-up)
 and prints where its time goes: jddp with ``jax.profiler`` (``--xla_cpu_enable_xprof_traceme``)
 joined with the optimised HLO (``--xla_dump_to``) into per-thunk categories (conv forward,
 conv input-gradient, conv weight-gradient, transposes/copies, ...), PyTorch with
-``torch.profiler`` per aten op. Times are summed over threads.
+``torch.profiler`` per aten op. Times are summed over threads. Caveat: a thunk that hands its
+work to XLA's intra-op pool and returns (XLA's own multi-threaded convolutions) is timed only
+for the hand-off, so the split is complete only for 1-thread processes (``-pin``) or YNNPACK
+fusions; compare the category sum with the step time.
 
 Writes ``experiments/results/<date>-<machine>.json`` (``-runN`` suffix when it exists; machine =
 ``--machine`` or the host name) with the machine, versions, commit, command and every step time,

@@ -330,7 +330,9 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
 
     global_batch = cfg.data.global_batch_size
     progress = make_progress(cfg.log.progress, steps, start_step)
-    timer = {"start": time.perf_counter(), "steps": 0, "images": 0, "seconds": 0.0}
+    # Throughput windows are counted in finished steps: "last" is the step whose end "start"
+    # marks (the first step, which includes compilation, is timed apart).
+    timer = {"start": time.perf_counter(), "last": start_step + 1, "images": 0, "seconds": 0.0}
 
     def stop_flags() -> dict[str, jax.Array]:
         flag = np.full(layout.rows.stop - layout.rows.start, stop.signal_name is not None)
@@ -349,20 +351,21 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
                 f"{ckpts.directory / str(kept[-1]) if kept else 'none'}"
             )
         if step % cfg.log.every_steps == 0 or step == steps or host[NONFINITE_KEY]:
-            if timer["steps"]:
+            done = step - timer["last"]
+            if done > 0:
                 dt = time.perf_counter() - timer["start"]
-                host["train/img_per_s"] = timer["steps"] * global_batch / dt
-                host["train/step_time_s"] = dt / timer["steps"]
+                host["train/img_per_s"] = done * global_batch / dt
+                host["train/step_time_s"] = dt / done
                 if cfg.log.baseline_img_per_s:
                     ideal = num_devices * cfg.log.baseline_img_per_s
                     host["train/scaling_efficiency"] = host["train/img_per_s"] / ideal
-                timer["images"] += timer["steps"] * global_batch
+                timer["images"] += done * global_batch
                 timer["seconds"] += dt
             log.write(step, host)
             progress.set_postfix(
                 loss=f"{host['train/loss']:.4f}", img_s=f"{host.get('train/img_per_s', 0):.0f}"
             )
-            timer["start"], timer["steps"] = time.perf_counter(), 0
+            timer["start"], timer["last"] = time.perf_counter(), step
         return stop_requested
 
     try:
@@ -390,8 +393,6 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
                 now = time.perf_counter()
                 log.write(step, {"train/compile_s": now - timer["start"]})
                 timer["start"] = now
-            else:
-                timer["steps"] += 1
             if pending is not None and after_step(*pending):
                 stopped = True  # every process saw the same flag at the same step
                 break
@@ -404,7 +405,7 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
             ):
                 eval_metrics = run_eval(state)
                 log.write(step, eval_metrics)
-                timer["start"] = time.perf_counter()
+                timer["start"], timer["last"] = time.perf_counter(), step
             if ckpts.should_save(step):
                 ckpts.save(step, state, config_dict)
         if pending is not None and not stopped:

@@ -54,7 +54,8 @@ def test_train_writes_outputs(tmp_path):
     train_rows = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["train/loss"] > 0 and 0 <= r["train/accuracy"] <= 1 for r in train_rows)
-    assert all(r["train/img_per_s"] > 0 for r in train_rows[1:])
+    # Throughput windows exclude compilation (step 1) and eval time (eval ran at step 3).
+    assert all(r["train/img_per_s"] > 0 for r in train_rows if r["step"] not in (1, 3))
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [3, 6]
     assert all(r["eval/count"] == 256 for r in evals)  # every synthetic eval example once
