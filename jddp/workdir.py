@@ -12,14 +12,35 @@ from jddp.config import ConfigError
 LOCK_NAME = ".jddp.lock"
 
 
-def _pid_alive(pid: int) -> bool:
+def _proc_stat(pid: int) -> list[str]:
+    """Fields 3.. of /proc/<pid>/stat (state, ppid, ...), or [] where unavailable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot ('' where /proc is unavailable)."""
+    fields = _proc_stat(pid)
+    return fields[19] if len(fields) > 19 else ""  # field 22 of proc(5)
+
+
+def _pid_alive(pid: int, started: str) -> bool:
+    """Whether ``pid`` is alive and is still the process that wrote the lock (pids are reused:
+    a live pid with another start time, or our own pid, is not the owner)."""
+    if pid == os.getpid():
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    fields = _proc_stat(pid)
+    if fields and fields[0] in ("Z", "X"):  # killed, not yet reaped: dead
+        return False
+    return not started or not fields or _start_time(pid) == started
 
 
 def prepare(workdir: str | Path) -> Path:
@@ -36,7 +57,7 @@ def prepare(workdir: str | Path) -> Path:
 
 
 class WorkdirLock:
-    """``workdir/.jddp.lock`` holding ``host pid`` while a run uses the folder.
+    """``workdir/.jddp.lock`` holding ``host pid start-time`` while a run uses the folder.
 
     A lock whose process is gone (same host, pid not alive) is stale and taken over with a
     warning; a live one is refused with a ``ConfigError`` naming the pid.
@@ -48,14 +69,16 @@ class WorkdirLock:
 
     def acquire(self) -> None:
         """Take the lock or raise ``ConfigError``."""
-        me = f"{socket.gethostname()} {os.getpid()}"
+        me = f"{socket.gethostname()} {os.getpid()} {_start_time(os.getpid())}"
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 owner = self.path.read_text().split() if self.path.exists() else []
-                host, pid = (owner + ["?", "0"])[:2]
-                alive = host != socket.gethostname() or not pid.isdigit() or _pid_alive(int(pid))
+                host, pid, started = (owner + ["?", "0", ""][len(owner) :])[:3]
+                alive = host != socket.gethostname() or (
+                    pid.isdigit() and _pid_alive(int(pid), started)
+                )
                 if alive:
                     raise ConfigError(
                         f"workdir {str(self.path.parent)!r} is in use by a live run "

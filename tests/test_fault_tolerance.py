@@ -1,56 +1,26 @@
 """Fault tolerance: exact resume after SIGKILL, resume on another topology, preemption,
 damaged checkpoints, dead peers, non-finite losses, workdir locks."""
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import launch_cmd, read_losses, train_cmd
+
 pytestmark = pytest.mark.slow
 
-TINY = [
-    "model.width=4",
-    "model.sync_batchnorm=true",
-    "data.name=synthetic",
-    "data.image_size=8",
-    "data.global_batch_size=16",
-    "optim.schedule=constant",
-    "optim.lr=0.05",
-    "log.every_steps=1",
-    "log.progress=off",
-]
-
-
-def cmd_train(workdir, *overrides):
-    return [sys.executable, "-m", "jddp.train", f"workdir={workdir}", *TINY, *overrides]
-
-
-def cmd_launch(nproc, devices, workdir, *overrides):
-    return [
-        sys.executable,
-        "-m",
-        "jddp.launch",
-        "--nproc",
-        str(nproc),
-        "--devices-per-proc",
-        str(devices),
-        "--",
-        *cmd_train(workdir, *overrides),
-    ]
+cmd_train, cmd_launch = train_cmd, launch_cmd
 
 
 def run(cmd, env=None, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def losses(workdir):
-    rows = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+losses = read_losses
 
 
 def steps_saved(workdir):

@@ -3,8 +3,10 @@ replica checks and bad launches."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,11 +72,18 @@ def reference(tmp_path_factory):
     return wd
 
 
-def test_mpi_matches_xla_and_single_process(tmp_path, reference):
-    wd = tmp_path / "mpi"
+@pytest.fixture(scope="module")
+def mpi_straight(tmp_path_factory):
+    """mpirun -np 2 x 2 devices, MPI backend, 20 steps, uninterrupted."""
+    wd = tmp_path_factory.mktemp("mpi") / "run"
     out = mpirun(2, wd, "train.steps=20", "dist.check_sync_every=5")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("jddp: done step=20") == 1  # rank 0 alone prints
+    return wd
+
+
+def test_mpi_matches_xla_and_single_process(tmp_path, reference, mpi_straight):
+    wd = mpi_straight
     got, want = losses(wd), losses(reference)
     assert sorted(got) == list(range(1, 21))
     for step in range(1, 21):
@@ -170,7 +179,7 @@ a, b = jax.device_put(jnp.ones(3), jax.devices()[0]), jax.device_put(jnp.ones(3)
                                                                      jax.devices()[1])
 bad = jax.make_array_from_single_device_arrays((3,), replicated(mesh), [a, b])
 good = jax.device_put(jnp.ones(3), replicated(mesh))
-state = TrainState(step=0, params={"w": good}, batch_stats={}, opt_state=())
+state = TrainState(step=0, params={"w": good}, batch_stats={}, opt_state=(), skipped_steps=0)
 check_replicas_in_sync(XlaComm(), state, 7)
 print("in sync ok")
 check_replicas_in_sync(XlaComm(), state.replace(params={"w": bad}), 8)
@@ -183,3 +192,42 @@ def test_replica_check_catches_diverged_copies():
     )
     assert "in sync ok" in out.stdout
     assert out.returncode != 0 and "replicas diverged at step 8" in out.stderr
+
+
+def test_mpi_exact_resume_after_sigkill(tmp_path, mpi_straight):
+    wd = tmp_path / "run"
+    cmd = [
+        MPIRUN,
+        "-np",
+        "2",
+        sys.executable,
+        "-m",
+        "jddp.train",
+        f"workdir={wd}",
+        *TINY,
+        "dist.backend=mpi",
+        "train.steps=20",
+        "checkpoint.every_steps=3",
+    ]
+    job = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV2, start_new_session=True
+    )
+    ckpts = wd / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir())):
+        assert time.monotonic() < deadline and job.poll() is None, "no checkpoint appeared"
+        time.sleep(0.2)
+    for pid in subprocess.run(
+        ["pgrep", "-f", f"workdir={wd}"], capture_output=True, text=True
+    ).stdout.split():
+        os.kill(int(pid), signal.SIGKILL)
+    job.wait()
+    resumed = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+    assert resumed < 20
+    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV2, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"at step {resumed}" in out.stdout
+    got, want = losses(wd), losses(mpi_straight)
+    assert sorted(got) == list(range(1, 21))
+    for step in range(resumed + 1, 21):
+        assert got[step] == want[step], step  # bitwise

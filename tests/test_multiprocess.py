@@ -3,7 +3,6 @@
 Each test starts real processes (``python -m jddp.launch`` or ``mpirun``), no mocks.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -12,45 +11,24 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import TINY_SYNC, launch_cmd, read_losses, read_metrics
+
 pytestmark = pytest.mark.slow
 
 VENV_BIN = Path(sys.executable).parent
-TINY = [
-    "model.width=4",
-    "model.sync_batchnorm=true",  # global-batch BatchNorm: results independent of topology
-    "data.name=synthetic",
-    "data.image_size=8",
-    "data.global_batch_size=16",
-    "optim.schedule=constant",
-    "optim.lr=0.05",
-    "log.every_steps=1",
-    "log.progress=off",
-]
 
 
 def launch(nproc, devices, workdir, *overrides, timeout=600):
-    cmd = [
-        sys.executable,
-        "-m",
-        "jddp.launch",
-        "--nproc",
-        str(nproc),
-        "--devices-per-proc",
-        str(devices),
-        "--",
-        sys.executable,
-        "-m",
-        "jddp.train",
-        f"workdir={workdir}",
-        *TINY,
-        *overrides,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        launch_cmd(nproc, devices, workdir, *overrides),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def losses(workdir):
-    rows = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-    return rows, {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    return read_metrics(workdir), read_losses(workdir)
 
 
 def final_accuracy(workdir):
@@ -113,7 +91,7 @@ def test_mpirun_as_launcher_with_xla_backend(tmp_path, reference):
             "-m",
             "jddp.train",
             f"workdir={wd}",
-            *TINY,
+            *TINY_SYNC,
             "train.steps=4",
             "dist.backend=xla",
         ],
@@ -146,7 +124,7 @@ def test_unreachable_coordinator_is_a_clear_error(tmp_path):
             "-m",
             "jddp.train",
             f"workdir={tmp_path / 'run'}",
-            *TINY,
+            *TINY_SYNC,
             "dist.coordinator_address=localhost:9",
             "dist.num_processes=2",
             "dist.process_id=1",

@@ -1,22 +1,12 @@
 """The CLI end to end on a tiny model: outputs, metrics, checkpoints, resume, exit codes."""
 
-import json
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-TINY = [
-    "model.width=4",
-    "data.name=synthetic",
-    "data.image_size=8",
-    "data.global_batch_size=16",
-    "optim.schedule=constant",
-    "optim.lr=0.05",
-    "log.every_steps=1",
-    "log.progress=off",
-]
+from tests.helpers import TINY, read_losses, read_metrics
 
 
 def train(workdir, *overrides):
@@ -27,12 +17,7 @@ def train(workdir, *overrides):
     )
 
 
-def read_metrics(workdir):
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_losses(workdir):
-    return {r["step"]: r["train/loss"] for r in read_metrics(workdir) if "train/loss" in r}
+train_losses = read_losses
 
 
 @pytest.mark.slow
@@ -93,3 +78,28 @@ def test_bad_runtime_input_exits_nonzero_with_one_line(tmp_path):
     out = train(tmp_path / "r", "data.global_batch_size=4096", "train.steps=1")
     assert out.returncode == 2
     assert "global_batch_size=4096" in out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["halt", "skip"])
+def test_non_finite_loss(tmp_path, policy):
+    """lr=1e30 blows the parameters up after step 1, so step 2's loss is not finite."""
+    wd = tmp_path / "run"
+    out = train(
+        wd,
+        "optim.lr=1e30",
+        "train.steps=4",
+        "checkpoint.every_steps=1",
+        f"train.on_nonfinite={policy}",
+    )
+    rows = {r["step"]: r for r in read_metrics(wd) if "train/loss" in r}
+    if policy == "halt":
+        assert out.returncode == 1
+        line = out.stderr.strip().splitlines()[-1]
+        assert "non-finite loss or gradient at step 2" in line and "checkpoints/" in line
+        assert sorted(rows) == [1]  # nothing logged past the bad step
+    else:
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert rows[2]["train/nonfinite"] == 1 and rows[4]["train/skipped_steps"] == 3
+    saved = sorted(int(p.name) for p in (wd / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and (policy == "skip" or saved[0] == 1)  # halt keeps the last good one
