@@ -75,6 +75,12 @@ class XlaComm:
         self.process_index = jax.process_index()
         self.process_count = jax.process_count()
 
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this process calls orbax's save: all of them under ``jax.distributed``
+        (orbax makes process 0 the primary host)."""
+        return True
+
     # -- inside the step --------------------------------------------------------------------
     def average(self, tree: PyTree) -> PyTree:
         """``pmean`` over the ``data`` mesh axis (every device of every process)."""
@@ -134,6 +140,12 @@ class MpiComm(XlaComm):
         self.world = MPI.COMM_WORLD
         self.process_index = self.world.Get_rank()
         self.process_count = self.world.Get_size()
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Rank 0 alone: without a shared JAX runtime every rank would act as orbax's primary
+        host; the others only restore (the directory must be shared)."""
+        return self.process_index == 0
 
     def average_grads(self, grads: PyTree) -> PyTree:
         """Local mean in full precision; compression applies to the MPI stage only."""

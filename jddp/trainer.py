@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jddp import config as config_lib
-from jddp import distributed, exit_codes
+from jddp import exit_codes
 from jddp.checkpoint import Checkpoints
 from jddp.comm import XlaComm, config_fingerprint, make_comm
 from jddp.config import Config, ConfigError
@@ -257,7 +257,7 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    num_devices = len(mesh.local_devices) * distributed.process_count()
+    num_devices = len(mesh.local_devices) * comm.process_count
     per_device = cfg.data.global_batch_size // num_devices
     if per_device % cfg.train.grad_accum_steps:
         raise ConfigError(
@@ -284,14 +284,12 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
     model_def, state = create_train_state(model, tx, mesh)
     del model
 
-    # Under MPI every rank is its own orbax "primary host": rank 0 alone writes, the others
-    # only read (the directory must be shared).
     ckpts = Checkpoints(
         workdir / "checkpoints",
         every_steps=cfg.checkpoint.every_steps,
         keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_save,
-        writes=comm.name == "xla" or comm.process_index == 0,
+        writes=comm.writes_checkpoints,
     )
     start_step = 0
     if cfg.checkpoint.resume:
@@ -433,7 +431,7 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
         ckpts.close()  # every process raised at the same step: finish the saves in flight
         raise
     except BaseException:
-        if distributed.process_count() == 1:  # with peers gone, waiting on them could hang
+        if comm.process_count == 1:  # with peers gone, waiting on them could hang
             ckpts.close()
         raise
 
@@ -452,7 +450,7 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
         f"  eval           loss {eval_metrics['eval/loss']:.4f}, accuracy "
         f"{eval_metrics['eval/accuracy']:.4f} over {eval_metrics['eval/count']} examples\n"
         f"  throughput     {img_per_s:.1f} img/s on {num_devices} devices "
-        f"({distributed.process_count()} processes)\n"
+        f"({comm.process_count} processes)\n"
         f"  wall time      {wall_s:.1f} s\n"
         f"  checkpoint     {result.checkpoint_dir}\n"
         f"  metrics        {workdir / 'metrics.jsonl'} (plots: python -m jddp.plot {workdir})"

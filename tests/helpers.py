@@ -1,7 +1,9 @@
 """Shared pieces of the end-to-end tests: the tiny run and how to start and read it."""
 
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 # A tiny run: ResNet-18 of width 4 on 8x8 synthetic images, constant lr, a line every step.
@@ -45,3 +47,25 @@ def read_metrics(workdir) -> list[dict]:
 def read_losses(workdir) -> dict[int, float]:
     """``{step: train/loss}`` of a run."""
     return {r["step"]: r["train/loss"] for r in read_metrics(workdir) if "train/loss" in r}
+
+
+def steps_saved(workdir) -> list[int]:
+    """Steps of the complete checkpoints in ``workdir/checkpoints``, oldest first."""
+    d = Path(workdir) / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def wait_for(predicate, timeout_s: float) -> bool:
+    """Poll ``predicate`` until it is true (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def run_pids(workdir, exclude: int | None = None) -> list[int]:
+    """Pids of the processes whose command line names ``workdir=<workdir>`` (the job's ranks)."""
+    out = subprocess.run(["pgrep", "-f", f"workdir={workdir}"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split() if int(p) != exclude]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import launch_cmd, read_losses, train_cmd
+from tests.helpers import launch_cmd, read_losses, run_pids, steps_saved, train_cmd, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -21,20 +21,6 @@ def run(cmd, env=None, timeout=600):
 
 
 losses = read_losses
-
-
-def steps_saved(workdir):
-    d = Path(workdir) / "checkpoints"
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
-
-
-def wait_for(predicate, timeout_s):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +41,8 @@ def test_exact_resume_after_sigkill(tmp_path, straight):
     # Kill every process of the job with SIGKILL once the first checkpoint exists.
     assert wait_for(lambda: steps_saved(wd), 300), "no checkpoint appeared"
     os.killpg(job.pid, signal.SIGKILL)
-    for line in subprocess.run(
-        ["pgrep", "-f", str(wd)], capture_output=True, text=True
-    ).stdout.split():
-        os.kill(int(line), signal.SIGKILL)
+    for pid in run_pids(wd):
+        os.kill(pid, signal.SIGKILL)
     job.wait()
     resumed_from = steps_saved(wd)[-1]
     out = run(args)
@@ -94,13 +78,7 @@ def test_preemption_saves_and_exits(tmp_path, sig):
         text=True,
     )
     assert wait_for(lambda: (wd / "metrics.jsonl").exists() and len(losses(wd)) >= 3, 300)
-    ranks = [
-        int(p)
-        for p in subprocess.run(
-            ["pgrep", "-f", f"workdir={wd}"], capture_output=True, text=True
-        ).stdout.split()
-        if int(p) != job.pid
-    ]
+    ranks = run_pids(wd, exclude=job.pid)
     assert len(ranks) == 2
     start = time.monotonic()
     os.kill(max(ranks), sig)  # one rank only: the other must learn it through the step
@@ -125,10 +103,7 @@ def test_dead_peer_stops_the_job(tmp_path):
         text=True,
     )
     assert wait_for(lambda: (wd / "metrics.jsonl").exists() and len(losses(wd)) >= 2, 300)
-    pids = subprocess.run(
-        ["pgrep", "-f", f"workdir={wd}"], capture_output=True, text=True
-    ).stdout.split()
-    ranks = [int(p) for p in pids if int(p) != job.pid]
+    ranks = run_pids(wd, exclude=job.pid)
     start = time.monotonic()
     os.kill(max(ranks), signal.SIGKILL)
     _, err = job.communicate(timeout=90)

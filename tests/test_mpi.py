@@ -6,10 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_pids, steps_saved, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -212,17 +213,12 @@ def test_mpi_exact_resume_after_sigkill(tmp_path, mpi_straight):
     job = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV2, start_new_session=True
     )
-    ckpts = wd / "checkpoints"
-    deadline = time.monotonic() + 300
-    while not (ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir())):
-        assert time.monotonic() < deadline and job.poll() is None, "no checkpoint appeared"
-        time.sleep(0.2)
-    for pid in subprocess.run(
-        ["pgrep", "-f", f"workdir={wd}"], capture_output=True, text=True
-    ).stdout.split():
-        os.kill(int(pid), signal.SIGKILL)
+    assert wait_for(lambda: steps_saved(wd) or job.poll() is not None, 300)
+    assert steps_saved(wd), "no checkpoint appeared"
+    for pid in run_pids(wd):
+        os.kill(pid, signal.SIGKILL)
     job.wait()
-    resumed = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+    resumed = steps_saved(wd)[-1]
     assert resumed < 20
     out = subprocess.run(cmd, capture_output=True, text=True, env=ENV2, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
