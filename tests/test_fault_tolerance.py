@@ -108,7 +108,12 @@ def test_dead_peer_stops_the_job(tmp_path):
     os.kill(max(ranks), signal.SIGKILL)
     _, err = job.communicate(timeout=90)
     assert time.monotonic() - start < 60
-    assert job.returncode != 0 and "killed by signal SIGKILL" in err
+    # Whichever is seen first names the failure: the launcher reaping the killed rank, or the
+    # survivor's collective failing on the reset connection (seen in a CI-like run).
+    assert job.returncode != 0
+    assert "killed by signal SIGKILL" in err or (
+        "Connection reset by peer" in err and "exited with code 1" in err
+    ), err[-2000:]
 
 
 def test_dead_peer_without_launcher_times_out(tmp_path):
