@@ -9,6 +9,7 @@ Usage (repo root, the project's virtualenv plus ``experiments/requirements-bench
         --configs jddp-2x1,torch-ddp-2x1                  # where one step's time goes
     .venv/bin/python experiments/bench.py --platform gpu --preset resnet50-imagenet \\
         --configs jddp-1x8,jddp-8x1,torch-ddp-8x1 --peak-tflops 989   # a GPU box (not run here)
+    .venv/bin/python experiments/bench.py --quick --no-plot   # smoke run, ~15 s here (tests use it)
 
 Default workload: jddp's ResNet-18 with the CIFAR stem (3x3/1 conv, no max-pool), width 64, 10
 classes, synthetic 32x32x3 images, global batch 128, SGD lr 0.1 momentum 0.9 with L2 weight decay
@@ -74,6 +75,14 @@ fusions; compare the category sum with the step time.
 Writes ``experiments/results/<date>-<machine>.json`` (``-runN`` suffix when it exists; machine =
 ``--machine`` or the host name) with the machine, versions, commit, command and every step time,
 prints a table and writes ``<same stem>-throughput.png`` (matplotlib).
+
+``--quick``: a smoke run of the whole pipeline, not a measurement (``tests/test_bench.py`` runs it):
+``jddp-1x1`` and, if torch is importable, ``torch-ddp-1x1`` (without torch the peer is skipped with
+a note); ResNet-18 of width 8 on 8x8 images, global batch 8, float32, 1 warm-up step, 1 round of
+1 timed step. Any of those options given explicitly still wins. It writes
+``experiments/results/<date>-<machine>-quick.json`` (replaced by the next quick run; ignored by
+git) unless ``--out`` says otherwise, and ``"method": {"quick": true}`` marks the file. Only the
+standard library is imported by the driver; jax/torch load in the workers, matplotlib for the plot.
 """
 
 from __future__ import annotations
@@ -83,6 +92,7 @@ import collections
 import datetime as dt
 import glob
 import importlib.metadata as md
+import importlib.util
 import json
 import os
 import platform
@@ -117,6 +127,17 @@ ALLOCATOR_VARS = (
     "MALLOC_TOP_PAD_",
     "MALLOC_CONF",
     "TCMALLOC_RELEASE_RATE",
+)
+# --quick: the smallest run that still goes through every stage (workers, rounds, JSON, plot).
+QUICK_DEFAULTS = dict(
+    configs="jddp-1x1,torch-ddp-1x1",
+    dtypes="float32",
+    rounds=1,
+    steps_per_round=1,
+    warmup=1,
+    width=8,
+    image_size=8,
+    global_batch=8,
 )
 PRESETS = {
     "resnet18-cifar": dict(
@@ -933,9 +954,19 @@ def plot(records: list[dict], path: Path, title: str) -> bool:
     return True
 
 
-def output_path(arg: str | None, date: str, machine: str) -> Path:
+def importable(module: str) -> bool:
+    """Whether ``module`` can be found, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def output_path(arg: str | None, date: str, machine: str, quick: bool = False) -> Path:
     if arg:
         return Path(arg)
+    if quick:  # a smoke run: one file, replaced each time, never a real result's name
+        return RESULTS_DIR / f"{date}-{machine}-quick.json"
     path = RESULTS_DIR / f"{date}-{machine}.json"
     n = 2
     while path.exists():
@@ -1024,12 +1055,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (default experiments/results/...)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run (not a measurement): jddp-1x1 (+ torch-ddp-1x1 if torch is installed), "
+        "width 8, 8x8 images, batch 8, float32, 1 warm-up, 1 timed step; writes "
+        "results/<date>-<machine>-quick.json unless --out is given",
+    )
+    ap.add_argument(
         "--recompute",
         metavar="JSON",
         help="recompute derived fields (MFU, ratios) of a results file, reprint, replot",
     )
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     ap.add_argument("--_pin", type=int, help=argparse.SUPPRESS)
+    if ap.parse_known_args(argv)[0].quick:
+        ap.set_defaults(**QUICK_DEFAULTS)  # options given on the command line still win
     args = ap.parse_args(argv)
 
     if args._worker:
@@ -1056,6 +1096,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.steps_per_round < 1 or args.warmup < 1:
         ap.error("--rounds, --steps-per-round and --warmup must be >= 1")
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    torch_names = [n for n in names if n.startswith("torch-ddp")]
+    if torch_names and not importable("torch"):
+        if not args.quick:
+            ap.error(
+                f"{', '.join(torch_names)} need torch: "
+                ".venv/bin/pip install -r experiments/requirements-bench.txt"
+            )
+        print(f"note: torch is not installed: skipping {', '.join(torch_names)}", file=sys.stderr)
+        names = [n for n in names if n not in torch_names]
+        if not names:
+            ap.error("--quick: no configuration left to run without torch")
     try:
         blocks = [
             [
@@ -1102,7 +1153,7 @@ def main(argv: list[str] | None = None) -> int:
     derive(records, peak_by_dtype(peak, args.peak_tflops is not None, args.platform))
 
     date = started.date().isoformat()
-    out = output_path(args.out, date, machine["name"])
+    out = output_path(args.out, date, machine["name"], quick=args.quick)
     result = {
         "benchmark": "train-throughput",
         "date_utc": started.isoformat(timespec="seconds"),
@@ -1121,6 +1172,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps_per_round": args.steps_per_round,
             "warmup": args.warmup,
             "profile": args.profile,
+            "quick": args.quick,
             "interleaving": "groups of one dtype alive together, A B C A B C ...; dtypes in turn",
             "step_time": "slowest rank's wall time of step(state, batch) until outputs ready",
             "data": "one fixed random batch per rank, reused; loading not timed",
