@@ -10,6 +10,7 @@ Usage (repo root, the project's virtualenv plus ``experiments/requirements-bench
     .venv/bin/python experiments/bench.py --platform gpu --preset resnet50-imagenet \\
         --configs jddp-1x8,jddp-8x1,torch-ddp-8x1 --peak-tflops 989   # a GPU box (not run here)
     .venv/bin/python experiments/bench.py --quick --no-plot   # smoke run, ~15 s here (tests use it)
+    .venv/bin/python experiments/bench.py --regenerate-results-md   # RESULTS.md's tables only
 
 Default workload: jddp's ResNet-18 with the CIFAR stem (3x3/1 conv, no max-pool), width 64, 10
 classes, synthetic 32x32x3 images, global batch 128, SGD lr 0.1 momentum 0.9 with L2 weight decay
@@ -76,6 +77,17 @@ Writes ``experiments/results/<date>-<machine>.json`` (``-runN`` suffix when it e
 ``--machine`` or the host name) with the machine, versions, commit, command and every step time,
 prints a table and writes ``<same stem>-throughput.png`` (matplotlib).
 
+``experiments/RESULTS.md``: every run (not ``--quick``) and every ``--recompute`` ends by
+regenerating the tables between ``<!-- bench.py: generated tables begin -->`` and ``<!-- bench.py:
+generated tables end -->`` (in its "Training throughput" section; put there, before the section's
+first subsection, when the markers are missing) from every throughput JSON in
+``experiments/results/`` written by this script: timed runs only, told apart by their fields (not
+``--quick``, not ``--profile``; other scripts' ``allreduce-*``, ``scaling-model-*``,
+``precision-*``, ``overhead-*`` files are skipped), oldest first, each with its file, date,
+machine, commit and command and the printed table's columns. Text outside the markers is kept; the
+same JSON files give the same block. ``--no-results-md`` skips this; ``--regenerate-results-md``
+only does this (no benchmark run).
+
 ``--quick``: a smoke run of the whole pipeline, not a measurement (``tests/test_bench.py`` runs it):
 ``jddp-1x1`` and, if torch is importable, ``torch-ddp-1x1`` (without torch the peer is skipped with
 a note); ResNet-18 of width 8 on 8x8 images, global batch 8, float32, 1 warm-up step, 1 round of
@@ -105,6 +117,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -112,6 +125,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 TAG = "@@BENCH "
 REPLY_TIMEOUT_S = 900
@@ -891,29 +905,79 @@ def peak_by_dtype(peak: float | None, given: bool, platform_name: str) -> dict:
     return {"float32": peak, "bfloat16": None}
 
 
+# One row format for the printed table and the tables of RESULTS.md: (cell, printed header,
+# printed width (negative: left-aligned), markdown header).
+TABLE_COLUMNS = (
+    ("config", "config", -22, "config"),
+    ("dtype", "dtype", -8, "dtype"),
+    ("n", "n", 2, "timed steps"),
+    ("step", "step s median (p10-p90)", 25, "step s, median (p10-p90)"),
+    ("img_s", "img/s", 7, "img/s"),
+    ("ratio", "x torch", 7, "jddp / PyTorch DDP img/s"),
+    ("compile", "compile s", 9, "compile s"),
+    ("first", "1st step s", 10, "1st step s"),
+    ("rss", "RSS MiB/proc", 12, "peak RSS MiB per process"),
+    ("gflops", "GFLOP/s", 8, "GFLOP/s"),
+    ("mfu", "MFU", 6, "MFU"),
+)
+
+
+def record_cells(r: dict) -> dict[str, str] | None:
+    """The formatted cells of one record (``None``: no timed steps), for every table."""
+    if "median_step_s" not in r:
+        return None
+
+    def num(key: str, fmt: str) -> str:
+        return format(r[key], fmt) if r.get(key) is not None else "-"
+
+    return {
+        "config": r["config"],
+        "dtype": r["dtype"],
+        "n": str(r["timed_steps"]),
+        "step": f"{r['median_step_s']:.3f} ({r['p10_step_s']:.3f}-{r['p90_step_s']:.3f})",
+        "img_s": f"{r['img_per_s']:.1f}",
+        "ratio": num("ratio_img_per_s", ".2f"),
+        "ratio_vs": r.get("ratio_vs") or "",
+        "compile": num("compile_s", ".1f"),
+        "first": num("first_step_s", ".2f"),
+        "rss": "/".join(f"{x:.0f}" for x in r["maxrss_mib_per_process"]),
+        "gflops": f"{r['achieved_gflops']:.1f}" if r.get("achieved_gflops") else "-",
+        "mfu": f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-",
+    }
+
+
 def print_table(records: list[dict]) -> None:
-    head = (
-        f"{'config':<22} {'dtype':<8} {'n':>2} {'step s median (p10-p90)':>25} "
-        f"{'img/s':>7} {'x torch':>7} {'compile s':>9} {'1st step s':>10} "
-        f"{'RSS MiB/proc':>12} {'GFLOP/s':>8} {'MFU':>6}"
-    )
+    def line(cells: dict[str, str]) -> str:
+        return " ".join(
+            format(cells[k], f"<{-w}" if w < 0 else f">{w}") for k, _, w, _ in TABLE_COLUMNS
+        )
+
+    head = line({k: h for k, h, _, _ in TABLE_COLUMNS})
     print(head)
     print("-" * len(head))
     for r in records:
-        if "median_step_s" not in r:
+        cells = record_cells(r)
+        if cells is None:
             print(f"{r['config']:<22} {r['dtype']:<8} (no timed steps)")
-            continue
-        step = f"{r['median_step_s']:.3f} ({r['p10_step_s']:.3f}-{r['p90_step_s']:.3f})"
-        ratio = f"{r['ratio_img_per_s']:.2f}" if "ratio_img_per_s" in r else "-"
-        comp = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-"
-        rss = "/".join(f"{x:.0f}" for x in r["maxrss_mib_per_process"])
-        gf = f"{r['achieved_gflops']:.1f}" if r.get("achieved_gflops") else "-"
-        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
-        print(
-            f"{r['config']:<22} {r['dtype']:<8} {r['timed_steps']:>2} {step:>25} "
-            f"{r['img_per_s']:>7.1f} {ratio:>7} {comp:>9} {r['first_step_s']:>10.2f} "
-            f"{rss:>12} {gf:>8} {mfu:>6}"
-        )
+        else:
+            print(line(cells))
+
+
+def markdown_table(records: list[dict]) -> list[str]:
+    """``print_table``'s rows as a markdown table (the PyTorch peer named next to each ratio)."""
+    lines = [
+        "| " + " | ".join(h for _, _, _, h in TABLE_COLUMNS) + " |",
+        "|" + "|".join("---" if w < 0 else "---:" for _, _, w, _ in TABLE_COLUMNS) + "|",
+    ]
+    for r in records:
+        cells = record_cells(r)
+        if cells is None:
+            cells = {k: "-" for k, _, _, _ in TABLE_COLUMNS}
+            cells.update(config=r["config"], dtype=r["dtype"], n="0")
+        elif cells["ratio_vs"]:
+            cells["ratio"] += f" (vs {cells['ratio_vs']})"
+        lines.append("| " + " | ".join(cells[k] for k, _, _, _ in TABLE_COLUMNS) + " |")
+    return lines
 
 
 def plot(records: list[dict], path: Path, title: str) -> bool:
@@ -1017,6 +1081,181 @@ def print_ratios(records: list[dict]) -> None:
             )
 
 
+# ------------------------------------------------------------------------------- RESULTS.md
+RESULTS_MD_BEGIN = "<!-- bench.py: generated tables begin -->"
+RESULTS_MD_END = "<!-- bench.py: generated tables end -->"
+RESULTS_MD_SECTION = "## Training throughput: jddp vs PyTorch DDP (CPU)"
+# Other scripts' results share the folder; their JSON is told apart by its fields as well.
+OTHER_RESULT_PREFIXES = ("allreduce-", "scaling-model-", "precision-", "overhead-")
+
+
+def is_throughput_result(result: object) -> bool:
+    """A timed (not ``--quick``, not ``--profile``) results file written by this script."""
+    if not isinstance(result, dict) or result.get("benchmark") != "train-throughput":
+        return False
+    method, records = result.get("method"), result.get("records")
+    if not isinstance(method, dict) or method.get("quick") or method.get("profile"):
+        return False
+    return isinstance(records, list) and any("median_step_s" in r for r in records)
+
+
+def throughput_results(results_dir: Path) -> list[tuple[Path, dict]]:
+    """Every throughput results file of ``results_dir``, oldest run first."""
+    found = []
+    for path in sorted(results_dir.glob("*.json")):
+        if path.name.startswith(OTHER_RESULT_PREFIXES) or "-quick" in path.name:
+            continue
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            print(f"RESULTS.md: skipping {path.name}: {e}", file=sys.stderr)
+            continue
+        if is_throughput_result(result):
+            found.append((path, result))
+    return sorted(found, key=lambda pr: (pr[1].get("date_utc") or "", pr[0].name))
+
+
+def _wrap(text: str, indent: str = "") -> list[str]:
+    """Markdown prose wrapped at 100 columns (never inside a word or an option name)."""
+    return textwrap.wrap(
+        text, 100, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    )
+
+
+def _markdown_run(path: Path, result: dict, md_dir: Path, peak_note: bool) -> list[str]:
+    """One results file in RESULTS.md: where it came from, then :func:`markdown_table`."""
+    m, w, method = result.get("machine", {}), result.get("workload", {}), result["method"]
+    rel = Path(os.path.relpath(path, md_dir)).as_posix()
+    date = (result.get("date_utc") or "?").replace("T", " ").replace("+00:00", " UTC")
+    gpus = m.get("gpus") or []  # nvidia-smi -L lines
+    hardware = f"{m.get('cpu_model') or 'unknown CPU'} ({m.get('cpu_count')} CPUs); "
+    if not gpus:
+        hardware += "no GPU"
+    elif len(set(g.split(" (UUID")[0].split(": ", 1)[-1] for g in gpus)) == 1:
+        hardware += f"{len(gpus)} × {gpus[0].split(' (UUID')[0].split(': ', 1)[-1]}"
+    else:
+        hardware += "GPUs: " + ", ".join(g.split(" (UUID")[0] for g in gpus)
+    versions = ", ".join(
+        f"{k} {v}" for k, v in (m.get("versions") or {}).items() if v and k in ("jax", "torch")
+    )
+    dirty = m.get("git_dirty_paths") or []
+    commit = f"`{m.get('git_commit')}`" + (
+        f" plus {len(dirty)} uncommitted paths (`machine.git_dirty_paths`)" if dirty else ""
+    )
+    command = result.get("command") or "?"
+    if isinstance(command, list):
+        command = shlex.join(command)
+    load = [f"{x[0]:.1f}" for x in result.get("loadavg_1_5_15") or []]
+    warmup = method.get("warmup")
+    timing = (
+        f"{warmup} warm-up step{'' if warmup == 1 else 's'}, then {method.get('rounds')} "
+        f"interleaved rounds × {method.get('steps_per_round')} timed steps"
+    )
+    lines = [f"#### `{rel}`", ""]
+    for bullet in (
+        f"**Run**: {date}; machine `{m.get('name')}`: {hardware}; {versions}; commit {commit}",
+        None,  # the command: one line, never wrapped
+        f"**Workload**: {w.get('model')} ({w.get('stem')} stem, width {w.get('width')}), "
+        f"{w.get('image_size')}×{w.get('image_size')} images, {w.get('num_classes')} classes, "
+        f"global batch {w.get('global_batch')}, {w.get('platform')}; {timing}"
+        + (f"; 1-minute load average (start, after each dtype): {', '.join(load)}" if load else ""),
+        *([f"**MFU peak**: {method.get('peak_note') or 'none'}"] if peak_note else []),
+    ):
+        lines += _wrap(f"- {bullet}", "  ") if bullet else [f"- **Command**: `{command}`"]
+    if result.get("failures"):
+        failed = ", ".join(k for f in result["failures"] for k in f.get("block", []))
+        lines += _wrap(f"- **Failed** (no rows): {failed}; errors in the JSON's `failures`", "  ")
+    return [*lines, "", *markdown_table(result["records"]), ""]
+
+
+def results_md_block(results_dir: Path, md_dir: Path) -> str:
+    """The generated part of RESULTS.md, markers included."""
+    runs = throughput_results(results_dir)
+    lines = [
+        RESULTS_MD_BEGIN,
+        "<!-- Written by experiments/bench.py from the JSON files in results/ after each",
+        "non-quick run and --recompute, or by --regenerate-results-md. Edit outside the",
+        "markers. -->",
+        "",
+        "### Throughput tables (generated from the results files)",
+        "",
+        *_wrap(
+            "One table per timed `bench.py` run in `results/` (`--quick` smoke runs and "
+            "`--profile` runs are left out), oldest first. Step s: the slowest rank's wall time "
+            "of a step, median (p10-p90) of the timed steps; img/s: global batch / median; "
+            "jddp / PyTorch DDP img/s: jddp's images/s over those of the PyTorch configuration "
+            "named, same run and dtype; compile s: jddp's `lower` + `compile` (PyTorch runs "
+            "eagerly: -); 1st step s: the first warm-up step; peak RSS: `ru_maxrss` of each "
+            "process; GFLOP/s: model FLOPs per step (XLA's cost analysis of jddp's step, used for "
+            "both sides) / median; MFU: GFLOP/s over the stated peak."
+        ),
+        "",
+    ]
+    if not runs:
+        lines += ["(No throughput results files yet.)", ""]
+    peak_notes = {result["method"].get("peak_note") for _, result in runs}
+    if len(peak_notes) == 1:  # one note for all, not one per file
+        lines += [*_wrap(f"MFU peak of every file below: {peak_notes.pop() or 'none'}."), ""]
+    for path, result in runs:
+        lines += _markdown_run(path, result, md_dir, peak_note=len(peak_notes) > 1)
+    return "\n".join([*lines, RESULTS_MD_END])
+
+
+def regenerate_results_md(results_dir: Path | None = None, md_path: Path | None = None) -> bool:
+    """Rewrite the generated tables of RESULTS.md from ``results_dir``; text outside the markers
+    is kept. Without markers the block goes into the throughput section (before its first
+    ``###`` subsection; the section is appended if missing). Returns whether the file changed."""
+    results_dir = RESULTS_DIR if results_dir is None else Path(results_dir)
+    md_path = RESULTS_MD if md_path is None else Path(md_path)
+    text = md_path.read_text() if md_path.exists() else "# Experiment results\n"
+    block = results_md_block(results_dir, md_path.parent)
+    n_begin, n_end = text.count(RESULTS_MD_BEGIN), text.count(RESULTS_MD_END)
+    if (n_begin, n_end) == (1, 1) and text.index(RESULTS_MD_BEGIN) < text.index(RESULTS_MD_END):
+        head, rest = text.split(RESULTS_MD_BEGIN)
+        new = head + block + rest.split(RESULTS_MD_END)[1]
+    elif n_begin or n_end:
+        raise ValueError(
+            f"{md_path}: expected one {RESULTS_MD_BEGIN!r} before one {RESULTS_MD_END!r}, found "
+            f"{n_begin} and {n_end}: fix the markers by hand"
+        )
+    else:
+        lines = text.splitlines()
+        try:
+            start = lines.index(RESULTS_MD_SECTION)
+        except ValueError:
+            lines += ["", RESULTS_MD_SECTION, ""]
+            start = len(lines) - 2
+        end = next(
+            (i for i in range(start + 1, len(lines)) if lines[i].startswith(("## ", "### "))),
+            len(lines),
+        )
+        while end > start + 1 and not lines[end - 1].strip():
+            end -= 1
+        after = lines[end:]
+        while after and not after[0].strip():
+            after.pop(0)
+        new = "\n".join([*lines[:end], "", block, *([""] + after if after else [])]) + "\n"
+    if new == text:
+        return False
+    tmp = md_path.with_name(md_path.name + ".tmp")
+    tmp.write_text(new)
+    os.replace(tmp, md_path)
+    return True
+
+
+def update_results_md() -> int:
+    """Regenerate RESULTS.md's tables after a run; 1 (with a message) when that fails."""
+    md_path = RESULTS_MD
+    try:
+        changed = regenerate_results_md(RESULTS_DIR, md_path)
+    except (OSError, ValueError) as e:
+        print(f"RESULTS.md not regenerated: {e}", file=sys.stderr)
+        return 1
+    n = len(throughput_results(RESULTS_DIR))
+    print(f"{'regenerated' if changed else 'unchanged:'} {md_path} ({n} throughput files)")
+    return 0
+
+
 # -------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1066,6 +1305,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="JSON",
         help="recompute derived fields (MFU, ratios) of a results file, reprint, replot",
     )
+    ap.add_argument(
+        "--no-results-md",
+        action="store_true",
+        help="do not regenerate the tables of experiments/RESULTS.md at the end "
+        "(--quick never touches it)",
+    )
+    ap.add_argument(
+        "--regenerate-results-md",
+        action="store_true",
+        help="only rebuild the generated tables of experiments/RESULTS.md from the JSON files in "
+        "experiments/results/ (no benchmark run)",
+    )
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     ap.add_argument("--_pin", type=int, help=argparse.SUPPRESS)
     if ap.parse_known_args(argv)[0].quick:
@@ -1079,8 +1330,16 @@ def main(argv: list[str] | None = None) -> int:
         (worker_jddp if spec["framework"] == "jddp" else worker_torch)(spec)
         return 0
 
+    if args.regenerate_results_md and (args.quick or args.no_results_md):
+        ap.error("--regenerate-results-md does not go with --quick or --no-results-md")
+    if args.regenerate_results_md and not args.recompute:
+        return update_results_md()
     if args.recompute:
-        return recompute(Path(args.recompute), plot_it=not args.no_plot)
+        rc = recompute(Path(args.recompute), plot_it=not args.no_plot)
+        quick = json.loads(Path(args.recompute).read_text())["method"].get("quick")
+        if args.no_results_md or quick:
+            return rc
+        return update_results_md() or rc
 
     preset = dict(PRESETS[args.preset])
     for key in ("model", "stem", "image_size", "num_classes", "global_batch"):
@@ -1217,7 +1476,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if plot(records, png, title):
             print(f"wrote {png}")
-    return 1 if failures else 0
+    md_rc = 0 if args.quick or args.no_results_md else update_results_md()
+    return 1 if failures else md_rc
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""``experiments/bench.py --quick``: the benchmark runs end to end and writes valid JSON.
+"""``experiments/bench.py --quick``: the benchmark runs end to end and writes valid JSON; the
+tables of ``experiments/RESULTS.md`` are regenerated from results files.
 
 Benchmarks are not timed unit tests: nothing here checks a speed, only that the pipeline works
 and the file holds what a reader of the results looks up. Runs without torch (CI has none).
+The RESULTS.md tests work on temporary copies: the real file is never written.
 """
 
+import copy
+import importlib.util
 import json
 import subprocess
 import sys
@@ -12,16 +16,34 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "experiments" / "bench.py"
+REAL_RESULTS_MD = REPO / "experiments" / "RESULTS.md"
+
+
+def _load_bench():
+    """The bench module (stdlib imports only), without putting experiments/ on sys.path."""
+    spec = importlib.util.spec_from_file_location("jddp_experiments_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick_json(tmp_path_factory):
+    """One ``--quick`` run for every test of this module; the real RESULTS.md stays as it was."""
+    out = tmp_path_factory.mktemp("bench") / "q.json"
+    before = REAL_RESULTS_MD.read_bytes()
+    cmd = [sys.executable, str(BENCH), "--quick", "--out", str(out), "--no-plot"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert REAL_RESULTS_MD.read_bytes() == before, "--quick must not touch RESULTS.md"
+    return out
 
 
 @pytest.mark.slow
-def test_bench_quick_writes_json(tmp_path):
-    out = tmp_path / "q.json"
-    cmd = [sys.executable, "experiments/bench.py", "--quick", "--out", str(out), "--no-plot"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    result = json.loads(out.read_text())
+def test_bench_quick_writes_json(quick_json):
+    result = json.loads(quick_json.read_text())
     assert result["benchmark"] == "train-throughput"
     assert result["method"]["quick"] is True
     assert result["failures"] == []
@@ -44,3 +66,90 @@ def test_bench_quick_writes_json(tmp_path):
     assert jddp["compile_s"] > 0
     assert jddp["model_flops_per_step"] > 0
     assert jddp["img_per_s"] == pytest.approx(8 / jddp["median_step_s"])
+
+
+@pytest.mark.slow
+def test_results_md_tables_regenerated(quick_json, tmp_path, monkeypatch, capsys):
+    bench = _load_bench()
+    real_md = REAL_RESULTS_MD.read_bytes()
+    quick = json.loads(quick_json.read_text())
+
+    # A results folder as bench.py leaves it: one timed run (the quick run, relabelled), the quick
+    # file itself, a --profile run, and other scripts' files, all but the first to be left out.
+    results = tmp_path / "results"
+    results.mkdir()
+    timed = copy.deepcopy(quick)
+    timed["method"]["quick"] = False
+    timed["date_utc"] = "2026-01-02T00:00:00+00:00"  # tables are ordered by this date
+    (results / "2026-01-02-box.json").write_text(json.dumps(timed))
+    (results / "2026-01-02-box-quick.json").write_text(json.dumps(quick))
+    profile = copy.deepcopy(timed)
+    profile["method"]["profile"] = True
+    for r in profile["records"]:
+        for key in ("median_step_s", "p10_step_s", "p90_step_s", "img_per_s", "timed_steps"):
+            r.pop(key, None)
+    (results / "2026-01-02-box-profile.json").write_text(json.dumps(profile))
+    (results / "2026-01-01-box-other.json").write_text(json.dumps({"benchmark": "overhead"}))
+    (results / "allreduce-2026-01-02-box.json").write_text(json.dumps({"records": []}))
+
+    # No markers yet: the block goes into the throughput section, before its first subsection.
+    head = f"# Results\n\n## All-reduce\n\nText A.\n\n{bench.RESULTS_MD_SECTION}\n"
+    middle = "\nHand-written notes.\n"
+    tail = "\n### Extra runs\n\nMore notes.\n\n## Scaling model\n\nText B.\n"
+    md = tmp_path / "RESULTS.md"
+    md.write_text(head + middle + tail)
+    assert bench.regenerate_results_md(results, md) is True
+    text = md.read_text()
+    begin, end = bench.RESULTS_MD_BEGIN, bench.RESULTS_MD_END
+    assert text.count(begin) == 1 and text.count(end) == 1
+    before, rest = text.split(begin)
+    block, after = rest.split(end)
+    assert before.rstrip() == (head + middle).rstrip()
+    assert after.strip() == tail.strip()
+
+    # One table, for the timed file only, its cells formatted as print_table formats them.
+    assert block.count("#### ") == 1 and "#### `results/2026-01-02-box.json`" in block
+    assert f"`{quick['command']}`" in block and quick["machine"]["git_commit"] in block
+    rows = bench.markdown_table(timed["records"])
+    assert rows[0].startswith("| config | dtype |") and len(rows) == 2 + len(timed["records"])
+    for row, r in zip(rows[2:], timed["records"], strict=True):
+        assert row in block
+        cells = bench.record_cells(r)
+        assert row.startswith(f"| {r['config']} | float32 | 1 | {cells['step']} |")
+        assert f"| {r['img_per_s']:.1f} |" in row
+
+    # Idempotent: the same inputs give the same file, and it is not rewritten.
+    mtime = md.stat().st_mtime_ns
+    assert bench.regenerate_results_md(results, md) is False
+    assert md.read_text() == text and md.stat().st_mtime_ns == mtime
+
+    # Text edited outside the markers survives; a new results file replaces the block's content.
+    md.write_text(text.replace("Hand-written notes.", "Edited notes."))
+    second = copy.deepcopy(timed)
+    second["date_utc"] = "2026-01-03T00:00:00+00:00"
+    (results / "2026-01-03-box.json").write_text(json.dumps(second))
+    assert bench.regenerate_results_md(results, md) is True
+    text2 = md.read_text()
+    assert "Edited notes." in text2 and text2.endswith(tail.lstrip("\n"))
+    block2 = text2.split(begin)[1].split(end)[0]
+    assert block2.index("2026-01-02-box.json") < block2.index("2026-01-03-box.json")
+
+    # The command line: --regenerate-results-md and --recompute regenerate, --no-results-md skips.
+    monkeypatch.setattr(bench, "RESULTS_DIR", results)
+    monkeypatch.setattr(bench, "RESULTS_MD", md)
+    (results / "2026-01-03-box.json").unlink()
+    timed_path = str(results / "2026-01-02-box.json")
+    assert bench.main(["--no-results-md", "--no-plot", "--recompute", timed_path]) == 0
+    assert md.read_text() == text2
+    assert bench.main(["--regenerate-results-md"]) == 0
+    assert md.read_text() == text.replace("Hand-written notes.", "Edited notes.")
+    md.write_text(text2)
+    assert bench.main(["--no-plot", "--recompute", timed_path]) == 0
+    assert "2026-01-03-box.json" not in md.read_text()
+    capsys.readouterr()
+
+    # Broken markers: refuse rather than guess.
+    md.write_text(head + begin + "\n" + tail)
+    with pytest.raises(ValueError, match="markers"):
+        bench.regenerate_results_md(results, md)
+    assert REAL_RESULTS_MD.read_bytes() == real_md
