@@ -140,7 +140,9 @@ def fit(
 
     Args:
       model: any Flax NNX module mapping images ``[B,H,W,C]`` to logits ``[B,K]`` (with or
-        without BatchNorm); build it identically on every process (same seed).
+        without BatchNorm, dropout or other mutable ``nnx.Variable`` state, all of which is
+        carried between steps and checkpointed); build it identically on every process (same
+        seed).
       optimizer: any optax transformation (default: the config's ``optim`` section).
       train_data, eval_data: see :func:`as_source` (default: the config's ``data`` section;
         without ``eval_data`` the train data is evaluated).

@@ -86,6 +86,10 @@ class XlaComm:
         """``pmean`` over the ``data`` mesh axis (every device of every process)."""
         return jax.lax.pmean(tree, DATA_AXIS)
 
+    def device_index(self) -> jax.Array:
+        """This device's index among all devices of the job (inside the step)."""
+        return jax.lax.axis_index(DATA_AXIS)
+
     def average_grads(self, grads: PyTree) -> PyTree:
         """The gradient mean, sent in ``grad_dtype`` and returned in the gradients' dtype."""
         if self.grad_dtype == "float32":
@@ -147,6 +151,11 @@ class MpiComm(XlaComm):
         host; the others only restore (the directory must be shared)."""
         return self.process_index == 0
 
+    def device_index(self) -> jax.Array:
+        """Rank-major index over every rank's local devices (inside the local step)."""
+        local = jax.lax.axis_index(DATA_AXIS)
+        return self.process_index * jax.lax.psum(1, DATA_AXIS) + local
+
     def average_grads(self, grads: PyTree) -> PyTree:
         """Local mean in full precision; compression applies to the MPI stage only."""
         return self.average(grads)
@@ -155,6 +164,9 @@ class MpiComm(XlaComm):
         import mpi4jax
 
         def reduce(x: jax.Array) -> jax.Array:
+            if not jnp.issubdtype(x.dtype, jnp.inexact):
+                # Counters advance identically on every rank; MAX keeps them exact.
+                return mpi4jax.allreduce(x, op=self._MPI.MAX, comm=self.world)
             if wire is not None and jnp.issubdtype(x.dtype, jnp.floating):
                 return (self.bf16_allreduce_sum(x) / self.process_count).astype(x.dtype)
             total = mpi4jax.allreduce(x, op=self._MPI.SUM, comm=self.world)

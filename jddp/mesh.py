@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -61,6 +62,11 @@ def put_replicated(tree: Any, mesh: Mesh) -> Any:
     sharding = replicated(mesh)
 
     def put(x: Any) -> Any:
+        if jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            # Typed RNG keys have no numpy form: move their raw data, re-wrap on the devices.
+            return jax.random.wrap_key_data(
+                put(jax.random.key_data(x)), impl=jax.random.key_impl(x)
+            )
         host = np.asarray(jax.device_get(x))
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 

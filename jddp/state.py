@@ -1,4 +1,14 @@
-"""Train state: everything a step reads and writes, as one replicated pytree."""
+"""Train state: everything a step reads and writes, as one replicated pytree.
+
+An NNX model splits three ways:
+
+* ``params`` (``nnx.Param``): trained by the optimizer;
+* ``model_state``: every other variable the forward pass may update and that must carry from
+  step to step and into checkpoints — BatchNorm statistics (``nnx.BatchStat``), the counters of
+  RNG streams (``nnx.RngCount``, e.g. ``nnx.Dropout``'s), and any custom ``nnx.Variable``;
+* ``ModelDef.rest``: the graph plus what steps never change — RNG stream keys (``nnx.RngKey``:
+  a stream advances by its counter, its key stays) and sown ``nnx.Intermediate`` values.
+"""
 
 from __future__ import annotations
 
@@ -13,34 +23,56 @@ from jax.sharding import Mesh
 
 from jddp.mesh import put_replicated
 
+# Variables carried from step to step besides the parameters.
+MODEL_STATE = nnx.Not(nnx.Any(nnx.Param, nnx.RngKey, nnx.Intermediate))
+
 
 @flax.struct.dataclass
 class TrainState:
-    """Parameters, BatchNorm statistics and optimizer state at optimizer step ``step``."""
+    """Parameters, mutable model state and optimizer state at optimizer step ``step``."""
 
     step: jax.Array
     params: nnx.State
-    batch_stats: nnx.State
+    model_state: nnx.State  # BatchNorm statistics, RNG counters, custom variables
     opt_state: optax.OptState
     skipped_steps: jax.Array  # steps whose update was dropped for a non-finite loss/gradient
 
 
+def _is_key(x: Any) -> bool:
+    return jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
 @flax.struct.dataclass
 class ModelDef:
-    """The static part of a split NNX model: its graph and any state that steps don't update."""
+    """The static part of a split NNX model: its graph and the state that steps don't update."""
 
     graphdef: Any = flax.struct.field(pytree_node=False)
     rest: nnx.State = flax.struct.field(pytree_node=True)
 
-    def merge(self, params: nnx.State, batch_stats: nnx.State) -> nnx.Module:
-        """A fresh module holding ``params`` and ``batch_stats`` (safe inside traced code)."""
-        return nnx.merge(self.graphdef, params, batch_stats, self.rest, copy=True)
+    def merge(
+        self,
+        params: nnx.State,
+        model_state: nnx.State,
+        device_index: jax.Array | int | None = None,
+    ) -> nnx.Module:
+        """A fresh module holding ``params`` and ``model_state`` (safe inside traced code).
+
+        With ``device_index``, that index is folded into every RNG stream key, so each device
+        of a data-parallel step draws its own dropout masks (and the same ones every time the
+        step is replayed, e.g. after a resume).
+        """
+        rest = self.rest
+        if device_index is not None:
+            rest = jax.tree.map(
+                lambda x: jax.random.fold_in(x, device_index) if _is_key(x) else x, rest
+            )
+        return nnx.merge(self.graphdef, params, model_state, rest, copy=True)
 
 
 def split_model(model: nnx.Module) -> tuple[ModelDef, nnx.State, nnx.State]:
-    """Split ``model`` into its definition, parameters and BatchNorm statistics."""
-    graphdef, params, batch_stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-    return ModelDef(graphdef, rest), params, batch_stats
+    """Split ``model`` into its definition, parameters and mutable model state."""
+    graphdef, params, model_state, rest = nnx.split(model, nnx.Param, MODEL_STATE, ...)
+    return ModelDef(graphdef, rest), params, model_state
 
 
 def create_train_state(
@@ -51,11 +83,11 @@ def create_train_state(
     Every process must build ``model`` identically (same seed): each one supplies the copies
     for its own devices.
     """
-    model_def, params, batch_stats = split_model(model)
+    model_def, params, model_state = split_model(model)
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        batch_stats=batch_stats,
+        model_state=model_state,
         opt_state=tx.init(params),
         skipped_steps=jnp.zeros((), jnp.int32),
     )

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jddp.comm import XlaComm
 from jddp.mesh import DATA_AXIS
-from jddp.state import ModelDef, TrainState
+from jddp.state import MODEL_STATE, ModelDef, TrainState
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -61,6 +61,23 @@ def _to_varying(tree: Any) -> Any:
     return jax.lax.pcast(tree, DATA_AXIS, to="varying")
 
 
+def _sync_model_state(comm: XlaComm, model_state: Any) -> Any:
+    """Make the model state every device returns identical.
+
+    Floating variables (BatchNorm statistics, running averages) are averaged: local statistics
+    become the global mean, synced ones are already equal and stay so. Integer variables (RNG
+    counters, step counters) advance the same way on every device; ``pmax`` only tells the
+    type system so (exact, unlike a mean) when they went through per-device code.
+    """
+
+    def sync(x: jax.Array) -> jax.Array:
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return comm.average(x)
+        return jax.lax.pmax(x, DATA_AXIS)
+
+    return jax.tree.map(sync, model_state)
+
+
 def make_train_step(
     model_def: ModelDef,
     tx: optax.GradientTransformation,
@@ -82,13 +99,16 @@ def make_train_step(
     when the update was dropped because the loss or a gradient was not finite),
     ``train/skipped_steps`` (and ``train/lr``). An optional ``batch["sys/stop"]`` (one flag per
     row, each process filling its rows) comes back as ``metrics["sys/stop"] > 0`` when any
-    process asked to stop, so all processes agree on the step. The state argument is donated.
+    process asked to stop, so all processes agree on the step. The model's mutable state
+    (BatchNorm statistics, RNG counters, custom variables) carries through the micro-batches
+    and comes back synced over devices; each device draws its own random numbers. The state
+    argument is donated.
     """
     loss_fn = loss_fn or cross_entropy_loss()
 
-    def local_grads(params, batch_stats, images, labels):
+    def local_grads(params, model_state, images, labels):
         def objective(p):
-            model = model_def.merge(p, batch_stats)
+            model = model_def.merge(p, model_state, comm.device_index())
             model.train()
             logits = model(images.astype(compute_dtype))
             loss_B = loss_fn(logits, labels)
@@ -96,7 +116,7 @@ def make_train_step(
             if metrics_fn is not None:
                 extra.update(metrics_fn(logits, labels))
             extra = {f"train/{k}": v.astype(jnp.float32).mean() for k, v in extra.items()}
-            return loss_B.mean(), (nnx.state(model, nnx.BatchStat), extra)
+            return loss_B.mean(), (nnx.state(model, MODEL_STATE), extra)
 
         (loss, (new_stats, extra)), grads = jax.value_and_grad(objective, has_aux=True)(
             _to_varying(params)
@@ -105,7 +125,7 @@ def make_train_step(
 
     def per_device(state: TrainState, images, labels):
         if grad_accum_steps == 1:
-            grads, stats, metrics = local_grads(state.params, state.batch_stats, images, labels)
+            grads, stats, metrics = local_grads(state.params, state.model_state, images, labels)
         else:
             micro = lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:])  # noqa: E731
 
@@ -119,20 +139,18 @@ def make_train_step(
                 ), None
 
             shapes = jax.eval_shape(
-                local_grads, state.params, state.batch_stats, micro(images)[0], micro(labels)[0]
+                local_grads, state.params, state.model_state, micro(images)[0], micro(labels)[0]
             )
             zeros = jax.tree.map(lambda a: _to_varying(jnp.zeros(a.shape, a.dtype)), shapes)
             (grads, stats, metrics), _ = jax.lax.scan(
                 body,
-                (zeros[0], _to_varying(state.batch_stats), zeros[2]),
+                (zeros[0], _to_varying(state.model_state), zeros[2]),
                 (micro(images), micro(labels)),
             )
             grads, metrics = jax.tree.map(lambda x: x / grad_accum_steps, (grads, metrics))
         # The one place where gradients are averaged across devices (and processes).
         grads = comm.average_grads(grads)
-        # BatchNorm statistics: local ones are averaged so replicas stay identical; synced ones
-        # are already equal on every device and the mean leaves them as they are.
-        stats = comm.average(stats)
+        stats = _sync_model_state(comm, stats)
         return grads, stats, metrics
 
     def per_device_batch(state: TrainState, batch: Batch):
@@ -154,7 +172,7 @@ def make_train_step(
         params, opt_state, stats = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             (params, opt_state, stats),
-            (state.params, state.opt_state, state.batch_stats),
+            (state.params, state.opt_state, state.model_state),
         )
         skipped = state.skipped_steps + (~finite).astype(jnp.int32)
         metrics = {
@@ -167,7 +185,7 @@ def make_train_step(
         new_state = state.replace(
             step=state.step + 1,
             params=params,
-            batch_stats=stats,
+            model_state=stats,
             opt_state=opt_state,
             skipped_steps=skipped,
         )
@@ -192,7 +210,7 @@ def make_eval_step(
     loss_fn = loss_fn or cross_entropy_loss()
 
     def per_device(state: TrainState, batch: Batch) -> Metrics:
-        model = model_def.merge(state.params, state.batch_stats)
+        model = model_def.merge(state.params, state.model_state)
         model.eval()
         logits = model(batch["images"].astype(compute_dtype))
         mask = batch["mask"].astype(jnp.float32)

@@ -1,7 +1,8 @@
 """Run 3 data-parallel train steps on N fake CPU devices and save losses and parameters.
 
 Used by test_step.py in a subprocess, since the device count is fixed at JAX import:
-``python parity_worker.py N OUT.npz [--x64] [--comm=pmean|psum] [--accum=K]``.
+``python parity_worker.py N OUT.npz [--x64] [--comm=pmean|psum] [--accum=K] [--model=cnn]``
+(``cnn``: no BatchNorm, so micro-batches see exactly what the whole batch does).
 """
 
 import os
@@ -28,6 +29,43 @@ from jddp.models import resnet18  # noqa: E402
 from jddp.state import create_train_state  # noqa: E402
 from jddp.step import make_train_step  # noqa: E402
 
+COLLECTIVES = {
+    "psum", "psum_invariant", "pmax", "pmin", "ppermute", "all_gather", "all_gather_invariant",
+    "all_to_all", "reduce_scatter", "psum_scatter",
+}  # fmt: skip
+
+
+def count_collectives(jaxpr, in_loop: bool = False) -> tuple[int, int]:
+    """(collectives anywhere, collectives inside a scan/while body) in a jaxpr, recursively."""
+    total = looped = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in COLLECTIVES:
+            total += 1
+            looped += in_loop
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    t, lp = count_collectives(
+                        inner, in_loop or eqn.primitive.name in ("scan", "while")
+                    )
+                    total, looped = total + t, looped + lp
+    return total, looped
+
+
+class SmallCnn(nnx.Module):
+    """Two convolutions and a linear head, no BatchNorm."""
+
+    def __init__(self, dtype, rngs: nnx.Rngs):
+        kw = {"dtype": dtype, "param_dtype": dtype, "rngs": rngs}
+        self.conv1 = nnx.Conv(3, 8, (3, 3), **kw)
+        self.conv2 = nnx.Conv(8, 8, (3, 3), strides=(2, 2), **kw)
+        self.head = nnx.Linear(8, 10, **kw)
+
+    def __call__(self, x):
+        x = nnx.relu(self.conv2(nnx.relu(self.conv1(x))))
+        return self.head(x.mean(axis=(1, 2)))
+
 
 class SumComm(XlaComm):
     """The classic bug: summing instead of averaging (gradients N times too large)."""
@@ -43,14 +81,18 @@ def main() -> None:
     comm = SumComm() if "--comm=psum" in sys.argv else XlaComm(grad_dtype)
     accum = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--accum=")), 1)
     mesh = make_mesh(jax.devices()[:num_devices])
-    model = resnet18(
-        num_classes=10,
-        stem="cifar",
-        width=4,
-        sync_batchnorm=True,
-        dtype=dtype,
-        param_dtype=dtype,
-        rngs=nnx.Rngs(0),
+    model = (
+        SmallCnn(dtype, nnx.Rngs(0))
+        if "--model=cnn" in sys.argv
+        else resnet18(
+            num_classes=10,
+            stem="cifar",
+            width=4,
+            sync_batchnorm=True,
+            dtype=dtype,
+            param_dtype=dtype,
+            rngs=nnx.Rngs(0),
+        )
     )
     tx = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9))
     model_def, state = create_train_state(model, tx, mesh)
@@ -63,7 +105,9 @@ def main() -> None:
             "labels": rng.integers(0, 10, size=16).astype(np.int32),
         }
         batch = place_batch(local, mesh, batch_layout(mesh, 16))
-        hlo = hlo or step.lower(state, batch).as_text()
+        if not hlo:
+            hlo = step.lower(state, batch).as_text()
+            collectives = count_collectives(jax.make_jaxpr(step)(state, batch).jaxpr)
         state, metrics = step(state, batch)
         losses.append(float(metrics["train/loss"]))
     # Element types of the all-reduces in the step's program (what goes over the wire).
@@ -71,7 +115,7 @@ def main() -> None:
         r"stablehlo\.all_reduce.*?\}\) : \(tensor<(?:[0-9x]*x)?([a-z]+[0-9]+)>", hlo, re.S
     )
     params = np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.params)])
-    stats = np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.batch_stats)])
+    stats = np.concatenate([np.zeros(0), *map(np.ravel, jax.tree.leaves(state.model_state))])
     np.savez(
         out,
         losses=np.array(losses),
@@ -79,6 +123,8 @@ def main() -> None:
         stats=stats,
         reduce_types=np.array(reduce_types),
         num_param_leaves=len(jax.tree.leaves(state.params)),
+        collectives_total=collectives[0],
+        collectives_in_loop=collectives[1],
     )
 
 

@@ -56,6 +56,23 @@ def test_parity_catches_summed_gradients(tmp_path, one_device_x64):
     assert rel_l2(wrong["params"], one_device_x64["params"]) > 1e-3
 
 
+@pytest.fixture(scope="module")
+def cnn_one_device_x64(tmp_path_factory):
+    return run_worker(tmp_path_factory.mktemp("cnn"), 1, "--x64", "--model=cnn")
+
+
+@pytest.mark.parametrize("n, accum", [(1, 4), (2, 2)])
+def test_grad_accumulation_matches_the_larger_batch(tmp_path, cnn_one_device_x64, n, accum):
+    """train.grad_accum_steps=K over the global batch == one step on the whole batch (a model
+    without BatchNorm: BN would normalise each micro-batch by its own statistics), and the
+    gradient all-reduce runs once per step, after the micro-batch loop, not inside it."""
+    got = run_worker(tmp_path, n, "--x64", "--model=cnn", f"--accum={accum}")
+    assert rel(got["losses"], cnn_one_device_x64["losses"]) < 1e-9
+    assert rel_l2(got["params"], cnn_one_device_x64["params"]) < 1e-9
+    assert int(got["collectives_in_loop"]) == 0
+    assert int(got["collectives_total"]) == int(cnn_one_device_x64["collectives_total"]) > 0
+
+
 def test_bfloat16_gradient_allreduce(tmp_path, one_device_x32):
     """dist.grad_allreduce_dtype=bfloat16: every gradient all-reduce in the compiled step is
     bf16 (half the bytes of f32), and the losses move only within bf16 rounding."""

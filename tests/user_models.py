@@ -1,5 +1,6 @@
 """A user model factory for the ``model.name="pkg.module:factory"`` CLI path (used by tests)."""
 
+import jax.numpy as jnp
 from flax import nnx
 
 
@@ -17,3 +18,28 @@ class TinyMLP(nnx.Module):
 def tiny_mlp(config: dict, dtype, rngs: nnx.Rngs) -> TinyMLP:
     """Factory: receives the config's model section, the compute dtype and an nnx.Rngs."""
     return TinyMLP(8 * 8 * 3, config["num_classes"], rngs, dtype=dtype)
+
+
+class Calls(nnx.Variable):
+    """A custom mutable variable: how many training forward passes the model has run."""
+
+
+class DropoutMLP(nnx.Module):
+    """Mutable state other than BatchNorm: dropout's RNG counter and a custom counter."""
+
+    def __init__(self, in_features: int, num_classes: int, rngs: nnx.Rngs, rate: float = 0.5):
+        self.hidden = nnx.Linear(in_features, 32, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+        self.out = nnx.Linear(32, num_classes, rngs=rngs)
+        self.calls = Calls(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        if not self.drop.deterministic:
+            self.calls[...] += 1
+        h = self.drop(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))))
+        return self.out(h)
+
+
+def dropout_mlp(config: dict, dtype, rngs: nnx.Rngs) -> DropoutMLP:
+    """Factory for the CLI: the dropout model on 8x8x3 images."""
+    return DropoutMLP(8 * 8 * 3, config["num_classes"], rngs)

@@ -1,0 +1,53 @@
+"""Train steps of a dropout model on 2 fake CPU devices and on 1; print what they did as JSON.
+
+Used by test_model_state.py in a subprocess (the device count is fixed at JAX import):
+``python model_state_worker.py RATE ACCUM``.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jddp.comm import XlaComm  # noqa: E402
+from jddp.data.loader import batch_layout, place_batch  # noqa: E402
+from jddp.mesh import make_mesh  # noqa: E402
+from jddp.state import create_train_state  # noqa: E402
+from jddp.step import make_train_step  # noqa: E402
+from tests.user_models import DropoutMLP  # noqa: E402
+
+
+def run(num_devices: int, images: np.ndarray, rate: float, accum: int, steps: int) -> dict:
+    """``steps`` steps with lr 0 (so only dropout masks can change the loss) on one batch."""
+    mesh = make_mesh(jax.devices()[:num_devices])
+    tx = optax.sgd(0.0)
+    model_def, state = create_train_state(DropoutMLP(192, 4, nnx.Rngs(0), rate=rate), tx, mesh)
+    step = make_train_step(model_def, tx, mesh, XlaComm(), grad_accum_steps=accum)
+    local = {"images": images, "labels": np.zeros(len(images), np.int32)}
+    batch = place_batch(local, mesh, batch_layout(mesh, len(images)))
+    losses, counts, calls = [], [], []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["train/loss"]))
+        counts.append(int(state.model_state["drop"]["rngs"]["count"][...]))
+        calls.append(int(state.model_state["calls"][...]))
+    return {"losses": losses, "counts": counts, "calls": calls}
+
+
+def main() -> None:
+    rate, accum = float(sys.argv[1]), int(sys.argv[2])
+    half = np.random.default_rng(0).normal(size=(4 * accum, 8, 8, 3)).astype(np.float32)
+    # Both devices get the same rows: any difference between them comes from dropout masks.
+    two = run(2, np.concatenate([half, half]), rate, accum, steps=3)
+    one = run(1, half, rate, accum, steps=1)
+    print(json.dumps({"two_devices": two, "one_device": one}))
+
+
+if __name__ == "__main__":
+    main()
