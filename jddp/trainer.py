@@ -6,6 +6,7 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,13 +189,71 @@ class StopRequest:
 
 @dataclass
 class RunResult:
-    """What a finished run reports: final step, final eval metrics, timing, checkpoint path."""
+    """What a finished run reports: final step, final eval metrics, timing, checkpoint path.
+
+    ``input_wait_fraction``: the share of the timed train wall time (the first step, which
+    compiles, and eval excluded) that process 0's loop spent blocked waiting for the next batch
+    from the input pipeline.
+    """
 
     step: int
     eval: dict[str, float]
     wall_s: float
     img_per_s: float
     checkpoint_dir: str
+    input_wait_fraction: float = 0.0
+
+
+class InputWait:
+    """Wall time the training loop spends blocked getting the next batch from the input pipeline.
+
+    :meth:`timed` wraps the batch iterator and adds the time of every ``next()`` to the current
+    window; :meth:`end_window` turns it into ``perf/input_wait_fraction`` (wait seconds / wall
+    seconds of the window) and accumulates run totals for :attr:`mean_fraction`. It is measured
+    on the host: with the prefetch thread ahead of the loop it stays near 0; a slow loader shows
+    up here (the device may still be busy with the step before, so it is an upper bound on the
+    time the device idles for lack of input).
+    """
+
+    KEY = "perf/input_wait_fraction"
+
+    def __init__(self) -> None:
+        self.window_s = 0.0  # waiting in the current window
+        self.total_wait_s = 0.0  # over all closed windows
+        self.total_wall_s = 0.0
+
+    def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Yield from ``batches``, timing each fetch; closing this closes ``batches``."""
+        it = iter(batches)
+        try:
+            while True:
+                start = time.perf_counter()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    self.window_s += time.perf_counter() - start
+                yield batch
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()  # stop the prefetch thread as soon as the loop ends
+
+    def restart(self) -> None:
+        """Start a new window (its wall time is measured by the caller)."""
+        self.window_s = 0.0
+
+    def end_window(self, wall_s: float) -> float:
+        """The wait fraction of a window that lasted ``wall_s``; counted in the run's mean."""
+        self.total_wait_s += self.window_s
+        self.total_wall_s += wall_s
+        return self.window_s / wall_s if wall_s > 0 else 0.0
+
+    @property
+    def mean_fraction(self) -> float:
+        """Wait seconds / wall seconds over every closed window of the run."""
+        return self.total_wait_s / self.total_wall_s if self.total_wall_s > 0 else 0.0
 
 
 def _agree(comm: XlaComm, ok: bool) -> bool:
@@ -331,6 +390,13 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
     # Throughput windows are counted in finished steps: "last" is the step whose end "start"
     # marks (the first step, which includes compilation, is timed apart).
     timer = {"start": time.perf_counter(), "last": start_step + 1, "images": 0, "seconds": 0.0}
+    input_wait = InputWait()  # its windows are the throughput windows
+
+    def restart_window(last: int | None = None) -> None:
+        timer["start"] = time.perf_counter()
+        if last is not None:
+            timer["last"] = last
+        input_wait.restart()
 
     def stop_flags() -> dict[str, jax.Array]:
         flag = np.full(layout.rows.stop - layout.rows.start, stop.signal_name is not None)
@@ -359,11 +425,12 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
                     host["train/scaling_efficiency"] = host["train/img_per_s"] / ideal
                 timer["images"] += done * global_batch
                 timer["seconds"] += dt
+                host[InputWait.KEY] = input_wait.end_window(dt)
             log.write(step, host)
             progress.set_postfix(
                 loss=f"{host['train/loss']:.4f}", img_s=f"{host.get('train/img_per_s', 0):.0f}"
             )
-            timer["start"], timer["last"] = time.perf_counter(), step
+            restart_window(step)
         return stop_requested
 
     try:
@@ -376,7 +443,9 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
         )
         pending: tuple[int, dict] | None = None
         stopped = False
-        for batch in batches.iterate(start_step, steps, cfg.data.prefetch_batches):
+        for batch in input_wait.timed(
+            batches.iterate(start_step, steps, cfg.data.prefetch_batches)
+        ):
             if profile and step == profile[0]:
                 jax.profiler.start_trace(str(workdir / "profile"))
             state, metrics = train_step(state, {**batch, **stop_flags()})
@@ -388,9 +457,8 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
             if step == start_step + 1:
                 # The first step includes compilation: time it apart from throughput.
                 jax.block_until_ready(metrics)
-                now = time.perf_counter()
-                log.write(step, {"train/compile_s": now - timer["start"]})
-                timer["start"] = now
+                log.write(step, {"train/compile_s": time.perf_counter() - timer["start"]})
+                restart_window()
             if pending is not None and after_step(*pending):
                 stopped = True  # every process saw the same flag at the same step
                 break
@@ -403,7 +471,7 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
             ):
                 eval_metrics = run_eval(state)
                 log.write(step, eval_metrics)
-                timer["start"], timer["last"] = time.perf_counter(), step
+                restart_window(step)
             if ckpts.should_save(step):
                 ckpts.save(step, state, config_dict)
         if pending is not None and not stopped:
@@ -443,6 +511,7 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
         wall_s=wall_s,
         img_per_s=img_per_s,
         checkpoint_dir=str(ckpts.directory / str(step)),
+        input_wait_fraction=input_wait.mean_fraction,
     )
     say(
         "jddp: summary\n"
@@ -451,6 +520,8 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
         f"{eval_metrics['eval/accuracy']:.4f} over {eval_metrics['eval/count']} examples\n"
         f"  throughput     {img_per_s:.1f} img/s on {num_devices} devices "
         f"({comm.process_count} processes)\n"
+        f"  input wait     {100 * result.input_wait_fraction:.2f}% of the timed step wall time "
+        f"({InputWait.KEY}, mean over the run)\n"
         f"  wall time      {wall_s:.1f} s\n"
         f"  checkpoint     {result.checkpoint_dir}\n"
         f"  metrics        {workdir / 'metrics.jsonl'} (plots: python -m jddp.plot {workdir})"

@@ -1,0 +1,575 @@
+"""Overhead of jddp's data-parallel step on one device, and the trainer's input-wait fraction.
+
+Two questions, one command (from the repo root)::
+
+    .venv/bin/python experiments/bench_overhead.py                  # ~3-4 min on a 2-core VM
+    .venv/bin/python experiments/bench_overhead.py --width 16 --rounds 10 --no-trainer  # quick
+
+**1. Step overhead.** jddp's train step exactly as the trainer builds it
+(:func:`jddp.state.create_train_state` + :func:`jddp.step.make_train_step` on a 1-device mesh
+from :func:`jddp.mesh.make_mesh`, :class:`jddp.comm.XlaComm`, the trainer's cross-entropy, its
+``sys/stop`` flag column in the batch) against a plain single-device ``jax.jit`` step written
+out by hand: ``nnx.split`` into parameters and BatchNorm statistics, ``jax.value_and_grad`` of
+the mean cross-entropy, the same optax SGD-momentum update, BatchNorm statistics carried, loss
+and accuracy returned, the state donated. Both use the same model (jddp's ResNet-18, CIFAR
+stem, ``--width``), the same initial weights, dtype float32, and the same batch already on the
+device (``--batch`` random 32x32x3 images). Each program is compiled once (``lower().compile()``,
+whose XLA ``cost_analysis()`` FLOPs and optimised-HLO all-reduce count are reported, so that a
+real difference in work can be told from timing noise), warmed up (``--warmup`` steps), and then
+all are timed interleaved for ``--rounds`` rounds, the order rotating each round (A B C, B C A,
+C A B, ...), so that a slow phase of a shared machine hits every side. The third side, C, is an
+A/A control: the plain step again (JAX reuses its executable) with its own state buffers
+(``--no-control`` drops it); ``plain-copy/plain`` shows what the method reports for identical
+programs. One step's time is the wall time of the call until its outputs are ready. Reported:
+median and p10-p90 of each, and for ``jddp/plain`` and ``plain-copy/plain`` the ratio of the
+medians and the median of the per-round ratios (which pair steps run seconds apart), each with
+a 95% bootstrap interval over rounds. The trainer also places a tiny ``sys/stop`` flag array on
+the devices each step (``stop_flags`` in ``jddp/trainer.py``); its host cost is timed apart.
+
+**2. Input wait.** The real trainer, ``python -m jddp.train``, in a subprocess, on (a) the
+default config ``configs/digits.yaml`` shortened to ``--trainer-steps`` steps and (b) synthetic
+CIFAR-shaped data (32x32x3) at the benchmark's ``--width`` and ``--batch``. Each run's
+``metrics.jsonl`` holds ``perf/input_wait_fraction`` for every logging window (the wall time the
+loop spent blocked in ``next()`` on the prefetch iterator / the window's wall time; the
+compiling first step and evals are outside the windows) and its summary prints the run's mean;
+both are reported (target: < 5%).
+
+Prints a table and writes ``experiments/results/overhead-<date>-<machine>.json`` (``-runN`` when
+it exists; ``--out`` to choose): machine (CPU model and count, memory, load averages before and
+after), versions, ``git rev-parse --short HEAD`` and the dirty paths, the command line, every
+step time and every logged window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata as md
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "experiments" / "results"
+WAIT_KEY = "perf/input_wait_fraction"
+TARGET_OVERHEAD = 0.02
+TARGET_WAIT = 0.05
+
+
+# ----------------------------------------------------------------------------------- helpers
+def pct(xs: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``xs`` by linear interpolation."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    pos = (len(s) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _sh(*cmd: str) -> str | None:
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=30, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def machine_info(name: str | None) -> dict[str, Any]:
+    """CPU model and count, memory, versions, commit and dirty paths of this machine/checkout."""
+    cpu_model = None
+    try:
+        m = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+        cpu_model = m.group(1).strip() if m else None
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        mem_gib = int(Path("/proc/meminfo").read_text().split()[1]) / 1024**2
+    except (OSError, ValueError, IndexError):
+        pass
+    host = socket.gethostname().split(".")[0]
+    return {
+        "name": name or host or "cpu",
+        "hostname": host,
+        "platform": platform.platform(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "mem_gib": mem_gib,
+        "python": platform.python_version(),
+        "versions": {d: _version(d) for d in ("jax", "jaxlib", "flax", "optax", "numpy")},
+        "xla_flags": os.environ.get("XLA_FLAGS"),
+        "git_commit": _sh("git", "-C", str(REPO), "rev-parse", "--short", "HEAD"),
+        "git_dirty": bool(_sh("git", "-C", str(REPO), "status", "--porcelain")),
+        "git_dirty_paths": (
+            _sh("git", "-C", str(REPO), "status", "--porcelain") or ""
+        ).splitlines(),
+    }
+
+
+def output_path(arg: str | None, date: str, machine: str) -> Path:
+    """``--out``, or ``results/overhead-<date>-<machine>.json`` (``-runN`` if it exists)."""
+    if arg:
+        return Path(arg)
+    path = RESULTS_DIR / f"overhead-{date}-{machine}.json"
+    n = 2
+    while path.exists():
+        path = RESULTS_DIR / f"overhead-{date}-{machine}-run{n}.json"
+        n += 1
+    return path
+
+
+# ------------------------------------------------------------------------------ step overhead
+def build_steps(
+    width: int, batch: int, image_size: int, lr: float, control: bool = True
+) -> dict[str, Any]:
+    """Both compiled steps, their states and batches on the device, and their XLA costs.
+
+    Returns ``{"jddp": side, "plain": side, "stop_flag": fn}`` (plus ``"plain-copy"``, the
+    plain step again with its own state buffers, when ``control``: timed against ``plain`` it
+    shows the bias and noise of the method itself) where a side is a dict with
+    ``step`` (the compiled program), ``state``, ``batch``, ``compile_s``, ``flops``,
+    ``bytes_accessed`` and ``all_reduces`` (count in the optimised HLO).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from jddp.comm import XlaComm
+    from jddp.data.loader import batch_layout, place_batch
+    from jddp.mesh import make_mesh
+    from jddp.models import resnet18
+    from jddp.state import create_train_state
+    from jddp.step import STOP_KEY, cross_entropy_loss, make_train_step
+
+    dtype = jnp.float32
+    num_classes = 10
+
+    def model() -> nnx.Module:
+        return resnet18(
+            num_classes=num_classes, stem="cifar", width=width, dtype=dtype, rngs=nnx.Rngs(0)
+        )
+
+    rng = np.random.default_rng(1)
+    images = rng.standard_normal((batch, image_size, image_size, 3), dtype=np.float32)
+    labels = rng.integers(0, num_classes, batch).astype(np.int32)
+    tx = optax.sgd(lr, momentum=0.9)
+
+    # A: jddp, as jddp/trainer.py builds it (1-device mesh, XlaComm, its loss, the stop flags).
+    mesh = make_mesh(jax.devices()[:1])
+    layout = batch_layout(mesh, batch)
+    model_def, jstate = create_train_state(model(), tx, mesh)
+    jstep = make_train_step(
+        model_def, tx, mesh, XlaComm(), loss_fn=cross_entropy_loss(0.0), compute_dtype=dtype
+    )
+    jbatch = place_batch({"images": images, "labels": labels}, mesh, layout)
+
+    def stop_flag() -> dict[str, jax.Array]:  # what the trainer adds to every batch
+        flag = np.full(layout.rows.stop - layout.rows.start, False)
+        return place_batch({STOP_KEY: flag.astype(np.float32)}, mesh, layout)
+
+    jbatch = {**jbatch, **stop_flag()}
+
+    # B: a plain single-device jax.jit step, written out by hand.
+    device = jax.devices()[0]
+    graphdef, params, stats, rest = nnx.split(model(), nnx.Param, nnx.BatchStat, ...)
+    pbatch = jax.device_put((images, labels), device)
+
+    def plain_state():  # fresh buffers: each side donates its own
+        state = (params, stats, tx.init(params))
+        return jax.device_put(jax.tree.map(lambda x: np.array(x, copy=True), state), device)
+
+    def plain_step(state, batch):
+        params, stats, opt_state = state
+        images, labels = batch
+
+        def loss_fn(p):
+            m = nnx.merge(graphdef, p, stats, rest, copy=True)
+            m.train()
+            logits = m(images.astype(dtype))
+            loss = optax.softmax_cross_entropy_with_integer_labels(
+                logits.astype(jnp.float32), labels
+            ).mean()
+            return loss, (logits, nnx.state(m, nnx.BatchStat))
+
+        (loss, (logits, new_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        accuracy = (jnp.argmax(logits, -1) == labels).astype(jnp.float32).mean()
+        return (params, new_stats, opt_state), {"loss": loss, "accuracy": accuracy}
+
+    pjit_step = jax.jit(plain_step, donate_argnums=0)
+
+    def compile_side(fn, state, batch) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        compiled = fn.lower(state, batch).compile()
+        compile_s = time.perf_counter() - t0
+        cost = compiled.cost_analysis()
+        if isinstance(cost, list | tuple):
+            cost = cost[0] if cost else {}
+        cost = cost or {}
+        hlo = compiled.as_text() or ""
+        return {
+            "step": compiled,
+            "state": state,
+            "batch": batch,
+            "compile_s": compile_s,
+            "flops": cost.get("flops"),
+            "bytes_accessed": cost.get("bytes accessed"),
+            "all_reduces": len(re.findall(r"\ball-reduce(?:-start)?\(", hlo)),
+            "hlo_instructions": sum(1 for line in hlo.splitlines() if " = " in line),
+        }
+
+    sides = {
+        "jddp": compile_side(jstep, jstate, jbatch),
+        "plain": compile_side(pjit_step, plain_state(), pbatch),
+    }
+    if control:
+        sides["plain-copy"] = compile_side(
+            jax.jit(plain_step, donate_argnums=0), plain_state(), pbatch
+        )
+    return {**sides, "stop_flag": stop_flag}
+
+
+def time_steps(sides: dict[str, Any], warmup: int, rounds: int, log) -> dict[str, list[float]]:
+    """Warm every side up, then time them interleaved, the order rotating each round
+    (A B C, B C A, C A B, ...; A B, B A with two); returns every timed step per side."""
+    import jax
+
+    def one(side: dict[str, Any]) -> float:
+        t = time.perf_counter()
+        state, metrics = side["step"](side["state"], side["batch"])
+        jax.block_until_ready((state, metrics))
+        dt = time.perf_counter() - t
+        side["state"] = state  # the old buffers were donated
+        return dt
+
+    names = list(sides)
+    for name in names:
+        side = sides[name]
+        side["warmup_s"] = [one(side) for _ in range(warmup)]
+        log(f"  warm-up {name}: " + ", ".join(f"{t:.3f}" for t in side["warmup_s"]) + " s")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            times[name].append(one(sides[name]))
+        if (r + 1) % max(1, rounds // 5) == 0:
+            last = ", ".join(f"{n} {times[n][-1]:.3f} s" for n in names)
+            log(f"  round {r + 1}/{rounds}: {last}")
+    return times
+
+
+def time_stop_flag(stop_flag, n: int = 200) -> list[float]:
+    """Host seconds of the trainer's per-step ``sys/stop`` placement (``n`` calls)."""
+    import jax
+
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        jax.block_until_ready(stop_flag())
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def ratio_stats(
+    a: list[float], b: list[float], resamples: int = 2000, seed: int = 0
+) -> dict[str, Any]:
+    """``a`` / ``b`` for step times timed in the same rounds.
+
+    ``of_medians``: median(a) / median(b). ``paired_*``: the per-round ratios a_i / b_i (steps
+    run seconds apart), their median and p10-p90. Both get a 95% bootstrap interval (rounds
+    resampled with replacement, fixed seed): how far this run's noise alone could move them.
+    """
+    import numpy as np
+
+    x, y = np.asarray(a), np.asarray(b)
+    paired = x / y
+    idx = np.random.default_rng(seed).integers(0, len(x), (resamples, len(x)))
+    boot_of_medians = np.median(x[idx], axis=1) / np.median(y[idx], axis=1)
+    boot_paired = np.median(paired[idx], axis=1)
+    return {
+        "of_medians": float(np.median(x) / np.median(y)),
+        "of_medians_ci95": [float(v) for v in np.percentile(boot_of_medians, [2.5, 97.5])],
+        "paired_median": float(np.median(paired)),
+        "paired_p10": pct(list(paired), 0.1),
+        "paired_p90": pct(list(paired), 0.9),
+        "paired_median_ci95": [float(v) for v in np.percentile(boot_paired, [2.5, 97.5])],
+    }
+
+
+def summarise_steps(times: dict[str, list[float]]) -> dict[str, Any]:
+    """Median and p10-p90 of every side, and the ratios ``jddp/plain`` (the overhead) and
+    ``plain-copy/plain`` (the A/A control: what the method reports for identical programs)."""
+    out: dict[str, Any] = {
+        name: {
+            "median_s": statistics.median(ts),
+            "p10_s": pct(ts, 0.1),
+            "p90_s": pct(ts, 0.9),
+            "n": len(ts),
+        }
+        for name, ts in times.items()
+    }
+    out["ratios"] = {
+        f"{name}/plain": ratio_stats(times[name], times["plain"])
+        for name in times
+        if name != "plain"
+    }
+    return out
+
+
+# ----------------------------------------------------------------------------------- input wait
+def run_trainer(label: str, overrides: list[str], workdir: Path, log) -> dict[str, Any]:
+    """Run ``python -m jddp.train <overrides>``; its logged windows and the summary's mean wait.
+
+    ``overrides`` may start with ``--config FILE``. Raises ``RuntimeError`` if the run fails.
+    """
+    cmd = [sys.executable, "-m", "jddp.train", *overrides, f"workdir={workdir}", "log.progress=off"]
+    log(f"  {label}: {' '.join(cmd[1:])}")
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise RuntimeError(f"{label}: trainer exited {out.returncode}: {out.stderr[-2000:]}")
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    windows = [
+        {"step": r["step"], "wait_fraction": r[WAIT_KEY], "step_time_s": r.get("train/step_time_s")}
+        for r in rows
+        if WAIT_KEY in r
+    ]
+    m = re.search(r"input wait\s+([0-9.]+)%", out.stdout)
+    if m is None:
+        raise RuntimeError(f"{label}: no 'input wait' line in the trainer's summary")
+    fractions = [w["wait_fraction"] for w in windows]
+    # Each window's wall time = its mean step time x its steps (windows start after step 1).
+    starts = [1, *[w["step"] for w in windows[:-1]]]
+    walls = [
+        (w["step"] - s0) * (w["step_time_s"] or 0.0) for w, s0 in zip(windows, starts, strict=True)
+    ]
+    weighted = (
+        sum(f * t for f, t in zip(fractions, walls, strict=True)) / sum(walls)
+        if sum(walls)
+        else None
+    )
+    compile_s = next((r["train/compile_s"] for r in rows if "train/compile_s" in r), None)
+    return {
+        "label": label,
+        "command": " ".join(["python", *cmd[1:]]).replace(str(workdir), "<tmp>"),
+        "run_mean_fraction": weighted,  # wait seconds / wall seconds over all windows
+        "summary_mean_percent": float(m.group(1)),  # the same, as the summary prints it
+        "window_median": statistics.median(fractions) if fractions else None,
+        "window_max": max(fractions) if fractions else None,
+        "step_time_median_s": statistics.median(
+            [w["step_time_s"] for w in windows if w["step_time_s"]]
+        )
+        if windows
+        else None,
+        "compile_s": compile_s,
+        "windows": windows,
+        "wall_s": wall,
+        "summary": out.stdout[out.stdout.find("jddp: summary") :].strip(),
+    }
+
+
+# ------------------------------------------------------------------------------------ report
+LABELS = {
+    "jddp": "jddp make_train_step (1-device mesh)",
+    "plain": "plain jax.jit",
+    "plain-copy": "plain jax.jit, 2nd copy (A/A control)",
+}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """The step-overhead and input-wait tables in Markdown."""
+    s = result["step_overhead"]
+    st = s["stats"]
+    print("\n| step | median s | p10–p90 s | XLA GFLOP | all-reduces | compile s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, c in s["compiled"].items():
+        gf = f"{c['flops'] / 1e9:.3f}" if c["flops"] is not None else "–"
+        print(
+            f"| {LABELS.get(name, name)} | {st[name]['median_s']:.4f} | {st[name]['p10_s']:.4f}–"
+            f"{st[name]['p90_s']:.4f} | {gf} | {c['all_reduces']} | {c['compile_s']:.1f} |"
+        )
+    print(
+        "\n| ratio | of medians (95% bootstrap) | paired per round: median (95% bootstrap) "
+        "| paired p10–p90 |"
+    )
+    print("|---|---:|---:|---:|")
+    for key, r in st["ratios"].items():
+        lo, hi = r["of_medians_ci95"]
+        plo, phi = r["paired_median_ci95"]
+        print(
+            f"| {key} | {r['of_medians']:.4f} ({lo:.4f}–{hi:.4f}) | {r['paired_median']:.4f} "
+            f"({plo:.4f}–{phi:.4f}) | {r['paired_p10']:.4f}–{r['paired_p90']:.4f} |"
+        )
+    print(
+        f"\nXLA FLOPs jddp / plain: {s['flops_ratio']:.5f}; target: step ratio ≤ "
+        f"{1 + TARGET_OVERHEAD:.2f}"
+    )
+    sf = s["stop_flag_s"]
+    print(f"trainer's per-step stop-flag placement: median {statistics.median(sf) * 1e6:.0f} µs")
+    if result.get("input_wait"):
+        print(
+            "\n| trainer run | step s (median) | input wait: run mean | window median | "
+            "window max |"
+        )
+        print("|---|---:|---:|---:|---:|")
+        for r in result["input_wait"]:
+            if "error" in r:
+                print(f"| {r['label']} | failed: {r['error'][:200]} | | | |")
+                continue
+            print(
+                f"| {r['label']} | {r['step_time_median_s']:.4f} | "
+                f"{100 * r['run_mean_fraction']:.3f}% | {100 * r['window_median']:.3f}% | "
+                f"{100 * r['window_max']:.3f}% |"
+            )
+        print(f"target: input wait < {100 * TARGET_WAIT:.0f}%")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both measurements, print the tables, write the JSON file."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--width", type=int, default=32, help="ResNet-18 base width (64 standard)")
+    p.add_argument("--batch", type=int, default=64, help="images per step")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each before timing")
+    p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (one step each)")
+    p.add_argument("--trainer-steps", type=int, default=40, help="steps of each trainer run")
+    p.add_argument("--no-trainer", action="store_true", help="skip the input-wait runs")
+    p.add_argument(
+        "--no-control", action="store_true", help="skip the A/A control (a 2nd plain step)"
+    )
+    p.add_argument("--machine", default=None, help="machine name in the file name")
+    p.add_argument("--out", default=None, help="JSON path (default: results/overhead-...)")
+    args = p.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    import jax
+
+    date = datetime.date.today().isoformat()
+    machine = machine_info(args.machine)
+    machine["loadavg_before"] = os.getloadavg()
+    machine["jax_backend"] = jax.default_backend()
+    machine["device_kind"] = jax.devices()[0].device_kind
+    command = (
+        " ".join([Path(sys.executable).name, *sys.argv])
+        if argv is None
+        else ("bench_overhead.main(" + repr(argv) + ")")
+    )
+    log(
+        f"bench_overhead: {machine['cpu_model']} x{machine['cpu_count']}, commit "
+        f"{machine['git_commit']}{' (dirty)' if machine['git_dirty'] else ''}; "
+        f"ResNet-18 cifar width {args.width}, batch {args.batch}, {args.image_size}px"
+    )
+
+    log("step overhead: compiling both steps")
+    sides = build_steps(
+        args.width, args.batch, args.image_size, lr=0.01, control=not args.no_control
+    )
+    stop_flag = sides.pop("stop_flag")
+    log("  compiled: " + ", ".join(f"{k} {v['compile_s']:.1f} s" for k, v in sides.items()))
+    times = time_steps(sides, args.warmup, args.rounds, log)
+    compiled = {
+        k: {f: v for f, v in s.items() if f not in ("step", "state", "batch")}
+        for k, s in sides.items()
+    }
+    fj, fp = compiled["jddp"]["flops"], compiled["plain"]["flops"]
+    step_overhead = {
+        "stats": summarise_steps(times),
+        "compiled": compiled,
+        "flops_ratio": fj / fp if fj and fp else None,
+        "times_s": times,
+        "stop_flag_s": time_stop_flag(stop_flag),
+    }
+    del sides
+
+    input_wait = []
+    if not args.no_trainer:
+        log("input wait: the real trainer")
+        with tempfile.TemporaryDirectory(prefix="jddp-overhead-") as tmp:
+            common = [
+                f"train.steps={args.trainer_steps}",
+                "train.eval_every_steps=0",
+                "checkpoint.every_steps=0",
+                "log.every_steps=5",
+            ]
+            runs = [
+                ("configs/digits.yaml", ["--config", "configs/digits.yaml", *common], "digits"),
+                (
+                    f"synthetic 32px, width {args.width}, batch {args.batch}",
+                    [
+                        "model.name=resnet18",
+                        "model.stem=cifar",
+                        f"model.width={args.width}",
+                        "data.name=synthetic",
+                        f"data.image_size={args.image_size}",
+                        f"data.global_batch_size={args.batch}",
+                        "optim.lr=0.01",
+                        *common,
+                    ],
+                    "synthetic",
+                ),
+            ]
+            for label, overrides, name in runs:
+                try:
+                    input_wait.append(run_trainer(label, overrides, Path(tmp) / name, log))
+                except RuntimeError as e:
+                    log(f"  {e}")
+                    input_wait.append({"label": label, "error": str(e)})
+
+    machine["loadavg_after"] = os.getloadavg()
+    result = {
+        "benchmark": "overhead",
+        "date": date,
+        "machine": machine,
+        "command": command,
+        "method": {
+            "model": "jddp.models.resnet18, stem=cifar, 10 classes, float32",
+            "width": args.width,
+            "batch": args.batch,
+            "image_size": args.image_size,
+            "optimizer": "optax.sgd(0.01, momentum=0.9)",
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "timing": "wall time of one call until outputs are ready; interleaved, order "
+            "rotating each round; each side compiled once via lower().compile()",
+            "control": not args.no_control,
+            "trainer_steps": args.trainer_steps,
+        },
+        "step_overhead": step_overhead,
+        "input_wait": input_wait,
+    }
+    print_table(result)
+    out = output_path(args.out, date, machine["name"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    print(f"\nwrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
