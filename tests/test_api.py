@@ -55,11 +55,14 @@ def test_fit_with_arrays_custom_loss_and_metric(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "60").is_dir()
 
 
-def test_fit_with_record_source_and_iterable(tmp_path):
+def test_fit_with_grain_source_record_list_and_iterable(tmp_path):
+    import grain
+
     x, y = data()
-    records = [(x[i], int(y[i])) for i in range(len(x))]  # len + [i]: like a grain source
+    records = [(x[i], int(y[i])) for i in range(len(x))]  # len + [i]: a random-access source
+    grain_ds = grain.MapDataset.source(records).map(lambda r: {"image": r[0], "label": r[1]})
     batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]  # an iterable
-    for name, train in [("records", records), ("iterable", iter(batches))]:
+    for name, train in [("grain", grain_ds), ("records", records), ("iterable", iter(batches))]:
         result = jddp.fit(
             TinyMLP(192, 2, nnx.Rngs(0)),
             optax.sgd(0.1),
