@@ -1,10 +1,13 @@
-"""Run outputs written by process 0: ``metrics.jsonl``, ``config.yaml``, progress bar, stdout."""
+"""Run outputs written by process 0 (``metrics.jsonl``, ``config.yaml``, progress bar, stdout)
+and what the loop measures for them (input wait)."""
 
 from __future__ import annotations
 
 import json
 import math
 import sys
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +94,55 @@ def say(message: str) -> None:
     if is_writer():
         tqdm.write(message, file=sys.stdout)
         sys.stdout.flush()
+
+
+class InputWait:
+    """Wall time the training loop spends blocked getting the next batch from the input pipeline.
+
+    :meth:`timed` wraps the batch iterator and adds the time of every ``next()`` to the current
+    window; :meth:`end_window` turns it into ``perf/input_wait_fraction`` (wait seconds / wall
+    seconds of the window) and accumulates run totals for :attr:`mean_fraction`. It is measured
+    on the host: with the prefetch thread ahead of the loop it stays near 0; a slow loader shows
+    up here (the device may still be busy with the step before, so it is an upper bound on the
+    time the device idles for lack of input).
+    """
+
+    KEY = "perf/input_wait_fraction"
+
+    def __init__(self) -> None:
+        self.window_s = 0.0  # waiting in the current window
+        self.total_wait_s = 0.0  # over all closed windows
+        self.total_wall_s = 0.0
+
+    def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Yield from ``batches``, timing each fetch; closing this closes ``batches``."""
+        it = iter(batches)
+        try:
+            while True:
+                start = time.perf_counter()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    self.window_s += time.perf_counter() - start
+                yield batch
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()  # stop the prefetch thread as soon as the loop ends
+
+    def restart(self) -> None:
+        """Start a new window (its wall time is measured by the caller)."""
+        self.window_s = 0.0
+
+    def end_window(self, wall_s: float) -> float:
+        """The wait fraction of a window that lasted ``wall_s``; counted in the run's mean."""
+        self.total_wait_s += self.window_s
+        self.total_wall_s += wall_s
+        return self.window_s / wall_s if wall_s > 0 else 0.0
+
+    @property
+    def mean_fraction(self) -> float:
+        """Wait seconds / wall seconds over every closed window of the run."""
+        return self.total_wait_s / self.total_wall_s if self.total_wall_s > 0 else 0.0

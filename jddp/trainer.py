@@ -6,7 +6,6 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from jddp.config import Config, ConfigError
 from jddp.data.loader import BatchLayout, TrainBatches, batch_layout, eval_batches, place_batch
 from jddp.data.sources import DataError, Splits, load_splits
 from jddp.mesh import make_mesh, select_devices, to_host
-from jddp.metrics import MetricsLog, is_writer, make_progress, say
+from jddp.metrics import InputWait, MetricsLog, is_writer, make_progress, say
 from jddp.models import get_model_factory
 from jddp.optimizer import make_optimizer
 from jddp.state import TrainState, create_train_state
@@ -202,58 +201,6 @@ class RunResult:
     img_per_s: float
     checkpoint_dir: str
     input_wait_fraction: float = 0.0
-
-
-class InputWait:
-    """Wall time the training loop spends blocked getting the next batch from the input pipeline.
-
-    :meth:`timed` wraps the batch iterator and adds the time of every ``next()`` to the current
-    window; :meth:`end_window` turns it into ``perf/input_wait_fraction`` (wait seconds / wall
-    seconds of the window) and accumulates run totals for :attr:`mean_fraction`. It is measured
-    on the host: with the prefetch thread ahead of the loop it stays near 0; a slow loader shows
-    up here (the device may still be busy with the step before, so it is an upper bound on the
-    time the device idles for lack of input).
-    """
-
-    KEY = "perf/input_wait_fraction"
-
-    def __init__(self) -> None:
-        self.window_s = 0.0  # waiting in the current window
-        self.total_wait_s = 0.0  # over all closed windows
-        self.total_wall_s = 0.0
-
-    def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """Yield from ``batches``, timing each fetch; closing this closes ``batches``."""
-        it = iter(batches)
-        try:
-            while True:
-                start = time.perf_counter()
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    return
-                finally:
-                    self.window_s += time.perf_counter() - start
-                yield batch
-        finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()  # stop the prefetch thread as soon as the loop ends
-
-    def restart(self) -> None:
-        """Start a new window (its wall time is measured by the caller)."""
-        self.window_s = 0.0
-
-    def end_window(self, wall_s: float) -> float:
-        """The wait fraction of a window that lasted ``wall_s``; counted in the run's mean."""
-        self.total_wait_s += self.window_s
-        self.total_wall_s += wall_s
-        return self.window_s / wall_s if wall_s > 0 else 0.0
-
-    @property
-    def mean_fraction(self) -> float:
-        """Wait seconds / wall seconds over every closed window of the run."""
-        return self.total_wait_s / self.total_wall_s if self.total_wall_s > 0 else 0.0
 
 
 def _agree(comm: XlaComm, ok: bool) -> bool:

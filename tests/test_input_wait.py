@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 import jddp
-from jddp.trainer import InputWait
+from jddp.metrics import InputWait
 from tests.helpers import read_metrics
 from tests.user_models import TinyMLP
 
