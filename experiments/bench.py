@@ -5,6 +5,8 @@ Usage (repo root, the project's virtualenv plus ``experiments/requirements-bench
     .venv/bin/python experiments/bench.py                  # the CPU matrix below, ~9 min here
     .venv/bin/python experiments/bench.py --dtypes float32 --rounds 2 \\
         --configs jddp-2x1,jddp-2x1-1t,jddp-2x1-pin,torch-ddp-2x1     # thread variants
+    .venv/bin/python experiments/bench.py --dtypes float32 \\
+        --configs jddp-2x1,jddp-mpi-2x1,torch-ddp-2x1     # jddp's two backends (xla, mpi)
     .venv/bin/python experiments/bench.py --profile --dtypes float32 \\
         --configs jddp-2x1,torch-ddp-2x1                  # where one step's time goes
     .venv/bin/python experiments/bench.py --platform gpu --preset resnet50-imagenet \\
@@ -27,6 +29,24 @@ Configurations (``--configs``, comma separated; ``P`` processes):
   sets (CPU collectives: gloo), so the step's ``pmean`` spans every process. The step is
   ``jddp.step.make_train_step`` (one jitted ``shard_map`` program, state donated) on
   ``jddp.state.create_train_state``; the batch is placed with ``jddp.data.loader.place_batch``.
+  This is jddp's ``dist.backend=xla``.
+* ``jddp-mpi-PxD``: jddp's ``dist.backend=mpi``: P MPI ranks x D JAX devices each, started by
+  ``mpirun -np P`` (the one next to ``sys.executable``: the virtualenv's MPICH). Built as
+  ``jddp.trainer`` builds it: ``jddp.comm.make_comm("mpi")`` (``MpiComm``), a mesh over the
+  rank's own devices, each rank its rows of the global batch (``batch_layout`` with the MPI
+  rank and size), rank 0's initial state on every rank (``comm.broadcast_state``) and
+  ``make_train_step(..., comm)``: a jitted local ``shard_map`` stage (forward, backward,
+  ``pmean`` over the rank's devices), then a single-device jit that sums every gradient leaf
+  over the ranks with ``mpi4jax.allreduce`` and applies the update (state not donated). The
+  driver talks to rank 0 only (``mpirun`` gives stdin to rank 0): rank 0 relays each command
+  to the other ranks (mpi4py ``bcast``) and sends every rank's reply (``gather``), so the
+  group reports per-rank times like the others. An exception in any rank calls
+  ``MPI_Abort``, and ``mpirun`` ends the job on any rank's death, so a failure ends the
+  group with ``mpirun``'s log (all ranks' output) in the error, never a hang; the driver ends
+  ``mpirun`` (SIGTERM, then SIGKILL to what is left of its process tree) when it stops.
+  ``-pin`` pins rank i to CPU i; ``-1t`` and ``-noynnconv`` set the same ``XLA_FLAGS``
+  (``mpirun`` passes the environment on). ``--profile`` does not support it. On GPU each rank
+  sets ``CUDA_VISIBLE_DEVICES`` to its D GPUs from its rank (untested, like the GPU path).
 * ``torch-ddp-PxT``: ``experiments/peers/torch_ddp.py``, P processes; on CPU T is the intra-op
   threads of each process (``torch.set_num_threads``; gloo), on GPU T must be 1 (one GPU per
   process, NCCL).
@@ -57,7 +77,14 @@ is synchronised). Reported: median step time (p10, p90), images/s = global batch
 compile time (jddp: ``lower`` + ``compile``; PyTorch: eager, none), the first step's time, peak
 host memory (``ru_maxrss`` of each worker, read at its end), and model FLOPs per step from XLA's
 cost analysis of jddp's compiled step (``compiled.cost_analysis()["flops"]`` of the per-device
-SPMD program x devices; PyTorch runs the same model and is given the same count). MFU = achieved
+SPMD program x devices; PyTorch runs the same model and is given the same count). ``jddp-mpi``'s
+step is two jitted programs joined in Python, not one: its compile time is ``lower`` +
+``compile`` of the grads stage (the function ``make_train_step`` hands to ``MpiComm.compose``,
+jitted the same way, so the step's own jit finds the executable in JAX's cache), while the
+small update jit (all-reduce + optimizer) compiles inside the first step, which the "1st step"
+column shows; its FLOPs are the count of an xla-backend jddp configuration of the same run and
+dtype (same model, batch, work), or when there is none the grads stage's cost analysis x
+devices (the update's few FLOPs left out); ``model_flops_source`` says which. MFU = achieved
 FLOP/s over ``--peak-tflops``; on CPU the default peak is an assumption: cores x clock (``cpu MHz``
 of /proc/cpuinfo) x 64 FP32 FLOP/cycle (AVX-512, two FMA units per core), and MFU is given for
 float32 only (bfloat16 may run on AMX units with a much higher peak: achieved GFLOP/s only).
@@ -112,6 +139,7 @@ import queue
 import re
 import resource
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -120,6 +148,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -193,23 +222,31 @@ class GroupSpec:
 
     work: Workload
     extra_env: dict[str, str] = field(default_factory=dict)
+    backend: str = "xla"  # jddp's dist.backend: "xla" (jddp-PxD) | "mpi" (jddp-mpi-PxD)
+
+    @property
+    def mpi(self) -> bool:
+        """Whether the ranks are started by ``mpirun`` (jddp's MPI backend)."""
+        return self.framework == "jddp" and self.backend == "mpi"
 
     @property
     def key(self) -> str:
         return f"{self.name}/{self.work.dtype}"
 
 
-CONFIG_RE = re.compile(r"^(jddp|torch-ddp)-(\d+)x(\d+)((?:-(?:1t|pin|noynnconv))*)$")
+CONFIG_RE = re.compile(r"^(jddp|jddp-mpi|torch-ddp)-(\d+)x(\d+)((?:-(?:1t|pin|noynnconv))*)$")
 
 
 def parse_config(name: str, work: Workload) -> GroupSpec:
-    """``jddp-2x1``, ``torch-ddp-2x1``, ``jddp-2x1-1t``, ... -> :class:`GroupSpec`."""
+    """``jddp-2x1``, ``jddp-mpi-2x1``, ``torch-ddp-2x1``, ``jddp-2x1-1t``, ... ->
+    :class:`GroupSpec`."""
     m = CONFIG_RE.match(name)
     if not m:
         raise ValueError(
-            f"bad config {name!r}: expected jddp-PxD or torch-ddp-PxT [-pin] [-1t] [-noynnconv]"
+            f"bad config {name!r}: expected jddp-PxD, jddp-mpi-PxD or torch-ddp-PxT "
+            "[-pin] [-1t] [-noynnconv]"
         )
-    fw = "jddp" if m.group(1) == "jddp" else "torch"
+    fw = "torch" if m.group(1) == "torch-ddp" else "jddp"
     nproc, per, variant = int(m.group(2)), int(m.group(3)), m.group(4).strip("-")
     if nproc < 1 or per < 1:
         raise ValueError(f"bad config {name!r}: counts must be >= 1")
@@ -217,7 +254,8 @@ def parse_config(name: str, work: Workload) -> GroupSpec:
         raise ValueError(f"{name!r}: -1t and -noynnconv are XLA flags, for jddp configs only")
     if fw == "torch" and work.platform == "gpu" and per != 1:
         raise ValueError(f"{name!r}: on GPU each PyTorch process drives one GPU (use -Px1)")
-    return GroupSpec(name, fw, nproc, per, variant, work)
+    backend = "mpi" if m.group(1) == "jddp-mpi" else "xla"
+    return GroupSpec(name, fw, nproc, per, variant, work, backend=backend)
 
 
 # ------------------------------------------------------------------------------------ worker
@@ -237,10 +275,44 @@ def _maxrss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _serve(step_once, profile_once, finish) -> None:
-    """The worker's command loop: ``run K`` | ``profile`` | ``quit`` on stdin."""
-    for line in sys.stdin:
-        cmd = line.split()
+def _replier(world=None):
+    """How a worker answers the driver: one ``TAG`` line on stdout, or under MPI (``world``:
+    mpi4py's ``COMM_WORLD``) a ``gather`` to rank 0, which sends every rank's message in rank
+    order (so the driver reads the same messages from one ``mpirun`` as from P processes)."""
+    if world is None:
+        return _send
+
+    def reply(msg: dict) -> None:
+        msgs = world.gather(msg, root=0)
+        if msgs is not None:  # rank 0
+            for m in msgs:
+                _send(m)
+
+    return reply
+
+
+def _commands(world=None):
+    """The driver's commands, split into words: stdin lines, or under MPI rank 0's stdin lines
+    relayed to every rank with ``bcast`` (``mpirun`` gives stdin to rank 0 only). Ends on
+    ``quit`` (kept) or when stdin closes (every rank stops)."""
+    if world is None:
+        for line in sys.stdin:
+            yield line.split()
+        return
+    rank = world.Get_rank()
+    while True:
+        line = sys.stdin.readline() if rank == 0 else None
+        cmd = world.bcast(line.split() if line else None, root=0)
+        if cmd is None:  # rank 0 read EOF: the driver is gone
+            return
+        yield cmd
+
+
+def _serve(step_once, profile_once, finish, world=None) -> None:
+    """The worker's command loop: ``run K`` | ``profile`` | ``quit`` on stdin (under MPI: rank 0
+    reads them and relays them to the other ranks, see :func:`_commands`)."""
+    reply = _replier(world)
+    for cmd in _commands(world):
         if not cmd:
             continue
         if cmd[0] == "run":
@@ -249,17 +321,27 @@ def _serve(step_once, profile_once, finish) -> None:
                 t, loss = step_once()
                 times.append(t)
                 losses.append(loss)
-            _send({"step_s": times, "loss": losses})
+            reply({"step_s": times, "loss": losses})
         elif cmd[0] == "profile":
-            _send({"profile": profile_once()})
+            reply({"profile": profile_once()})
         elif cmd[0] == "quit":
             extra = finish()
-            _send({"maxrss_mib": _maxrss_mib(), "threads": _threads_now(), **extra})
+            reply({"maxrss_mib": _maxrss_mib(), "threads": _threads_now(), **extra})
             return
 
 
 def worker_jddp(spec: dict) -> None:
-    """One jddp process: build, compile, warm up, then serve timing commands."""
+    """One jddp process: build, compile, warm up, then serve timing commands.
+
+    ``spec["backend"] == "mpi"``: one rank of ``mpirun``, built as jddp's trainer builds
+    ``dist.backend=mpi``: ``make_comm("mpi")`` (``MpiComm``), a mesh over this rank's devices,
+    this rank's rows of the global batch, rank 0's initial state (``broadcast_state``) and
+    ``make_train_step(..., comm)`` (a local ``shard_map`` grads stage, then a single-device jit
+    with ``mpi4jax.allreduce`` and the update). That step is not one jitted program: the grads
+    stage is lowered and compiled ahead (the step's own ``jax.jit`` of the same function then
+    finds it in JAX's cache) and its cost analysis is reported; the update jit compiles in the
+    first step.
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -276,20 +358,37 @@ def worker_jddp(spec: dict) -> None:
     from jddp.data.loader import batch_layout, place_batch
 
     w = Workload(**spec["work"])
-    jddp.distributed.initialize(DistConfig())
-    rank = jax.process_index()
+    mpi = spec.get("backend") == "mpi"
+    jddp.distributed.initialize(DistConfig(backend="mpi" if mpi else "xla"))
+    if mpi:  # as jddp.trainer: the comm first, then a mesh over this rank's devices
+        comm = jddp.comm.make_comm("mpi")
+        mesh = jddp.mesh.make_mesh(jddp.mesh.select_devices())
+    else:
+        comm = jddp.comm.XlaComm()
+        mesh = jddp.mesh.make_mesh()
+    rank = comm.process_index
+    world = comm.world if mpi else None
     dtype = jnp.bfloat16 if w.dtype == "bfloat16" else jnp.float32
     factory = jddp.models.MODELS[w.model]
     model = factory(
         num_classes=w.num_classes, stem=w.stem, width=w.width, dtype=dtype, rngs=nnx.Rngs(0)
     )
     tx = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.1, momentum=0.9))
-    mesh = jddp.mesh.make_mesh()
     model_def, state = jddp.state.create_train_state(model, tx, mesh)
-    step = jddp.step.make_train_step(model_def, tx, mesh, jddp.comm.XlaComm(), compute_dtype=dtype)
+    state = comm.broadcast_state(state, mesh)  # xla: as is; mpi: rank 0's values everywhere
+    stages: dict = {}
+    if mpi:  # keep the grads stage that make_train_step hands to MpiComm.compose (unchanged)
+        compose = comm.compose
+
+        def recording_compose(grads_stage, update_stage):
+            stages["grads"] = grads_stage
+            return compose(grads_stage, update_stage)
+
+        comm.compose = recording_compose
+    step = jddp.step.make_train_step(model_def, tx, mesh, comm, compute_dtype=dtype)
     rng = np.random.default_rng(1)
     shape = (w.global_batch, w.image_size, w.image_size, 3)
-    layout = batch_layout(mesh, w.global_batch)
+    layout = batch_layout(mesh, w.global_batch, comm.process_index, comm.process_count)
     host = {
         "images": rng.standard_normal(shape, dtype=np.float32)[layout.rows],
         "labels": rng.integers(0, w.num_classes, w.global_batch).astype(np.int32)[layout.rows],
@@ -298,7 +397,9 @@ def worker_jddp(spec: dict) -> None:
     jax.block_until_ready(batch)
 
     t0 = time.perf_counter()
-    lowered = step.lower(state, batch)
+    # xla: the whole step; mpi: its grads stage (MpiComm's jax.jit of the same function reuses
+    # this compilation from JAX's cache; the update jit compiles during the first step).
+    lowered = (jax.jit(stages["grads"]) if mpi else step).lower(state, batch)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -306,12 +407,13 @@ def worker_jddp(spec: dict) -> None:
     if isinstance(cost, list | tuple):
         cost = cost[0] if cost else {}
     cost = cost or {}
+    run = step if mpi else compiled
 
     box = {"state": state}
 
     def step_once() -> tuple[float, float]:
         t = time.perf_counter()
-        new_state, metrics = compiled(box["state"], batch)
+        new_state, metrics = run(box["state"], batch)
         jax.block_until_ready((new_state, metrics))
         elapsed = time.perf_counter() - t
         box["state"] = new_state
@@ -327,19 +429,26 @@ def worker_jddp(spec: dict) -> None:
             return {"step_s": t}
         return {"step_s": t, **jddp_profile_breakdown(spec["dump_dir"], trace_dir)}
 
-    _send(
+    # mpi: the cost analysis is the grads stage's, kept apart from the whole-step count
+    # ("flops_per_device") that the xla configurations report and the others borrow.
+    prefix = "grads_stage_" if mpi else ""
+    reply = _replier(world)
+    reply(
         {
             "rank": rank,
+            "pid": os.getpid(),
+            "dist_backend": comm.name,
+            "compiled": "grads stage (the update jit compiles in the 1st step)" if mpi else "step",
             "lower_s": t1 - t0,
             "compile_only_s": t2 - t1,
             "compile_s": t2 - t0,
             "warmup_s": [t for t, _ in warm],
             "warmup_loss": [loss for _, loss in warm],
-            "flops_per_device": cost.get("flops"),
-            "bytes_accessed_per_device": cost.get("bytes accessed"),
-            "devices": len(mesh.devices.flat),
+            f"{prefix}flops_per_device": cost.get("flops"),
+            f"{prefix}bytes_accessed_per_device": cost.get("bytes accessed"),
+            "devices": len(mesh.devices.flat) * (comm.process_count if mpi else 1),
             "local_devices": len(mesh.local_devices),
-            "process_count": jax.process_count(),
+            "process_count": comm.process_count,
             "threads": _threads_now(),
             "affinity": sorted(os.sched_getaffinity(0)),
             "backend": jax.default_backend(),
@@ -348,11 +457,44 @@ def worker_jddp(spec: dict) -> None:
     )
 
     def finish() -> dict:
-        if jax.process_count() > 1:
+        if not mpi and jax.process_count() > 1:
             jax.distributed.shutdown()
         return {}
 
-    _serve(step_once, profile_once, finish)
+    _serve(step_once, profile_once, finish, world)
+
+
+MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # as jddp.comm's
+
+
+def mpi_worker_main(spec: dict) -> int:
+    """One rank of a ``jddp-mpi`` group under ``mpirun``. Before jax loads: pin (``-pin``: rank
+    i to CPU i) and, on GPUs, choose this rank's devices. Only rank 0 keeps stdout (the reply
+    channel); any exception in any rank aborts the whole MPI job, so no rank waits forever in a
+    collective and ``mpirun`` exits with the traceback in its log."""
+    rank = next((int(os.environ[v]) for v in MPI_RANK_VARIABLES if v in os.environ), None)
+    if rank is None:
+        print("jddp-mpi worker: no MPI rank in the environment (run by mpirun)", file=sys.stderr)
+        return 2
+    if rank != 0:
+        os.dup2(2, 1)  # other ranks' stray prints go to the log, never between rank 0's replies
+    if spec["pin_by_rank"]:
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    if spec["work"]["platform"] == "gpu" and spec["nproc"] > 1:
+        first = rank * spec["per_proc"]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+            map(str, range(first, first + spec["per_proc"]))
+        )
+    try:
+        worker_jddp(spec)
+    except BaseException:
+        traceback.print_exc()
+        print(f"jddp-mpi worker rank {rank} failed: aborting the MPI job", file=sys.stderr)
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+    return 0
 
 
 def worker_torch(spec: dict) -> None:
@@ -515,7 +657,10 @@ def torch_profile_breakdown(prof) -> dict:
 
 # ------------------------------------------------------------------------------------ driver
 class Group:
-    """The running processes of one :class:`GroupSpec`, talking over pipes."""
+    """The running processes of one :class:`GroupSpec`, talking over pipes.
+
+    One pipe pair per process, or for a ``jddp-mpi`` group one ``mpirun -np P`` whose rank 0
+    relays the commands to the other ranks and sends all P replies, in rank order."""
 
     def __init__(self, spec: GroupSpec, args: argparse.Namespace, tmp: Path):
         self.spec = spec
@@ -526,23 +671,31 @@ class Group:
         self.runs: list[list[dict]] = []  # per round, per rank
         self.profile: list[dict] = []
         self.final: list[dict] = []
+        self.per_queue = spec.nproc if spec.mpi else 1  # replies per pipe and command
         port = _free_port()
         work = asdict(spec.work)
         ncpu = os.cpu_count() or 1
-        for rank in range(spec.nproc):
+        for rank in range(1 if spec.mpi else spec.nproc):
             wspec = {
                 "framework": spec.framework,
+                "backend": spec.backend,
+                "nproc": spec.nproc,
+                "per_proc": spec.per_proc,
                 "work": work,
                 "warmup": args.warmup,
                 "threads": spec.per_proc,
+                "pin_by_rank": spec.mpi and spec.has("pin"),
                 "trace_dir": str(tmp / f"trace-{spec.name}-{spec.work.dtype}"),
                 "dump_dir": str(tmp / f"hlo-{spec.name}-{spec.work.dtype}-r{rank}"),
             }
             env = worker_env(spec, rank, port, args, wspec["dump_dir"])
             cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", json.dumps(wspec)]
-            if spec.has("pin"):
+            if spec.mpi:
+                cmd[:0] = [str(mpirun_path()), "-np", str(spec.nproc)]
+            elif spec.has("pin"):
                 cmd[2:2] = ["--_pin", str(rank % ncpu)]
-            log = tmp / f"{spec.name}-{spec.work.dtype}-rank{rank}.log"
+            who = "mpirun" if spec.mpi else f"rank{rank}"
+            log = tmp / f"{spec.name}-{spec.work.dtype}-{who}.log"
             self.logs.append(log)
             proc = subprocess.Popen(
                 cmd,
@@ -553,6 +706,7 @@ class Group:
                 stderr=open(log, "w"),
                 text=True,
                 bufsize=1,
+                start_new_session=spec.mpi,  # a Ctrl-C goes to the driver, which stops mpirun
             )
             q: queue.Queue = queue.Queue()
             threading.Thread(target=_pump, args=(proc, q, log), daemon=True).start()
@@ -561,16 +715,30 @@ class Group:
 
     def replies(self) -> list[dict]:
         out = []
-        for rank, q in enumerate(self.queues):
-            try:
-                msg = q.get(timeout=REPLY_TIMEOUT_S)
-            except queue.Empty:
-                msg = None
-            if msg is None:
-                tail = self.logs[rank].read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.spec.key} rank {rank} died or hung; log tail:\n{tail}")
-            out.append(msg)
+        for i, q in enumerate(self.queues):
+            for _ in range(self.per_queue):
+                try:
+                    msg = q.get(timeout=REPLY_TIMEOUT_S)
+                except queue.Empty:
+                    msg = None
+                if msg is None:
+                    raise self._failure(i)
+                out.append(msg)
         return out
+
+    def _failure(self, i: int) -> RuntimeError:
+        """The error for a worker (or ``mpirun``) that closed its pipe or did not answer."""
+        try:
+            rc = self.procs[i].wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            rc = None
+        what = f"no reply in {REPLY_TIMEOUT_S} s" if rc is None else f"exit status {rc}"
+        if self.spec.mpi:  # all ranks' output is in the one log, hydra's verdict at its end
+            who = f"mpirun -np {self.spec.nproc} ({what}; a failed rank ends the whole job)"
+        else:
+            who = f"rank {i} ({what})"
+        tail = self.logs[i].read_text(errors="replace")[-3000:]
+        return RuntimeError(f"{self.spec.key}: {who}; log tail:\n{tail}")
 
     def command(self, text: str) -> list[dict]:
         for p in self.procs:
@@ -580,9 +748,59 @@ class Group:
 
     def stop(self) -> None:
         for p in self.procs:
+            if self.spec.mpi:
+                _stop_mpirun(p)
+                continue
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def mpirun_path() -> Path:
+    """The ``mpirun`` next to this Python (the virtualenv's MPICH), as jddp's tests use it."""
+    return Path(sys.executable).parent / "mpirun"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (from /proc), children first."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children[int(fields[1])].append(int(stat.split("/")[2]))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _stop_mpirun(p: subprocess.Popen) -> None:
+    """End an ``mpirun`` and every rank below it. MPICH's hydra starts each rank in a session of
+    its own, so a process group kill would miss them: SIGTERM to ``mpirun`` (hydra ends the
+    ranks), then SIGKILL, by process id, to whatever of its process tree is still there."""
+    below = _descendants(p.pid)
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    deadline = time.monotonic() + 10
+    while True:
+        alive = [pid for pid in below if Path(f"/proc/{pid}").exists()]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _pump(proc: subprocess.Popen, q: queue.Queue, log: Path) -> None:
@@ -622,10 +840,10 @@ def worker_env(spec: GroupSpec, rank: int, port: int, args, dump_dir: str) -> di
                 f for f in xla_flags if not f.startswith("--xla_force_host_platform_device_count")
             ]
             xla_flags.append(f"--xla_force_host_platform_device_count={spec.per_proc}")
-        elif spec.nproc > 1:  # one process per group of GPUs
+        elif spec.nproc > 1 and not spec.mpi:  # one process per group of GPUs (mpi: by rank)
             first = rank * spec.per_proc
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(first, first + spec.per_proc)))
-        if spec.nproc > 1:
+        if spec.nproc > 1 and not spec.mpi:  # mpi: mpirun tells each rank its place
             env.update(
                 JDDP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                 JDDP_NUM_PROCESSES=str(spec.nproc),
@@ -681,6 +899,7 @@ def summarise(g: Group, flops_by_dtype: dict[str, float]) -> dict:
     rec = {
         "config": spec.name,
         "framework": spec.framework,
+        "dist_backend": spec.backend if spec.framework == "jddp" else None,
         "dtype": w.dtype,
         "processes": spec.nproc,
         (
@@ -698,6 +917,13 @@ def summarise(g: Group, flops_by_dtype: dict[str, float]) -> dict:
         "compile_s": max(
             (r["compile_s"] for r in g.ready if r.get("compile_s") is not None), default=None
         ),
+        "compile_what": (
+            "lower + compile of the grads stage (the update jit compiles in the 1st step)"
+            if spec.mpi
+            else "lower + compile of the step"
+            if spec.framework == "jddp"
+            else None
+        ),
         "worker_ready": g.ready,
         "worker_final": g.final,
         "maxrss_mib_per_process": [r["maxrss_mib"] for r in g.final],
@@ -707,12 +933,21 @@ def summarise(g: Group, flops_by_dtype: dict[str, float]) -> dict:
     if not times:
         return rec
     med = statistics.median(times)
-    flops = None
-    if spec.framework == "jddp":
+    flops, source = None, None
+    if spec.mpi:  # two programs: the xla step's count if there is one, else the grads stage's
+        flops = flops_by_dtype.get(w.dtype)
+        source = "XLA cost_analysis of jddp's xla-backend step (same model, dtype and batch)"
+        per_dev = g.ready[0].get("grads_stage_flops_per_device")
+        if flops is None and per_dev:
+            flops = per_dev * g.ready[0]["devices"]
+            source = "XLA cost_analysis of this step's grads stage (the update is not counted)"
+    elif spec.framework == "jddp":
         per_dev = g.ready[0].get("flops_per_device")
         flops = per_dev * g.ready[0]["devices"] if per_dev else None
+        source = "XLA cost_analysis of this step"
     else:
         flops = flops_by_dtype.get(w.dtype)
+        source = "XLA cost_analysis of jddp's step (same model, dtype and batch)"
     rec.update(
         timed_steps=len(times),
         median_step_s=med,
@@ -728,13 +963,7 @@ def summarise(g: Group, flops_by_dtype: dict[str, float]) -> dict:
         img_per_s=w.global_batch / med,
         first_step_s=rec["warmup_s"][0] if rec["warmup_s"] else None,
         model_flops_per_step=flops,
-        model_flops_source=(
-            "XLA cost_analysis of this step"
-            if spec.framework == "jddp"
-            else "XLA cost_analysis of jddp's step (same model, dtype and batch)"
-        )
-        if flops
-        else None,
+        model_flops_source=source if flops else None,
         achieved_gflops=flops / med / 1e9 if flops else None,
         step_s=times,
     )
@@ -803,7 +1032,7 @@ def run_block(specs: list[GroupSpec], args, tmp: Path, log) -> list[Group]:
             g.final = g.command("quit")
     finally:
         for g in groups:
-            for p in g.procs:
+            for p in g.procs if g.final else []:  # told to quit: let them end on their own
                 try:
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
@@ -1184,10 +1413,11 @@ def results_md_block(results_dir: Path, md_dir: Path) -> str:
             "`--profile` runs are left out), oldest first. Step s: the slowest rank's wall time "
             "of a step, median (p10-p90) of the timed steps; img/s: global batch / median; "
             "jddp / PyTorch DDP img/s: jddp's images/s over those of the PyTorch configuration "
-            "named, same run and dtype; compile s: jddp's `lower` + `compile` (PyTorch runs "
+            "named, same run and dtype; compile s: jddp's `lower` + `compile` (`jddp-mpi-*`: of "
+            "the grads stage only, its update jit compiles in the 1st step; PyTorch runs "
             "eagerly: -); 1st step s: the first warm-up step; peak RSS: `ru_maxrss` of each "
             "process; GFLOP/s: model FLOPs per step (XLA's cost analysis of jddp's step, used for "
-            "both sides) / median; MFU: GFLOP/s over the stated peak."
+            "both sides and for `jddp-mpi-*`) / median; MFU: GFLOP/s over the stated peak."
         ),
         "",
     ]
@@ -1262,7 +1492,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--configs",
         default=DEFAULT_CONFIGS,
-        help="comma-separated jddp-PxD / torch-ddp-PxT, suffixes -pin -1t -noynnconv",
+        help="comma-separated jddp-PxD / jddp-mpi-PxD / torch-ddp-PxT, suffixes -pin -1t "
+        "-noynnconv",
     )
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
@@ -1324,9 +1555,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args._worker:
+        spec = json.loads(args._worker)
+        if spec.get("backend") == "mpi":
+            return mpi_worker_main(spec)
         if args._pin is not None:
             os.sched_setaffinity(0, {args._pin})
-        spec = json.loads(args._worker)
         (worker_jddp if spec["framework"] == "jddp" else worker_torch)(spec)
         return 0
 
@@ -1378,6 +1611,17 @@ def main(argv: list[str] | None = None) -> int:
         ]
     except ValueError as e:
         ap.error(str(e))
+    mpi_names = list(dict.fromkeys(s.name for block in blocks for s in block if s.mpi))
+    if mpi_names and args.profile:
+        ap.error(f"--profile does not support {', '.join(mpi_names)} (two jitted programs)")
+    if mpi_names:
+        missing = [m for m in ("mpi4py", "mpi4jax") if not importable(m)]
+        missing += [] if mpirun_path().exists() else [str(mpirun_path())]
+        if missing:
+            ap.error(
+                f"{', '.join(mpi_names)} need {', '.join(missing)}: bash scripts/setup.sh "
+                "installs MPICH, mpi4py and mpi4jax into the virtualenv"
+            )
 
     started = dt.datetime.now(dt.UTC)
     machine = machine_info(args.machine)

@@ -153,3 +153,46 @@ def test_results_md_tables_regenerated(quick_json, tmp_path, monkeypatch, capsys
     with pytest.raises(ValueError, match="markers"):
         bench.regenerate_results_md(results, md)
     assert REAL_RESULTS_MD.read_bytes() == real_md
+
+
+def test_mpi_config_and_rank0_relay(monkeypatch, capsys):
+    """``jddp-mpi-PxD`` parses to the MPI backend, and rank 0's command relay and reply gather
+    work on a stand-in for mpi4py's communicator (no MPI run here: CI time is tight)."""
+    import io
+
+    bench = _load_bench()
+    spec = bench.parse_config("jddp-mpi-2x1-pin", bench.Workload())
+    assert (spec.backend, spec.mpi, spec.nproc, spec.per_proc) == ("mpi", True, 2, 1)
+    assert spec.has("pin")
+    assert not bench.parse_config("jddp-2x1", bench.Workload()).mpi
+    assert not bench.parse_config("torch-ddp-2x1", bench.Workload()).mpi
+    with pytest.raises(ValueError, match="jddp-mpi-PxD"):
+        bench.parse_config("jddp-mpi-2", bench.Workload())
+
+    class World:  # rank 0 of 2: bcast hands its value back, gather adds rank 1's message
+        relayed: list = []
+
+        def Get_rank(self):
+            return 0
+
+        def bcast(self, obj, root):
+            self.relayed.append(obj)
+            return obj
+
+        def gather(self, obj, root):
+            return [obj, {**obj, "rank1": True}]
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("run 2\n\nquit\nrun 1\n"))
+    steps = iter([(0.5, 2.0), (0.25, 1.5)])
+    bench._serve(lambda: next(steps), None, lambda: {"extra": 1}, World())
+    assert World.relayed == [["run", "2"], [], ["quit"]]  # stops at quit, blank lines relayed
+    msgs = [json.loads(x[len(bench.TAG) :]) for x in capsys.readouterr().out.splitlines()]
+    assert msgs[0] == {"step_s": [0.5, 0.25], "loss": [2.0, 1.5]}
+    assert msgs[1] == {**msgs[0], "rank1": True}
+    assert msgs[2]["extra"] == 1 and msgs[3]["rank1"] and len(msgs) == 4
+
+    # The driver gone (stdin closed): every rank is told to stop (None relayed).
+    World.relayed = []
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    bench._serve(None, None, None, World())
+    assert World.relayed == [None]
