@@ -155,6 +155,7 @@ class Checkpoints:
         self._manager.reload()
 
     def _restore_newest_good(self, abstract, like, steps, damaged, agree):
+        _silence_late_read_callbacks()
         for step in reversed(steps):
             where = self.directory / str(step)
             state, problem = None, None
@@ -198,6 +199,29 @@ class Checkpoints:
         """Finish pending saves and release the manager."""
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _silence_late_read_callbacks() -> None:
+    """Keep stderr to jddp's own lines when a restore fails (installed before restoring).
+
+    When one array of a checkpoint fails to read, orbax closes its event loop while tensorstore
+    still has reads of the other arrays in flight; as those finish, their callbacks hit the
+    closed loop and each reports ``RuntimeError: Event loop is closed`` as an unraisable
+    exception (~150 tracebacks for a ResNet), interleaved with jddp's warning and error lines.
+    Those reads belong to an attempt already judged damaged, so exactly that error is dropped.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "_jddp_filter", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook._jddp_filter = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _short(e: Exception) -> str:

@@ -177,3 +177,6 @@ def test_all_checkpoints_damaged_is_a_runtime_error(files, tmp_path):
     out = train(f"workdir={copy}", *TINY, "train.steps=4")
     assert out.returncode == 1
     assert "no usable checkpoint" in out.stderr.strip().splitlines()[-1]
+    # Only jddp's own lines: no tracebacks from reads still in flight when a restore failed.
+    assert "Traceback" not in out.stderr
+    assert all(line.startswith("jddp: ") for line in out.stderr.splitlines() if line.strip())
