@@ -130,11 +130,9 @@ import argparse
 import collections
 import datetime as dt
 import glob
-import importlib.metadata as md
 import importlib.util
 import json
 import os
-import platform
 import queue
 import re
 import resource
@@ -152,8 +150,26 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+def _import_benchlib():
+    """``experiments/benchlib.py``: imported by name when this file runs as a script or worker
+    (its folder is on ``sys.path``), loaded from its path when this file is (tests)."""
+    try:
+        import benchlib
+    except ModuleNotFoundError as e:
+        if e.name != "benchlib":
+            raise
+        path = Path(__file__).resolve().with_name("benchlib.py")
+        spec = importlib.util.spec_from_file_location("benchlib", path)
+        benchlib = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = benchlib
+        spec.loader.exec_module(benchlib)
+    return benchlib
+
+
+benchlib = _import_benchlib()
+REPO, RESULTS_DIR = benchlib.REPO, benchlib.RESULTS_DIR
+machine_info, percentile = benchlib.machine_info, benchlib.percentile
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 TAG = "@@BENCH "
@@ -161,16 +177,6 @@ REPLY_TIMEOUT_S = 900
 DEFAULT_CONFIGS = "jddp-1x1,jddp-2x1,jddp-2x1-pin,torch-ddp-2x1,torch-ddp-2x1-pin"
 NO_YNN_CONV_XLA_FLAG = "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution"
 ONE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-ALLOCATOR_VARS = (
-    "LD_PRELOAD",
-    "MALLOC_ARENA_MAX",
-    "MALLOC_MMAP_MAX_",
-    "MALLOC_TRIM_THRESHOLD_",
-    "MALLOC_MMAP_THRESHOLD_",
-    "MALLOC_TOP_PAD_",
-    "MALLOC_CONF",
-    "TCMALLOC_RELEASE_RATE",
-)
 # --quick: the smallest run that still goes through every stage (workers, rounds, JSON, plot).
 QUICK_DEFAULTS = dict(
     configs="jddp-1x1,torch-ddp-1x1",
@@ -880,13 +886,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def _slowest(per_rank: list[list[float]]) -> list[float]:
     return [max(ts) for ts in zip(*per_rank, strict=True)]
 
@@ -951,8 +950,8 @@ def summarise(g: Group, flops_by_dtype: dict[str, float]) -> dict:
     rec.update(
         timed_steps=len(times),
         median_step_s=med,
-        p10_step_s=_pct(times, 0.1),
-        p90_step_s=_pct(times, 0.9),
+        p10_step_s=percentile(times, 0.1),
+        p90_step_s=percentile(times, 0.9),
         min_step_s=min(times),
         max_step_s=max(times),
         median_step_s_without_first_of_round=(
@@ -1042,77 +1041,6 @@ def run_block(specs: list[GroupSpec], args, tmp: Path, log) -> list[Group]:
 
 
 # ---------------------------------------------------------------------------------- reporting
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
-def _sh(*cmd: str) -> str | None:
-    try:
-        return subprocess.run(
-            cmd, capture_output=True, text=True, timeout=30, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def machine_info(name: str | None) -> dict:
-    cpu_model, mhz = None, None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu_model is None:
-                cpu_model = line.split(":", 1)[1].strip()
-            if line.startswith("cpu MHz") and mhz is None:
-                mhz = float(line.split(":", 1)[1])
-    except OSError:
-        pass
-    flags = set()
-    try:
-        flags = set(
-            re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split()
-        )
-    except (OSError, AttributeError):
-        pass
-    mem = None
-    try:
-        mem = int(Path("/proc/meminfo").read_text().split()[1]) / 1024**2
-    except (OSError, ValueError, IndexError):
-        pass
-    host = socket.gethostname().split(".")[0]
-    return {
-        "name": name or host or "cpu",
-        "hostname": host,
-        "platform": platform.platform(),
-        "cpu_model": cpu_model,
-        "cpu_mhz": mhz,
-        "cpu_count": os.cpu_count(),
-        "isa": sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
-        "mem_gib": mem,
-        "gpus": (_sh("nvidia-smi", "-L") or "").splitlines(),
-        "python": platform.python_version(),
-        "versions": {
-            d: _version(d)
-            for d in (
-                "jax",
-                "jaxlib",
-                "flax",
-                "optax",
-                "numpy",
-                "torch",
-                "jax-cuda12-plugin",
-                "jax-cuda13-plugin",
-            )
-        },
-        "git_commit": _sh("git", "-C", str(REPO), "rev-parse", "--short", "HEAD"),
-        "git_dirty_paths": (
-            _sh("git", "-C", str(REPO), "status", "--porcelain") or ""
-        ).splitlines(),
-        "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_VARS},
-    }
-
-
 def default_peak_flops(machine: dict, platform_name: str) -> tuple[float | None, str]:
     if platform_name != "cpu" or not machine.get("cpu_mhz"):
         return None, "none given (--peak-tflops): achieved FLOP/s only"
@@ -1260,12 +1188,7 @@ def output_path(arg: str | None, date: str, machine: str, quick: bool = False) -
         return Path(arg)
     if quick:  # a smoke run: one file, replaced each time, never a real result's name
         return RESULTS_DIR / f"{date}-{machine}-quick.json"
-    path = RESULTS_DIR / f"{date}-{machine}.json"
-    n = 2
-    while path.exists():
-        path = RESULTS_DIR / f"{date}-{machine}-run{n}.json"
-        n += 1
-    return path
+    return benchlib.unused_path(RESULTS_DIR, f"{date}-{machine}")
 
 
 def recompute(path: Path, plot_it: bool) -> int:

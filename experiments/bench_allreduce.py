@@ -39,10 +39,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.metadata as md
 import json
 import os
-import platform
 import re
 import shutil
 import socket
@@ -53,11 +51,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import benchlib
+from benchlib import RESULTS_DIR, percentile, sh, unused_path
+
 N_PROCS = 2
 EXPECTED = N_PROCS * (N_PROCS + 1) / 2  # sum over ranks of (rank + 1)
 RESNET18_ELEMENTS = 11_173_962
-REPO = Path(__file__).resolve().parent.parent
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 WORKER_TIMEOUT_S = 600
 
 
@@ -359,13 +358,6 @@ def launch_gloo(spec_path: Path, result_dir: Path) -> dict:
     }
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def combine(rank_files: list[Path]) -> tuple[list[dict], list[dict]]:
     """One record per case: per-call time = slowest rank's; ok only if every rank checked."""
     per_rank = [json.loads(f.read_text()) for f in rank_files]
@@ -389,8 +381,8 @@ def combine(rank_files: list[Path]) -> tuple[list[dict], list[dict]]:
                 median_ms=med * 1e3,
                 min_ms=min(times) * 1e3,
                 max_ms=max(times) * 1e3,
-                p10_ms=_pct(times, 0.1) * 1e3,
-                p90_ms=_pct(times, 0.9) * 1e3,
+                p10_ms=percentile(times, 0.1) * 1e3,
+                p90_ms=percentile(times, 0.9) * 1e3,
                 mean_ms=statistics.fmean(times) * 1e3,
                 algbw_GBps=algbw,
                 busbw_GBps=None if local else algbw * 2 * (N_PROCS - 1) / N_PROCS,
@@ -405,56 +397,22 @@ def combine(rank_files: list[Path]) -> tuple[list[dict], list[dict]]:
     return out, infos
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
 def machine_info() -> dict:
-    def sh(*cmd: str) -> str | None:
-        try:
-            return subprocess.run(
-                cmd, capture_output=True, text=True, timeout=30, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
+    """benchlib's machine record plus this benchmark's MPI library (mpichversion's report)."""
     mpichversion = Path(sys.executable).parent / "mpichversion"
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "processor": platform.processor(),
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
-        "gpu": None,
-        "python": platform.python_version(),
-        "versions": {d: _version(d) for d in ("jax", "jaxlib", "mpi4jax", "mpi4py", "mpich")},
-        "mpichversion": sh(str(mpichversion)) if mpichversion.exists() else None,
-        "git_commit": sh("git", "-C", str(REPO), "rev-parse", "HEAD"),
-        "git_dirty": bool(sh("git", "-C", str(REPO), "status", "--porcelain")),
-    }
+    return benchlib.machine_info(
+        extra={
+            "gpu": None,  # this file's older key; the GPUs found are ``gpus``
+            "mpichversion": sh(str(mpichversion)) if mpichversion.exists() else None,
+        }
+    )
 
 
 def _output_path(arg: str | None, date: str, host: str) -> Path:
     if arg:
         return Path(arg)
     host = host.split(".")[0] or "cpu2"
-    path = RESULTS_DIR / f"allreduce-{date}-{host}.json"
-    n = 2
-    while path.exists():
-        path = RESULTS_DIR / f"allreduce-{date}-{host}-run{n}.json"
-        n += 1
-    return path
+    return unused_path(RESULTS_DIR, f"allreduce-{date}-{host}")
 
 
 def print_table(records: list[dict]) -> None:

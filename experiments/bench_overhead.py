@@ -44,12 +44,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata as md
 import json
 import os
-import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,84 +55,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO / "experiments" / "results"
+from benchlib import REPO, RESULTS_DIR, machine_info, percentile, unused_path
+
 WAIT_KEY = "perf/input_wait_fraction"
 TARGET_OVERHEAD = 0.02
 TARGET_WAIT = 0.05
 
 
-# ----------------------------------------------------------------------------------- helpers
-def pct(xs: list[float], q: float) -> float:
-    """The ``q``-quantile (0..1) of ``xs`` by linear interpolation."""
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    pos = (len(s) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def _sh(*cmd: str) -> str | None:
-    try:
-        return subprocess.run(
-            cmd, capture_output=True, text=True, timeout=30, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
-def machine_info(name: str | None) -> dict[str, Any]:
-    """CPU model and count, memory, versions, commit and dirty paths of this machine/checkout."""
-    cpu_model = None
-    try:
-        m = re.search(r"^model name\s*:\s*(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
-        cpu_model = m.group(1).strip() if m else None
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        mem_gib = int(Path("/proc/meminfo").read_text().split()[1]) / 1024**2
-    except (OSError, ValueError, IndexError):
-        pass
-    host = socket.gethostname().split(".")[0]
-    return {
-        "name": name or host or "cpu",
-        "hostname": host,
-        "platform": platform.platform(),
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
-        "affinity": sorted(os.sched_getaffinity(0)),
-        "mem_gib": mem_gib,
-        "python": platform.python_version(),
-        "versions": {d: _version(d) for d in ("jax", "jaxlib", "flax", "optax", "numpy")},
-        "xla_flags": os.environ.get("XLA_FLAGS"),
-        "git_commit": _sh("git", "-C", str(REPO), "rev-parse", "--short", "HEAD"),
-        "git_dirty": bool(_sh("git", "-C", str(REPO), "status", "--porcelain")),
-        "git_dirty_paths": (
-            _sh("git", "-C", str(REPO), "status", "--porcelain") or ""
-        ).splitlines(),
-    }
-
-
 def output_path(arg: str | None, date: str, machine: str) -> Path:
     """``--out``, or ``results/overhead-<date>-<machine>.json`` (``-runN`` if it exists)."""
-    if arg:
-        return Path(arg)
-    path = RESULTS_DIR / f"overhead-{date}-{machine}.json"
-    n = 2
-    while path.exists():
-        path = RESULTS_DIR / f"overhead-{date}-{machine}-run{n}.json"
-        n += 1
-    return path
+    return Path(arg) if arg else unused_path(RESULTS_DIR, f"overhead-{date}-{machine}")
 
 
 # ------------------------------------------------------------------------------ step overhead
@@ -313,8 +242,8 @@ def ratio_stats(
         "of_medians": float(np.median(x) / np.median(y)),
         "of_medians_ci95": [float(v) for v in np.percentile(boot_of_medians, [2.5, 97.5])],
         "paired_median": float(np.median(paired)),
-        "paired_p10": pct(list(paired), 0.1),
-        "paired_p90": pct(list(paired), 0.9),
+        "paired_p10": percentile(list(paired), 0.1),
+        "paired_p90": percentile(list(paired), 0.9),
         "paired_median_ci95": [float(v) for v in np.percentile(boot_paired, [2.5, 97.5])],
     }
 
@@ -325,8 +254,8 @@ def summarise_steps(times: dict[str, list[float]]) -> dict[str, Any]:
     out: dict[str, Any] = {
         name: {
             "median_s": statistics.median(ts),
-            "p10_s": pct(ts, 0.1),
-            "p90_s": pct(ts, 0.9),
+            "p10_s": percentile(ts, 0.1),
+            "p90_s": percentile(ts, 0.9),
             "n": len(ts),
         }
         for name, ts in times.items()

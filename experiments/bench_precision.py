@@ -21,9 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import RESULTS_DIR, machine_info
+from benchlib import REPO, RESULTS_DIR, machine_info
 
-ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = ("float32", "bfloat16")
 
 
@@ -34,7 +33,7 @@ def train_once(precision: str, steps: int, workdir: Path) -> dict:
         f"workdir={workdir}", f"train.precision={precision}", f"train.steps={steps}",
         "log.progress=off", "checkpoint.every_steps=0",
     ]  # fmt: skip
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
