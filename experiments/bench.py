@@ -39,7 +39,8 @@ Configurations (``--configs``, comma separated; ``P`` processes):
   ``pmean`` over the rank's devices), then a single-device jit that sums every gradient leaf
   over the ranks with ``mpi4jax.allreduce`` and applies the update (state not donated). The
   driver talks to rank 0 only (``mpirun`` gives stdin to rank 0): rank 0 relays each command
-  to the other ranks (mpi4py ``bcast``) and sends every rank's reply (``gather``), so the
+  to the other ranks (point-to-point, polled with sleeps: a blocking MPICH wait spins a core)
+  and sends every rank's reply (``gather``), so the
   group reports per-rank times like the others. An exception in any rank calls
   ``MPI_Abort``, and ``mpirun`` ends the job on any rank's death, so a failure ends the
   group with ``mpirun``'s log (all ranks' output) in the error, never a hang; the driver ends
@@ -299,7 +300,7 @@ def _replier(world=None):
 
 def _commands(world=None):
     """The driver's commands, split into words: stdin lines, or under MPI rank 0's stdin lines
-    relayed to every rank with ``bcast`` (``mpirun`` gives stdin to rank 0 only). Ends on
+    relayed to every rank (``mpirun`` gives stdin to rank 0 only). Ends on
     ``quit`` (kept) or when stdin closes (every rank stops)."""
     if world is None:
         for line in sys.stdin:
@@ -307,8 +308,18 @@ def _commands(world=None):
         return
     rank = world.Get_rank()
     while True:
-        line = sys.stdin.readline() if rank == 0 else None
-        cmd = world.bcast(line.split() if line else None, root=0)
+        if rank == 0:
+            line = sys.stdin.readline()
+            cmd = line.split() if line else None
+            for other in range(1, world.Get_size()):
+                world.send(cmd, dest=other, tag=7)
+        else:
+            # Not a blocking bcast: MPICH busy-polls while it waits, so an idle rank would
+            # burn a core for hours while the other configurations are being timed. Poll
+            # and sleep instead (a 2 ms delay on a command is nothing next to a step).
+            while not world.Iprobe(source=0, tag=7):
+                time.sleep(0.002)
+            cmd = world.recv(source=0, tag=7)
         if cmd is None:  # rank 0 read EOF: the driver is gone
             return
         yield cmd

@@ -169,15 +169,18 @@ def test_mpi_config_and_rank0_relay(monkeypatch, capsys):
     with pytest.raises(ValueError, match="jddp-mpi-PxD"):
         bench.parse_config("jddp-mpi-2", bench.Workload())
 
-    class World:  # rank 0 of 2: bcast hands its value back, gather adds rank 1's message
+    class World:  # rank 0 of 2: send records what rank 1 gets, gather adds rank 1's message
         relayed: list = []
 
         def Get_rank(self):
             return 0
 
-        def bcast(self, obj, root):
+        def Get_size(self):
+            return 2
+
+        def send(self, obj, dest, tag):
+            assert dest == 1
             self.relayed.append(obj)
-            return obj
 
         def gather(self, obj, root):
             return [obj, {**obj, "rank1": True}]
