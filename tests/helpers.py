@@ -38,6 +38,25 @@ def launch_cmd(nproc, devices, workdir, *overrides, base=TINY_SYNC) -> list[str]
     ]
 
 
+MPIRUN = str(Path(sys.executable).parent / "mpirun")  # PyPI MPICH's, next to the venv's python
+
+
+def mpirun_cmd(nproc, workdir, *overrides, base=TINY_SYNC) -> list[str]:
+    """The train command under ``mpirun -np N``."""
+    return [MPIRUN, "-np", str(nproc), *train_cmd(workdir, *overrides, base=base)]
+
+
+def assert_resumed_bitwise(out, workdir, straight, resumed: int, last_step: int) -> None:
+    """``out`` (the rerun after a kill) resumed at ``resumed`` and then logged exactly the losses
+    of the uninterrupted run in ``straight``, every step once."""
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"at step {resumed}" in out.stdout
+    got, want = read_losses(workdir), read_losses(straight)
+    assert sorted(got) == list(range(1, last_step + 1))
+    for step in range(resumed + 1, last_step + 1):
+        assert got[step] == want[step], step  # bitwise
+
+
 def read_metrics(workdir) -> list[dict]:
     """Every line of ``workdir/metrics.jsonl``."""
     text = (Path(workdir) / "metrics.jsonl").read_text()

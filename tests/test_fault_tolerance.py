@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import launch_cmd, read_losses, run_pids, steps_saved, train_cmd, wait_for
+from tests.helpers import (
+    assert_resumed_bitwise,
+    launch_cmd,
+    read_losses,
+    run_pids,
+    steps_saved,
+    train_cmd,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,13 +53,7 @@ def test_exact_resume_after_sigkill(tmp_path, straight):
         os.kill(pid, signal.SIGKILL)
     job.wait()
     resumed_from = steps_saved(wd)[-1]
-    out = run(args)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"at step {resumed_from}" in out.stdout
-    got, want = losses(wd), losses(straight)
-    assert sorted(got) == list(range(1, 17))
-    for step in range(resumed_from + 1, 17):
-        assert got[step] == want[step], step  # bitwise
+    assert_resumed_bitwise(run(args), wd, straight, resumed_from, 16)
 
 
 @pytest.mark.parametrize("nproc, devices", [(1, 4), (1, 1)])

@@ -10,11 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_pids, steps_saved, wait_for
+from tests.helpers import (
+    MPIRUN,
+    assert_resumed_bitwise,
+    mpirun_cmd,
+    run_pids,
+    steps_saved,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
-MPIRUN = str(Path(sys.executable).parent / "mpirun")
 # Per-device BatchNorm statistics (sync off): every device normalises the same 8 rows in every
 # topology with 4 devices, so all of them must agree step for step. Measured here: at this batch
 # and lr they agree to ~1e-7 over 20 steps; with 4 rows per device and lr 0.05 the trajectory
@@ -38,18 +44,7 @@ ENV2 = {
 
 
 def mpirun(np_, workdir, *overrides, env=ENV2):
-    cmd = [
-        MPIRUN,
-        "-np",
-        str(np_),
-        sys.executable,
-        "-m",
-        "jddp.train",
-        f"workdir={workdir}",
-        *TINY,
-        "dist.backend=mpi",
-        *overrides,
-    ]
+    cmd = mpirun_cmd(np_, workdir, "dist.backend=mpi", *overrides, base=TINY)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -197,19 +192,9 @@ def test_replica_check_catches_diverged_copies():
 
 def test_mpi_exact_resume_after_sigkill(tmp_path, mpi_straight):
     wd = tmp_path / "run"
-    cmd = [
-        MPIRUN,
-        "-np",
-        "2",
-        sys.executable,
-        "-m",
-        "jddp.train",
-        f"workdir={wd}",
-        *TINY,
-        "dist.backend=mpi",
-        "train.steps=20",
-        "checkpoint.every_steps=3",
-    ]
+    cmd = mpirun_cmd(
+        2, wd, "dist.backend=mpi", "train.steps=20", "checkpoint.every_steps=3", base=TINY
+    )
     job = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV2, start_new_session=True
     )
@@ -221,9 +206,4 @@ def test_mpi_exact_resume_after_sigkill(tmp_path, mpi_straight):
     resumed = steps_saved(wd)[-1]
     assert resumed < 20
     out = subprocess.run(cmd, capture_output=True, text=True, env=ENV2, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"at step {resumed}" in out.stdout
-    got, want = losses(wd), losses(mpi_straight)
-    assert sorted(got) == list(range(1, 21))
-    for step in range(resumed + 1, 21):
-        assert got[step] == want[step], step  # bitwise
+    assert_resumed_bitwise(out, wd, mpi_straight, resumed, 20)

@@ -7,15 +7,13 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY_SYNC, launch_cmd, read_losses, read_metrics
+from tests.helpers import TINY_SYNC, launch_cmd, mpirun_cmd, read_losses, read_metrics
 
 pytestmark = pytest.mark.slow
 
-VENV_BIN = Path(sys.executable).parent
 
 
 def launch(nproc, devices, workdir, *overrides, timeout=600):
@@ -83,18 +81,7 @@ def test_mpirun_as_launcher_with_xla_backend(tmp_path, reference):
         "JAX_PLATFORMS": "cpu",
     }
     out = subprocess.run(
-        [
-            str(VENV_BIN / "mpirun"),
-            "-np",
-            "2",
-            sys.executable,
-            "-m",
-            "jddp.train",
-            f"workdir={wd}",
-            *TINY_SYNC,
-            "train.steps=4",
-            "dist.backend=xla",
-        ],
+        mpirun_cmd(2, wd, "train.steps=4", "dist.backend=xla"),
         capture_output=True,
         text=True,
         env=env,
