@@ -25,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jddp import distributed
-from jddp.config import ConfigError
+from jddp.errors import CheckpointError, ConfigError
 from jddp.mesh import to_host
 from jddp.state import TrainState
 
@@ -184,7 +184,7 @@ class Checkpoints:
                 "falling back to an older one"
             )
         if steps:
-            raise RuntimeError(
+            raise CheckpointError(
                 f"no usable checkpoint in {self.directory}: all {len(steps)} are damaged (moved "
                 f"to {self.directory.parent / 'checkpoints-damaged'}); rerun to start from step "
                 "0, or repair them by hand"

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jddp.config import ConfigError
+from jddp.errors import ConfigError
 from jddp.mesh import DATA_AXIS, put_replicated, replicated, to_host
 
 PyTree = Any

@@ -18,9 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad config key or value; the message names the key and what is allowed."""
+from jddp.errors import ConfigError
 
 
 def _f(default: Any, help: str, **choices: Any) -> Any:

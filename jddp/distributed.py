@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import jax
 
-from jddp.config import ConfigError, DistConfig
+from jddp.config import DistConfig
+from jddp.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import os
 import sys
 
 from jddp import config as config_lib
-from jddp import exit_codes
-from jddp.config import ConfigError
+from jddp import errors
+from jddp.errors import ConfigError, JddpError, Preempted
 
 USAGE = "python -m jddp.train --config FILE.yaml [key.sub=value ...] [--print-config]"
 
@@ -56,18 +56,21 @@ def main(argv: list[str] | None = None) -> int:
         distributed.initialize(cfg.dist)
         train_and_evaluate(cfg)
         return 0
-    except ConfigError as e:
-        print(f"jddp: error: {e}", file=sys.stderr)
-        return _stop_peers(exit_codes.BAD_INPUT)
+    except Preempted:
+        return errors.PREEMPTED  # every process saved and stops by itself
+    except JddpError as e:
+        print(f"jddp: error: {_one_line(e)}", file=sys.stderr)
+        return _stop_peers(e.exit_code)
     except KeyboardInterrupt:
         print("jddp: interrupted", file=sys.stderr)
-        return _stop_peers(130)
+        return _stop_peers(errors.INTERRUPTED)
     except Exception as e:  # noqa: BLE001 - the CLI's contract is one line and exit 1
-        if getattr(e, "exit_code", None) == exit_codes.PREEMPTED:  # trainer.Preempted
-            return exit_codes.PREEMPTED  # every process saved and stops by itself
-        cause = " ".join(str(e).split()) or type(e).__name__
-        print(f"jddp: error: {type(e).__name__}: {cause}", file=sys.stderr)
-        return _stop_peers(exit_codes.FAILURE)
+        print(f"jddp: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        return _stop_peers(errors.FAILURE)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _stop_peers(exit_code: int) -> int:
@@ -75,7 +78,7 @@ def _stop_peers(exit_code: int) -> int:
     sys.stderr.flush()
     if "jddp.distributed" in sys.modules:
         sys.modules["jddp.distributed"].abort_job(exit_code)
-    if exit_code == exit_codes.FAILURE and "jax" in sys.modules:
+    if exit_code == errors.FAILURE and "jax" in sys.modules:
         # After a runtime failure, skip interpreter teardown: background checkpoint threads
         # would print tracebacks after our one line, and jax.distributed's shutdown would wait
         # for peers that may be gone.

@@ -16,12 +16,12 @@ import numpy as np
 from flax import nnx
 
 from jddp import config as config_lib
-from jddp import exit_codes
 from jddp.checkpoint import Checkpoints
 from jddp.comm import XlaComm, config_fingerprint, make_comm
-from jddp.config import Config, ConfigError
+from jddp.config import Config
 from jddp.data.loader import BatchLayout, TrainBatches, batch_layout, eval_batches, place_batch
-from jddp.data.sources import DataError, Splits, load_splits
+from jddp.data.sources import Splits, load_splits
+from jddp.errors import ConfigError, NonFiniteLoss, Preempted, ReplicasDiverged
 from jddp.mesh import make_mesh, select_devices, to_host
 from jddp.metrics import InputWait, MetricsLog, is_writer, make_progress, say
 from jddp.models import get_model_factory
@@ -72,20 +72,13 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
 
 def load_data(cfg: Config) -> Splits:
     """Load the data set named in ``cfg.data`` and check it against ``model.num_classes``."""
-    try:
-        splits = load_splits(
-            cfg.data.name,
-            cfg.data.path,
-            cfg.data.image_size,
-            seed=cfg.train.seed,
-            num_classes=cfg.model.num_classes,
-        )
-    except DataError as e:
-        # A missing path or labels beyond model.num_classes are config mistakes (exit 2); a
-        # damaged file is a runtime failure (exit 1).
-        if str(e).startswith("data.path") or "model.num_classes" in str(e):
-            raise ConfigError(str(e)) from None
-        raise
+    splits = load_splits(
+        cfg.data.name,
+        cfg.data.path,
+        cfg.data.image_size,
+        seed=cfg.train.seed,
+        num_classes=cfg.model.num_classes,
+    )
     if splits.train.num_classes > cfg.model.num_classes:
         raise ConfigError(
             f"model.num_classes={cfg.model.num_classes} is smaller than the "
@@ -146,23 +139,13 @@ def check_replicas_in_sync(comm: XlaComm, state: TrainState, step: int) -> None:
     mine = int(np.float64(max(local)).view(np.int64)) if len(local) == 1 else -1
     everyone = comm.allgather_int(mine)
     if len(local) != 1 or len(set(everyone)) != 1:
-        raise RuntimeError(
+        raise ReplicasDiverged(
             f"replicas diverged at step {step}: parameter checksums differ between devices or "
             f"processes ({sorted(local)} here); the run is stopped (dist.check_sync_every)"
         )
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class Preempted(Exception):
-    """The run stopped early on SIGTERM/SIGUSR1 after saving a checkpoint (exit code 75)."""
-
-    exit_code = exit_codes.PREEMPTED
-
-
-class NonFiniteLoss(RuntimeError):
-    """``train.on_nonfinite=halt`` and a step's loss or gradient was not finite."""
 
 
 class StopRequest:

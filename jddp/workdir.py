@@ -7,7 +7,7 @@ import socket
 import sys
 from pathlib import Path
 
-from jddp.config import ConfigError
+from jddp.errors import ConfigError
 
 LOCK_NAME = ".jddp.lock"
 

@@ -28,6 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from jddp.errors import DataConfigError, DataError
+
 __all__ = [
     "DATA_NAMES",
     "IMAGENET_MEAN",
@@ -95,10 +97,6 @@ _IDX_DTYPES: dict[int, np.dtype] = {
     0x0D: np.dtype(">f4"),
     0x0E: np.dtype(">f8"),
 }
-
-
-class DataError(ValueError):
-    """A data set is missing, malformed or inconsistent; the message is one line."""
 
 
 @runtime_checkable
@@ -389,7 +387,7 @@ class ImageFolderSource:
         self.files = files
         self.labels = np.asarray(labels, np.int32)
         if num_classes is not None and num_classes < len(self.classes):
-            raise DataError(
+            raise DataConfigError(
                 f"imagefolder: {str(split_dir)!r} has {len(self.classes)} classes (largest label "
                 f"{len(self.classes) - 1}) but model.num_classes={num_classes}"
             )
@@ -447,9 +445,9 @@ class ImageFolderSource:
 def _resolve_split_folder(root: Path, split: str) -> str:
     """Name of the split sub-folder of an image-folder root (``eval`` = val, else test)."""
     if not root.exists():
-        raise DataError(f"data.path={str(root)!r} does not exist: {_HINTS['imagefolder']}")
+        raise DataConfigError(f"data.path={str(root)!r} does not exist: {_HINTS['imagefolder']}")
     if not root.is_dir():
-        raise DataError(f"data.path={str(root)!r} is not a folder: {_HINTS['imagefolder']}")
+        raise DataConfigError(f"data.path={str(root)!r} is not a folder: {_HINTS['imagefolder']}")
     if split == "eval":
         for candidate in ("val", "test"):
             if (root / candidate).is_dir():
@@ -480,7 +478,8 @@ def _check_labels(
     if low < 0:
         raise DataError(f"{name}: {where} holds negative label {low}: labels must be >= 0")
     if high >= num_classes:
-        raise DataError(
+        error = DataConfigError if source_of_limit == "model.num_classes" else DataError
+        raise error(
             f"{name}: {where} holds label {high} but {source_of_limit}={num_classes}: "
             f"labels must be in [0, {num_classes})"
         )
@@ -555,10 +554,10 @@ def _make_splits(
 def _require_path(name: str, path: str | os.PathLike[str] | None) -> Path:
     """Resolve ``data.path`` for a file-based data set; it must exist."""
     if path is None or str(path) == "":
-        raise DataError(f"data.path is required for data.name={name!r}: {_HINTS[name]}")
+        raise DataConfigError(f"data.path is required for data.name={name!r}: {_HINTS[name]}")
     resolved = Path(path).expanduser()
     if not resolved.exists():
-        raise DataError(f"data.path={str(path)!r} does not exist: {_HINTS[name]}")
+        raise DataConfigError(f"data.path={str(path)!r} does not exist: {_HINTS[name]}")
     return resolved
 
 
@@ -732,7 +731,7 @@ def _cifar10(path: str | None, image_size: int | None, num_classes: int | None) 
     names = (*_CIFAR_TRAIN_FILES, _CIFAR_TEST_FILE)
     if root.is_file():
         if not tarfile.is_tarfile(root):
-            raise DataError(
+            raise DataConfigError(
                 f"data.path={str(path)!r} is a file but not a tar archive: {_HINTS['cifar10']}"
             )
         blobs = _read_cifar_tar(root)
@@ -746,7 +745,7 @@ def _cifar10(path: str | None, image_size: int | None, num_classes: int | None) 
             elif (root / _CIFAR_ARCHIVE).is_file():
                 return _cifar10(str(root / _CIFAR_ARCHIVE), image_size, num_classes)
             else:
-                raise DataError(
+                raise DataConfigError(
                     f"data.path={str(path)!r} holds neither data_batch_1..5/test_batch, "
                     f"{_CIFAR_FOLDER}/ nor {_CIFAR_ARCHIVE}: {_HINTS['cifar10']}"
                 )
@@ -863,7 +862,7 @@ def _mnist(path: str | None, image_size: int | None, num_classes: int | None) ->
     """MNIST-format IDX files (plain or .gz) in one folder: uint8 images (28,28,1)."""
     folder = _require_path("mnist", path)
     if not folder.is_dir():
-        raise DataError(f"data.path={str(path)!r} is not a folder: {_HINTS['mnist']}")
+        raise DataConfigError(f"data.path={str(path)!r} is not a folder: {_HINTS['mnist']}")
     files = {key: _find_mnist_file(folder, base) for key, base in _MNIST_FILES.items()}
     x_train = _read_mnist_file(files["train_images"], "images")[..., None]
     y_train = _read_mnist_file(files["train_labels"], "labels").astype(np.int32)
@@ -916,7 +915,7 @@ def _npz(path: str | None, image_size: int | None, num_classes: int | None) -> S
     file = _require_path("npz", path)
     where = repr(str(file))
     if not file.is_file():
-        raise DataError(f"data.path={str(path)!r} is not a file: {_HINTS['npz']}")
+        raise DataConfigError(f"data.path={str(path)!r} is not a file: {_HINTS['npz']}")
     try:
         loaded = np.load(file, allow_pickle=False)
         if not isinstance(loaded, np.lib.npyio.NpzFile):
@@ -998,7 +997,7 @@ def load_splits(
         or not isinstance(num_classes, int | np.integer)
         or num_classes <= 0
     ):
-        raise DataError(f"model.num_classes={num_classes!r} must be a positive int or None")
+        raise DataConfigError(f"model.num_classes={num_classes!r} must be a positive int or None")
     image_size = None if image_size is None else int(image_size)
     num_classes = None if num_classes is None else int(num_classes)
     loaders: dict[str, Callable[[], Splits]] = {

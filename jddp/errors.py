@@ -1,0 +1,60 @@
+"""jddp's exceptions and the process exit code each one stands for (the CLI's contract).
+
+Every error jddp raises on purpose is a :class:`JddpError`; the CLI prints its message as one
+line on stderr and exits with its ``exit_code``. Nothing matches message text or sniffs
+attributes: the class says what kind of failure it is.
+"""
+
+from __future__ import annotations
+
+SUCCESS = 0
+FAILURE = 1  # any other failure; one-line cause on stderr
+BAD_INPUT = 2  # bad config or command line; the message names the key
+PREEMPTED = 75  # EX_TEMPFAIL: a stop signal arrived, a checkpoint was saved; rerun to continue
+INTERRUPTED = 130  # a second Ctrl-C: stopped at once, without a checkpoint
+
+
+class JddpError(Exception):
+    """A failure jddp diagnosed itself; ``str(e)`` is one line naming the key, file or peer."""
+
+    exit_code = FAILURE
+
+
+class ConfigError(JddpError, ValueError):
+    """A bad config key or value, command line or launch; the message names the key and what is
+    allowed (exit 2)."""
+
+    exit_code = BAD_INPUT
+
+
+class DataError(JddpError, ValueError):
+    """A data set is damaged or inconsistent at run time (a corrupt file; exit 1)."""
+
+
+class DataConfigError(DataError, ConfigError):
+    """A data set cannot be used as configured: ``data.path`` is missing or holds another
+    layout, labels exceed ``model.num_classes`` (exit 2)."""
+
+    exit_code = BAD_INPUT
+
+
+class CheckpointError(JddpError):
+    """Checkpoints exist but none can be used, or one cannot be written (exit 1)."""
+
+
+class NonFiniteLoss(JddpError):
+    """``train.on_nonfinite=halt`` and a step's loss or gradient was not finite (exit 1)."""
+
+
+class ReplicasDiverged(JddpError):
+    """``dist.check_sync_every`` found devices or processes holding different parameters."""
+
+
+class Preempted(JddpError):
+    """The run stopped early on a stop signal after saving a checkpoint (exit 75)."""
+
+    exit_code = PREEMPTED
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted at step {step}")
+        self.step = step
