@@ -393,15 +393,6 @@ def worker_jddp(spec: dict) -> None:
     tx = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.1, momentum=0.9))
     model_def, state = jddp.state.create_train_state(model, tx, mesh)
     state = comm.broadcast_state(state, mesh)  # xla: as is; mpi: rank 0's values everywhere
-    stages: dict = {}
-    if mpi:  # keep the grads stage that make_train_step hands to MpiComm.compose (unchanged)
-        compose = comm.compose
-
-        def recording_compose(grads_stage, update_stage):
-            stages["grads"] = grads_stage
-            return compose(grads_stage, update_stage)
-
-        comm.compose = recording_compose
     step = jddp.step.make_train_step(model_def, tx, mesh, comm, compute_dtype=dtype)
     rng = np.random.default_rng(1)
     shape = (w.global_batch, w.image_size, w.image_size, 3)
@@ -416,7 +407,7 @@ def worker_jddp(spec: dict) -> None:
     t0 = time.perf_counter()
     # xla: the whole step; mpi: its grads stage (MpiComm's jax.jit of the same function reuses
     # this compilation from JAX's cache; the update jit compiles during the first step).
-    lowered = (jax.jit(stages["grads"]) if mpi else step).lower(state, batch)
+    lowered = (jax.jit(step.grads_stage) if mpi else step).lower(state, batch)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()

@@ -13,6 +13,7 @@ gradients, and the explicit ``pmean`` is then the one and only reduction.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -49,6 +50,39 @@ def cross_entropy_loss(label_smoothing: float = 0.0) -> LossFn:
     return loss_fn
 
 
+@dataclass(frozen=True)
+class PixelNorm:
+    """How a batch's images become the model's input, on the device inside the jitted step.
+
+    Integer images (uint8 pixels 0..255, what sources hand out, so a quarter of the float bytes
+    cross to the device) are scaled to [0, 1] and standardised per channel with ``mean``/``std``
+    (on the [0, 1] scale; None: scaling only). Floating images are taken as already normalised.
+    Either way the result is cast to the compute dtype.
+    """
+
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+
+    @classmethod
+    def of(cls, source: Any) -> PixelNorm:
+        """The normalisation a source declares through its ``mean``/``std`` attributes."""
+        mean, std = getattr(source, "mean", None), getattr(source, "std", None)
+        if mean is None or std is None:
+            return cls()
+        return cls(tuple(float(m) for m in mean), tuple(float(s) for s in std))
+
+    def __call__(self, images: jax.Array, dtype: Any) -> jax.Array:
+        if not jnp.issubdtype(images.dtype, jnp.integer):
+            return images.astype(dtype)
+        x = images.astype(jnp.float32)
+        if self.mean is None:
+            return (x * (1.0 / 255.0)).astype(dtype)
+        std = jnp.asarray(self.std, jnp.float32)
+        scale = 1.0 / (255.0 * std)
+        shift = -jnp.asarray(self.mean, jnp.float32) / std
+        return (x * scale + shift).astype(dtype)
+
+
 STOP_KEY = "sys/stop"  # per-row stop request in a batch; > 0 in the metrics if any process asked
 NONFINITE_KEY = "train/nonfinite"  # 1.0 when this step's update was dropped
 
@@ -78,6 +112,28 @@ def _sync_model_state(comm: XlaComm, model_state: Any) -> Any:
     return jax.tree.map(sync, model_state)
 
 
+@dataclass(frozen=True)
+class TrainStep:
+    """The data-parallel train step ``(state, batch) -> (state, metrics)`` and its two stages.
+
+    ``grads_stage(state, batch) -> (grads, model_state, metrics)``: per-device forward and
+    backward under ``shard_map``, averaged over the mesh (not jitted: benchmarks lower it alone).
+    ``update_stage(state, grads, model_state, metrics) -> (state, metrics)``: the optimizer.
+    Calling the object runs the step the communication backend assembled from them.
+    """
+
+    grads_stage: Callable[[TrainState, Batch], tuple[Any, Any, Metrics]]
+    update_stage: Callable[..., tuple[TrainState, Metrics]]
+    run: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        return self.run(state, batch)
+
+    def lower(self, state: TrainState, batch: Batch) -> Any:
+        """The lowered program of the whole step (one jitted program on the ``xla`` backend)."""
+        return self.run.lower(state, batch)
+
+
 def make_train_step(
     model_def: ModelDef,
     tx: optax.GradientTransformation,
@@ -89,11 +145,13 @@ def make_train_step(
     grad_accum_steps: int = 1,
     compute_dtype: Any = jnp.float32,
     schedule: optax.Schedule | None = None,
-) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    pixel_norm: PixelNorm = PixelNorm(),
+) -> TrainStep:
     """Build the data-parallel train step ``(state, batch) -> (state, metrics)``.
 
-    ``batch`` holds ``images`` [B,H,W,C] and ``labels`` [B] sharded over ``data``; B is the
-    global batch. Each device splits its slice into ``grad_accum_steps`` micro-batches, sums
+    ``batch`` holds ``images`` [B,H,W,C] (uint8 pixels, normalised on the device by
+    ``pixel_norm``, or float) and ``labels`` [B] sharded over ``data``; B is the global batch.
+    Each device splits its slice into ``grad_accum_steps`` micro-batches, sums
     their gradients, and the averaged gradient is applied once. Returned metrics are means
     over the whole global batch: ``train/loss``, ``train/accuracy``, ``train/nonfinite`` (1
     when the update was dropped because the loss or a gradient was not finite),
@@ -102,7 +160,7 @@ def make_train_step(
     process asked to stop, so all processes agree on the step. The model's mutable state
     (BatchNorm statistics, RNG counters, custom variables) carries through the micro-batches
     and comes back synced over devices; each device draws its own random numbers. The state
-    argument is donated.
+    argument is donated. Returns a :class:`TrainStep`: call it, or reach its stages.
     """
     loss_fn = loss_fn or cross_entropy_loss()
 
@@ -110,7 +168,7 @@ def make_train_step(
         def objective(p):
             model = model_def.merge(p, model_state, comm.device_index())
             model.train()
-            logits = model(images.astype(compute_dtype))
+            logits = model(pixel_norm(images, compute_dtype))
             loss_B = loss_fn(logits, labels)
             extra = {"accuracy": (jnp.argmax(logits, -1) == labels).astype(jnp.float32)}
             if metrics_fn is not None:
@@ -191,7 +249,7 @@ def make_train_step(
         )
         return new_state, metrics
 
-    return comm.compose(grads_stage, update_stage)
+    return TrainStep(grads_stage, update_stage, comm.compose(grads_stage, update_stage))
 
 
 def make_eval_step(
@@ -200,6 +258,7 @@ def make_eval_step(
     *,
     loss_fn: LossFn | None = None,
     compute_dtype: Any = jnp.float32,
+    pixel_norm: PixelNorm = PixelNorm(),
 ) -> Callable[[TrainState, Batch], Metrics]:
     """Build the eval step ``(state, batch) -> sums``.
 
@@ -212,7 +271,7 @@ def make_eval_step(
     def per_device(state: TrainState, batch: Batch) -> Metrics:
         model = model_def.merge(state.params, state.model_state)
         model.eval()
-        logits = model(batch["images"].astype(compute_dtype))
+        logits = model(pixel_norm(batch["images"], compute_dtype))
         mask = batch["mask"].astype(jnp.float32)
         loss = loss_fn(logits, batch["labels"])
         correct = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)

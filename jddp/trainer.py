@@ -30,6 +30,7 @@ from jddp.state import TrainState, create_train_state
 from jddp.step import (
     NONFINITE_KEY,
     STOP_KEY,
+    PixelNorm,
     cross_entropy_loss,
     make_eval_step,
     make_train_step,
@@ -299,6 +300,7 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
 
     compute_dtype = COMPUTE_DTYPES[cfg.train.precision]
     loss_fn = parts.loss_fn or cross_entropy_loss(cfg.train.label_smoothing)
+    pixel_norm = PixelNorm.of(splits.train)
     train_step = make_train_step(
         model_def,
         tx,
@@ -309,8 +311,11 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
         grad_accum_steps=cfg.train.grad_accum_steps,
         compute_dtype=compute_dtype,
         schedule=schedule,
+        pixel_norm=pixel_norm,
     )
-    eval_step = make_eval_step(model_def, mesh, loss_fn=loss_fn, compute_dtype=compute_dtype)
+    eval_step = make_eval_step(
+        model_def, mesh, loss_fn=loss_fn, compute_dtype=compute_dtype, pixel_norm=pixel_norm
+    )
 
     def run_eval(state: TrainState) -> dict:
         return evaluate(eval_step, state, splits, cfg.data.global_batch_size, mesh, layout, comm)

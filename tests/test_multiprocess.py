@@ -15,7 +15,6 @@ from tests.helpers import TINY_SYNC, launch_cmd, mpirun_cmd, read_losses, read_m
 pytestmark = pytest.mark.slow
 
 
-
 def launch(nproc, devices, workdir, *overrides, timeout=600):
     return subprocess.run(
         launch_cmd(nproc, devices, workdir, *overrides),

@@ -28,8 +28,9 @@ if __name__ == "__main__":
     jddp.initialize()
     digits = load_digits()
     images, labels = digits.images[..., None] / 16.0, digits.target
-    model = jddp.models.resnet18(num_classes=10, stem="cifar", width=16, in_channels=1,
-                                 rngs=nnx.Rngs(0))
+    model = jddp.models.resnet18(
+        num_classes=10, stem="cifar", width=16, in_channels=1, rngs=nnx.Rngs(0)
+    )
     jddp.fit(
         model,
         optax.sgd(0.05, momentum=0.9),
