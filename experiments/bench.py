@@ -27,7 +27,7 @@ Configurations (``--configs``, comma separated; ``P`` processes):
   ``--xla_force_host_platform_device_count``). P > 1 joins the processes with
   ``jddp.distributed.initialize`` from the ``JDDP_*`` variables that ``python -m jddp.launch``
   sets (CPU collectives: gloo), so the step's ``pmean`` spans every process. The step is
-  ``jddp.step.make_train_step`` (one jitted ``shard_map`` program, state donated) on
+  ``jddp.setup.build_steps`` (one jitted ``shard_map`` program, state donated) on
   ``jddp.state.create_train_state``; the batch is placed with ``jddp.data.loader.place_batch``.
   This is jddp's ``dist.backend=xla``.
 * ``jddp-mpi-PxD``: jddp's ``dist.backend=mpi``: P MPI ranks x D JAX devices each, started by
@@ -351,9 +351,9 @@ def worker_jddp(spec: dict) -> None:
     """One jddp process: build, compile, warm up, then serve timing commands.
 
     ``spec["backend"] == "mpi"``: one rank of ``mpirun``, built as jddp's trainer builds
-    ``dist.backend=mpi``: ``make_comm("mpi")`` (``MpiComm``), a mesh over this rank's devices,
+    ``dist.backend=mpi``: ``make_comm(job, "mpi")`` (``MpiComm``), a mesh over this rank's devices,
     this rank's rows of the global batch, rank 0's initial state (``broadcast_state``) and
-    ``make_train_step(..., comm)`` (a local ``shard_map`` grads stage, then a single-device jit
+    ``jddp.setup.build_steps`` (a local ``shard_map`` grads stage, then a single-device jit
     with ``mpi4jax.allreduce`` and the update). That step is not one jitted program: the grads
     stage is lowered and compiled ahead (the step's own ``jax.jit`` of the same function then
     finds it in JAX's cache) and its cost analysis is reported; the update jit compiles in the
@@ -370,19 +370,17 @@ def worker_jddp(spec: dict) -> None:
     import jddp.mesh
     import jddp.models
     import jddp.state
-    import jddp.step
+    from jddp.api import load_config
     from jddp.config import DistConfig
     from jddp.data.loader import batch_layout, place_batch
+    from jddp.setup import build_steps
 
     w = Workload(**spec["work"])
     mpi = spec.get("backend") == "mpi"
-    jddp.distributed.initialize(DistConfig(backend="mpi" if mpi else "xla"))
-    if mpi:  # as jddp.trainer: the comm first, then a mesh over this rank's devices
-        comm = jddp.comm.make_comm("mpi")
-        mesh = jddp.mesh.make_mesh(jddp.mesh.select_devices())
-    else:
-        comm = jddp.comm.XlaComm()
-        mesh = jddp.mesh.make_mesh()
+    backend = "mpi" if mpi else "xla"
+    job = jddp.distributed.initialize(DistConfig(backend=backend))
+    comm = jddp.comm.make_comm(job, backend)  # as the trainer: the comm, then the mesh
+    mesh = jddp.mesh.make_mesh(jddp.mesh.select_devices())
     rank = comm.process_index
     world = comm.world if mpi else None
     dtype = jnp.bfloat16 if w.dtype == "bfloat16" else jnp.float32
@@ -393,7 +391,8 @@ def worker_jddp(spec: dict) -> None:
     tx = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.1, momentum=0.9))
     model_def, state = jddp.state.create_train_state(model, tx, mesh)
     state = comm.broadcast_state(state, mesh)  # xla: as is; mpi: rank 0's values everywhere
-    step = jddp.step.make_train_step(model_def, tx, mesh, comm, compute_dtype=dtype)
+    cfg = load_config(overrides=[f"train.precision={w.dtype}", f"dist.backend={backend}"])
+    step, _ = build_steps(cfg, model_def, tx, mesh, comm)
     rng = np.random.default_rng(1)
     shape = (w.global_batch, w.image_size, w.image_size, 3)
     layout = batch_layout(mesh, w.global_batch, comm.process_index, comm.process_count)

@@ -24,7 +24,8 @@ programs. One step's time is the wall time of the call until its outputs are rea
 median and p10-p90 of each, and for ``jddp/plain`` and ``plain-copy/plain`` the ratio of the
 medians and the median of the per-round ratios (which pair steps run seconds apart), each with
 a 95% bootstrap interval over rounds. The trainer also places a tiny ``sys/stop`` flag array on
-the devices each step (``stop_flags`` in ``jddp/trainer.py``); its host cost is timed apart.
+the devices each step (``StopRequest.flags`` in ``jddp/hooks.py``, placed by
+``jddp/loop.py``); its host cost is timed apart.
 
 **2. Input wait.** The real trainer, ``python -m jddp.train``, in a subprocess, on (a) the
 default config ``configs/digits.yaml`` shortened to ``--trainer-steps`` steps and (b) synthetic
@@ -85,12 +86,14 @@ def build_steps(
     import optax
     from flax import nnx
 
+    from jddp.api import load_config
     from jddp.comm import XlaComm
     from jddp.data.loader import batch_layout, place_batch
+    from jddp.hooks import StopRequest
     from jddp.mesh import make_mesh
     from jddp.models import resnet18
+    from jddp.setup import build_steps
     from jddp.state import create_train_state
-    from jddp.step import STOP_KEY, cross_entropy_loss, make_train_step
 
     dtype = jnp.float32
     num_classes = 10
@@ -105,18 +108,16 @@ def build_steps(
     labels = rng.integers(0, num_classes, batch).astype(np.int32)
     tx = optax.sgd(lr, momentum=0.9)
 
-    # A: jddp, as jddp/trainer.py builds it (1-device mesh, XlaComm, its loss, the stop flags).
+    # A: jddp, as the trainer builds it (jddp.setup.build_steps on a 1-device mesh + stop flags).
     mesh = make_mesh(jax.devices()[:1])
     layout = batch_layout(mesh, batch)
     model_def, jstate = create_train_state(model(), tx, mesh)
-    jstep = make_train_step(
-        model_def, tx, mesh, XlaComm(), loss_fn=cross_entropy_loss(0.0), compute_dtype=dtype
-    )
+    jstep, _ = build_steps(load_config(), model_def, tx, mesh, XlaComm())
     jbatch = place_batch({"images": images, "labels": labels}, mesh, layout)
 
-    def stop_flag() -> dict[str, jax.Array]:  # what the trainer adds to every batch
-        flag = np.full(layout.rows.stop - layout.rows.start, False)
-        return place_batch({STOP_KEY: flag.astype(np.float32)}, mesh, layout)
+    def stop_flag() -> dict[str, jax.Array]:  # what the loop adds to every batch
+        rows = layout.rows.stop - layout.rows.start
+        return place_batch(StopRequest().flags(rows), mesh, layout)
 
     jbatch = {**jbatch, **stop_flag()}
 

@@ -27,8 +27,11 @@ _EXPORTS = {
     "make_train_step": "jddp.step",
     "make_eval_step": "jddp.step",
     "cross_entropy_loss": "jddp.step",
+    "Comm": "jddp.comm",
     "XlaComm": "jddp.comm",
     "MpiComm": "jddp.comm",
+    "build_run": "jddp.setup",
+    "build_steps": "jddp.setup",
     "models": "jddp.models",
 }
 

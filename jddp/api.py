@@ -19,7 +19,8 @@ from jddp import config as config_lib
 from jddp import distributed
 from jddp.config import Config
 from jddp.data.sources import ArraySource, Source, Splits
-from jddp.trainer import Parts, RunResult, train_and_evaluate
+from jddp.setup import Parts
+from jddp.trainer import RunResult, train_and_evaluate
 
 ConfigLike = Config | dict[str, Any] | str | Path | None
 

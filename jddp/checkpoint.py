@@ -24,10 +24,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jddp import distributed
 from jddp.errors import CheckpointError, ConfigError
 from jddp.mesh import to_host
 from jddp.state import TrainState
+from jddp.workdir import RunFolder
 
 
 def manifest(state: TrainState) -> list[list[Any]]:
@@ -78,6 +78,11 @@ class Checkpoints:
     and would each act as primary) the process only restores.
     """
 
+    @classmethod
+    def of(cls, folder: RunFolder, **options: Any) -> Checkpoints:
+        """The checkpoints of run folder ``folder`` (options as for the constructor)."""
+        return cls(folder.checkpoints, damaged_directory=folder.damaged_checkpoints, **options)
+
     def __init__(
         self,
         directory: str | Path,
@@ -86,8 +91,12 @@ class Checkpoints:
         keep: int,
         async_save: bool,
         writes: bool = True,
+        primary: bool = True,
+        damaged_directory: str | Path,
     ):
         self.directory = Path(directory).absolute()
+        self.primary = primary  # process 0: moves damaged checkpoints aside
+        self.damaged_directory = Path(damaged_directory)
         self.every_steps = every_steps
         self.writes = writes
         self._manager = ocp.CheckpointManager(
@@ -144,8 +153,8 @@ class Checkpoints:
     def _set_aside(self, damaged: list[int], agree: Callable[[bool], bool]) -> None:
         # Keep damaged checkpoints (nothing written is deleted) but out of the step namespace,
         # so a later save of the same step is not skipped as "already there".
-        if self.writes and distributed.process_index() == 0:
-            aside = self.directory.parent / "checkpoints-damaged"
+        if self.writes and self.primary:
+            aside = self.damaged_directory
             aside.mkdir(exist_ok=True)
             for step in damaged:
                 target = aside / f"{step}-{int(time.time())}"
@@ -186,7 +195,7 @@ class Checkpoints:
         if steps:
             raise CheckpointError(
                 f"no usable checkpoint in {self.directory}: all {len(steps)} are damaged (moved "
-                f"to {self.directory.parent / 'checkpoints-damaged'}); rerun to start from step "
+                f"to {self.damaged_directory}); rerun to start from step "
                 "0, or repair them by hand"
             )
         return None

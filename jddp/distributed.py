@@ -20,6 +20,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
@@ -31,7 +32,9 @@ from jddp.errors import ConfigError
 class Launch:
     """How this process was started: the ``jax.distributed.initialize`` arguments to use."""
 
-    kind: str  # "single", "explicit", "slurm", "ompi", "mpich", "mpi" (the MPI backend)
+    # "single", "explicit", "slurm", "ompi", "mpich", "mpi" (the MPI backend), "jax.distributed"
+    # (joined before jddp looked, e.g. by a library user)
+    kind: str
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -55,6 +58,34 @@ def _env_str(*names: str) -> str | None:
         if os.environ.get(name):
             return os.environ[name]
     return None
+
+
+MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+
+
+def require_mpi_launch() -> None:
+    """``ConfigError`` unless this process was started by ``mpirun`` and mpi4py/mpi4jax import."""
+    if not any(v in os.environ for v in MPI_RANK_VARIABLES):
+        raise ConfigError(
+            "dist.backend=mpi needs an MPI launch: run it as "
+            "'mpirun -np N python -m jddp.train ... dist.backend=mpi' "
+            "(or use dist.backend=xla with python -m jddp.launch)"
+        )
+    try:
+        import mpi4jax  # noqa: F401
+        import mpi4py  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"dist.backend=mpi needs mpi4py and mpi4jax ({e}); install them with "
+            "'bash scripts/setup.sh', or use dist.backend=xla"
+        ) from None
+
+
+def mpi_world() -> Any:
+    """MPI's ``COMM_WORLD`` (importing mpi4py initialises MPI once per process)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
 
 
 def detect_launch(cfg: DistConfig) -> Launch:
@@ -116,35 +147,53 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
             time.sleep(0.25)
 
 
-_mpi_rank_size: tuple[int, int] | None = None
+@dataclass(frozen=True)
+class Job:
+    """Who this process is in the job: the one owner of process identity.
 
-
-def process_index() -> int:
-    """This process's rank in the job (the MPI rank under ``dist.backend=mpi``)."""
-    return _mpi_rank_size[0] if _mpi_rank_size else jax.process_index()
-
-
-def process_count() -> int:
-    """Processes in the job (the MPI world size under ``dist.backend=mpi``)."""
-    return _mpi_rank_size[1] if _mpi_rank_size else jax.process_count()
-
-
-def initialize(cfg: DistConfig) -> Launch:
-    """Join the distributed job if this process is part of one; returns how it was launched.
-
-    Under ``dist.backend=mpi`` only the MPI rank and size are recorded (see :func:`make_comm`
-    in :mod:`jddp.comm` for the checks that an MPI launch is present).
+    ``process_index``/``process_count`` count the job's processes: JAX's under
+    ``jax.distributed``, the MPI rank and world size under ``dist.backend=mpi`` (processes then
+    share no JAX runtime). Process 0 is the writer: it prints and writes the run's outputs.
     """
-    global _mpi_rank_size
-    if cfg.backend == "mpi":
-        from jddp.comm import make_comm
 
-        comm = make_comm("mpi")
-        _mpi_rank_size = (comm.process_index, comm.process_count)
-        return Launch("mpi", num_processes=comm.process_count, process_id=comm.process_index)
+    launch: Launch
+    process_index: int = 0
+    process_count: int = 1
+
+    @property
+    def is_writer(self) -> bool:
+        """Only process 0 prints and writes run outputs."""
+        return self.process_index == 0
+
+    @property
+    def uses_mpi(self) -> bool:
+        """Whether gradients cross processes over MPI (``dist.backend=mpi``)."""
+        return self.launch.kind == "mpi"
+
+
+def current_job(cfg: DistConfig) -> Job:
+    """The :class:`Job` of this process as it runs now (after :func:`initialize`, or a single
+    process that never needed it); reads the runtime, stores nothing."""
+    if cfg.backend == "mpi":
+        world = mpi_world()
+        rank, size = world.Get_rank(), world.Get_size()
+        return Job(Launch("mpi", num_processes=size, process_id=rank), rank, size)
+    kind = "single" if jax.process_count() == 1 else "jax.distributed"
+    return Job(Launch(kind), jax.process_index(), jax.process_count())
+
+
+def initialize(cfg: DistConfig) -> Job:
+    """Join the distributed job if this process is part of one; returns this process's Job.
+
+    Under ``dist.backend=mpi`` nothing joins (MPI carries the gradients); the launch is checked
+    (:func:`require_mpi_launch`) and the rank and size are read from MPI.
+    """
+    if cfg.backend == "mpi":
+        require_mpi_launch()
+        return current_job(cfg)
     launch = detect_launch(cfg)
     if launch.kind == "single":
-        return launch
+        return Job(launch)
     # Harmless on GPU machines: only the CPU client reads it. Must precede backend creation.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = dict(
@@ -161,14 +210,12 @@ def initialize(cfg: DistConfig) -> Launch:
         jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)
     else:
         jax.distributed.initialize(**kwargs)
-    return launch
+    return Job(launch, jax.process_index(), jax.process_count())
 
 
-def abort_job(exit_code: int) -> None:
+def abort_job(job: Job, exit_code: int) -> None:
     """Under the MPI backend, take every rank down with this one (a lone failure would leave
     the others blocked in their next collective). Elsewhere a no-op: ``jax.distributed``'s
     heartbeats and ``jddp.launch`` stop the peers."""
-    if _mpi_rank_size is not None and _mpi_rank_size[1] > 1:
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(exit_code)
+    if job.uses_mpi and job.process_count > 1:
+        mpi_world().Abort(exit_code)

@@ -8,17 +8,11 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from jddp import distributed
-
-
-def is_writer() -> bool:
-    """Only process 0 prints and writes run outputs."""
-    return distributed.process_index() == 0
+from jddp.workdir import RunFolder
 
 
 def _plain(v: Any) -> Any:
@@ -36,10 +30,10 @@ class MetricsLog:
     file never holds two lines for one step of the same kind.
     """
 
-    def __init__(self, workdir: str | Path, resume_step: int = 0):
-        self.path = Path(workdir) / "metrics.jsonl"
+    def __init__(self, folder: RunFolder, resume_step: int = 0, writer: bool = True):
+        self.path = folder.metrics_jsonl
         self._file = None
-        if not is_writer():
+        if not writer:
             return
         kept = []
         if self.path.exists():
@@ -57,7 +51,7 @@ class MetricsLog:
         # TensorBoard event files next to metrics.jsonl (tensorboard --logdir WORKDIR).
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"), purge_step=resume_step + 1)
+        self._tb = SummaryWriter(str(folder.tensorboard), purge_step=resume_step + 1)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         """Write ``{"step": step, **values}`` as one line (and as TensorBoard scalars)."""
@@ -76,9 +70,9 @@ class MetricsLog:
             self._tb.close()
 
 
-def make_progress(mode: str, total: int, initial: int) -> tqdm:
+def make_progress(mode: str, total: int, initial: int, writer: bool = True) -> tqdm:
     """A tqdm bar with step, loss, img/s and ETA; ``auto`` shows it only on a terminal."""
-    enabled = is_writer() and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
+    enabled = writer and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
     return tqdm(
         total=total,
         initial=initial,
@@ -89,11 +83,18 @@ def make_progress(mode: str, total: int, initial: int) -> tqdm:
     )
 
 
-def say(message: str) -> None:
-    """Print one line on stdout from process 0 (through tqdm, so a bar is not broken)."""
-    if is_writer():
-        tqdm.write(message, file=sys.stdout)
-        sys.stdout.flush()
+class Console:
+    """What a run prints on stdout: process 0's lines only (``enabled``), through tqdm so a
+    progress bar is not broken."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def say(self, message: str) -> None:
+        """Print ``message`` (one or more lines) if this process is the writer."""
+        if self.enabled:
+            tqdm.write(message, file=sys.stdout)
+            sys.stdout.flush()
 
 
 class InputWait:

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jddp.comm import XlaComm
+from jddp.comm import Comm
 from jddp.mesh import DATA_AXIS
 from jddp.state import MODEL_STATE, ModelDef, TrainState
 
@@ -95,7 +95,7 @@ def _to_varying(tree: Any) -> Any:
     return jax.lax.pcast(tree, DATA_AXIS, to="varying")
 
 
-def _sync_model_state(comm: XlaComm, model_state: Any) -> Any:
+def _sync_model_state(comm: Comm, model_state: Any) -> Any:
     """Make the model state every device returns identical.
 
     Floating variables (BatchNorm statistics, running averages) are averaged: local statistics
@@ -138,7 +138,7 @@ def make_train_step(
     model_def: ModelDef,
     tx: optax.GradientTransformation,
     mesh: Mesh,
-    comm: XlaComm,
+    comm: Comm,
     *,
     loss_fn: LossFn | None = None,
     metrics_fn: Callable[[jax.Array, jax.Array], dict[str, jax.Array]] | None = None,

@@ -43,6 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    job = None
     try:
         args = parse_args(argv)
         cfg = config_lib.load(args.config, args.overrides)
@@ -53,31 +54,31 @@ def main(argv: list[str] | None = None) -> int:
         from jddp import distributed
         from jddp.trainer import train_and_evaluate
 
-        distributed.initialize(cfg.dist)
-        train_and_evaluate(cfg)
+        job = distributed.initialize(cfg.dist)
+        train_and_evaluate(cfg, job=job)
         return 0
     except Preempted:
         return errors.PREEMPTED  # every process saved and stops by itself
     except JddpError as e:
         print(f"jddp: error: {_one_line(e)}", file=sys.stderr)
-        return _stop_peers(e.exit_code)
+        return _stop_peers(job, e.exit_code)
     except KeyboardInterrupt:
         print("jddp: interrupted", file=sys.stderr)
-        return _stop_peers(errors.INTERRUPTED)
+        return _stop_peers(job, errors.INTERRUPTED)
     except Exception as e:  # noqa: BLE001 - the CLI's contract is one line and exit 1
         print(f"jddp: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
-        return _stop_peers(errors.FAILURE)
+        return _stop_peers(job, errors.FAILURE)
 
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _stop_peers(exit_code: int) -> int:
+def _stop_peers(job, exit_code: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
-    if "jddp.distributed" in sys.modules:
-        sys.modules["jddp.distributed"].abort_job(exit_code)
+    if job is not None:
+        sys.modules["jddp.distributed"].abort_job(job, exit_code)
     if exit_code == errors.FAILURE and "jax" in sys.modules:
         # After a runtime failure, skip interpreter teardown: background checkpoint threads
         # would print tracebacks after our one line, and jax.distributed's shutdown would wait

@@ -1,4 +1,5 @@
-"""The run folder: writable check and a lock so two live runs never share one workdir."""
+"""The run folder: the one owner of every path in a workdir, its writable check, and a lock so
+two live runs never share one workdir."""
 
 from __future__ import annotations
 
@@ -10,6 +11,52 @@ from pathlib import Path
 from jddp.errors import ConfigError
 
 LOCK_NAME = ".jddp.lock"
+
+
+class RunFolder:
+    """Every path of a run folder (``workdir``); no other module spells them."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    @property
+    def config_yaml(self) -> Path:
+        """The resolved config of the run."""
+        return self.root / "config.yaml"
+
+    @property
+    def metrics_jsonl(self) -> Path:
+        """One JSON object per logged step."""
+        return self.root / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        """TensorBoard event files (``tensorboard --logdir WORKDIR``)."""
+        return self.root / "tensorboard"
+
+    @property
+    def checkpoints(self) -> Path:
+        """Orbax checkpoints, one folder per step (absolute: orbax wants it)."""
+        return (self.root / "checkpoints").absolute()
+
+    @property
+    def damaged_checkpoints(self) -> Path:
+        """Where checkpoints that fail verification are moved (nothing written is deleted)."""
+        return (self.root / "checkpoints-damaged").absolute()
+
+    @property
+    def profile(self) -> Path:
+        """``log.profile_steps`` traces."""
+        return self.root / "profile"
+
+    @property
+    def lock_file(self) -> Path:
+        """Held while a run uses the folder."""
+        return self.root / LOCK_NAME
+
+    def prepare(self) -> Path:
+        """Create the folder if needed; ``ConfigError`` naming it when it cannot be written."""
+        return prepare(self.root)
 
 
 def _proc_stat(pid: int) -> list[str]:
@@ -57,14 +104,14 @@ def prepare(workdir: str | Path) -> Path:
 
 
 class WorkdirLock:
-    """``workdir/.jddp.lock`` holding ``host pid start-time`` while a run uses the folder.
+    """A run folder's lock file holding ``host pid start-time`` while a run uses the folder.
 
     A lock whose process is gone (same host, pid not alive) is stale and taken over with a
     warning; a live one is refused with a ``ConfigError`` naming the pid.
     """
 
-    def __init__(self, workdir: str | Path):
-        self.path = Path(workdir) / LOCK_NAME
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
         self.held = False
 
     def acquire(self) -> None:

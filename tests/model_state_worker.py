@@ -15,11 +15,12 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from jddp.api import load_config  # noqa: E402
 from jddp.comm import XlaComm  # noqa: E402
 from jddp.data.loader import batch_layout, place_batch  # noqa: E402
 from jddp.mesh import make_mesh  # noqa: E402
+from jddp.setup import build_steps  # noqa: E402
 from jddp.state import create_train_state  # noqa: E402
-from jddp.step import make_train_step  # noqa: E402
 from tests.user_models import DropoutMLP  # noqa: E402
 
 
@@ -28,7 +29,8 @@ def run(num_devices: int, images: np.ndarray, rate: float, accum: int, steps: in
     mesh = make_mesh(jax.devices()[:num_devices])
     tx = optax.sgd(0.0)
     model_def, state = create_train_state(DropoutMLP(192, 4, nnx.Rngs(0), rate=rate), tx, mesh)
-    step = make_train_step(model_def, tx, mesh, XlaComm(), grad_accum_steps=accum)
+    cfg = load_config(overrides=[f"train.grad_accum_steps={accum}"])
+    step, _ = build_steps(cfg, model_def, tx, mesh, XlaComm())
     local = {"images": images, "labels": np.zeros(len(images), np.int32)}
     batch = place_batch(local, mesh, batch_layout(mesh, len(images)))
     losses, counts, calls = [], [], []

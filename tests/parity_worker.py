@@ -22,12 +22,13 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from jddp.api import load_config  # noqa: E402
 from jddp.comm import XlaComm  # noqa: E402
 from jddp.data.loader import batch_layout, place_batch  # noqa: E402
 from jddp.mesh import DATA_AXIS, make_mesh  # noqa: E402
 from jddp.models import resnet18  # noqa: E402
+from jddp.setup import build_steps  # noqa: E402
 from jddp.state import create_train_state  # noqa: E402
-from jddp.step import make_train_step  # noqa: E402
 
 COLLECTIVES = {
     "psum", "psum_invariant", "pmax", "pmin", "ppermute", "all_gather", "all_gather_invariant",
@@ -96,7 +97,8 @@ def main() -> None:
     )
     tx = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9))
     model_def, state = create_train_state(model, tx, mesh)
-    step = make_train_step(model_def, tx, mesh, comm, grad_accum_steps=accum)
+    cfg = load_config(overrides=[f"train.grad_accum_steps={accum}"])
+    step, _ = build_steps(cfg, model_def, tx, mesh, comm)
     rng = np.random.default_rng(0)
     losses, hlo = [], ""
     for _ in range(3):

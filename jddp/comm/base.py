@@ -1,0 +1,112 @@
+"""The protocol every gradient-averaging backend implements, and what they share.
+
+A backend is one swappable piece. The step calls its hooks *inside* the ``shard_map`` step
+(:meth:`Comm.average_grads`, :meth:`Comm.average`, :meth:`Comm.device_index`) and hands it its
+two stages to assemble (:meth:`Comm.compose`); the loop calls its host-side hooks (eval sums,
+barriers, config and replica checks), so neither asks which backend it runs on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jddp.distributed import Job
+from jddp.mesh import DATA_AXIS
+
+PyTree = Any
+GradsStage = Callable[[PyTree, PyTree], tuple[PyTree, ...]]
+UpdateStage = Callable[..., tuple[PyTree, PyTree]]
+WIRE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def allreduce_bytes(grads: PyTree, wire_dtype: str) -> int:
+    """Bytes of one gradient all-reduce payload when sent as ``wire_dtype``."""
+    itemsize = jnp.dtype(WIRE_DTYPES[wire_dtype]).itemsize
+    return sum(int(np.prod(x.shape)) * itemsize for x in jax.tree.leaves(grads))
+
+
+def config_fingerprint(config: dict[str, Any]) -> int:
+    """A 63-bit hash of a config dict, equal on every process that was given the same config."""
+    text = json.dumps(config, sort_keys=True, default=str)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+class Comm(ABC):
+    """A gradient-averaging backend for the processes of ``job`` (default: as the runtime sees
+    them now, e.g. after :func:`jddp.distributed.initialize`).
+
+    ``grad_dtype`` is the wire dtype of the gradient all-reduce (``bfloat16`` halves the bytes).
+    """
+
+    name: str
+
+    def __init__(self, grad_dtype: str = "float32", job: Job | None = None):
+        self.grad_dtype = grad_dtype
+        self.job = job or self.current_job()
+
+    @staticmethod
+    @abstractmethod
+    def current_job() -> Job:
+        """The job as this backend's runtime sees it now (when none is given)."""
+
+    @property
+    def process_index(self) -> int:
+        """This process's rank in the job."""
+        return self.job.process_index
+
+    @property
+    def process_count(self) -> int:
+        """Processes in the job."""
+        return self.job.process_count
+
+    # -- inside the step --------------------------------------------------------------------
+    def average(self, tree: PyTree) -> PyTree:
+        """``pmean`` over the ``data`` mesh axis."""
+        return jax.lax.pmean(tree, DATA_AXIS)
+
+    @abstractmethod
+    def device_index(self) -> jax.Array:
+        """This device's index among all devices of the job (inside the step)."""
+
+    @abstractmethod
+    def average_grads(self, grads: PyTree) -> PyTree:
+        """The gradient mean over the mesh (and what of the wire dtype applies there)."""
+
+    @abstractmethod
+    def compose(self, grads_stage: GradsStage, update_stage: UpdateStage) -> Callable:
+        """The step ``(state, batch) -> (state, metrics)`` assembled from its two stages."""
+
+    # -- host side --------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def writes_checkpoints(self) -> bool:
+        """Whether this process calls orbax's save."""
+
+    @abstractmethod
+    def sum_across_processes(self, values: dict[str, float]) -> dict[str, float]:
+        """Host totals over every process."""
+
+    @abstractmethod
+    def allgather_int(self, value: int) -> list[int]:
+        """``value`` from every process, in rank order."""
+
+    @abstractmethod
+    def broadcast_state(self, state: PyTree, mesh: Mesh) -> PyTree:
+        """Make every process start from the same state."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Wait for every process."""
+
+    def agree(self, ok: bool) -> bool:
+        """True on every process iff ``ok`` on every process."""
+        return all(v == 1 for v in self.allgather_int(int(ok)))

@@ -1,0 +1,81 @@
+"""``xla``: every device of every process in one XLA program; ``pmean`` averages (NCCL on GPUs,
+gloo or in-process on CPUs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jddp.comm.base import WIRE_DTYPES, Comm, GradsStage, PyTree, UpdateStage
+from jddp.config import DistConfig
+from jddp.distributed import Job, current_job
+from jddp.mesh import DATA_AXIS
+
+
+class XlaComm(Comm):
+    """All devices of all processes in one XLA program; ``pmean`` over ``data`` averages.
+
+    ``pmean`` is the global mean: the mesh spans every device of every process
+    (``jax.distributed``), so both stages of the step fuse into one jitted program.
+    """
+
+    name = "xla"
+
+    @staticmethod
+    def current_job() -> Job:
+        """JAX's processes (one, or those joined by ``jax.distributed``)."""
+        return current_job(DistConfig(backend="xla"))
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this process calls orbax's save: all of them under ``jax.distributed``
+        (orbax makes process 0 the primary host)."""
+        return True
+
+    # -- inside the step --------------------------------------------------------------------
+    def device_index(self) -> jax.Array:
+        """This device's index among all devices of the job (inside the step)."""
+        return jax.lax.axis_index(DATA_AXIS)
+
+    def average_grads(self, grads: PyTree) -> PyTree:
+        """The gradient mean, sent in ``grad_dtype`` and returned in the gradients' dtype."""
+        if self.grad_dtype == "float32":
+            return self.average(grads)
+        wire = WIRE_DTYPES[self.grad_dtype]
+        return jax.tree.map(lambda g: self.average(g.astype(wire)).astype(g.dtype), grads)
+
+    def compose(self, grads_stage: GradsStage, update_stage: UpdateStage) -> Callable:
+        """One jitted program; the train state buffers are donated."""
+
+        def step(state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
+            return update_stage(state, *grads_stage(state, batch))
+
+        return jax.jit(step, donate_argnums=0)
+
+    # -- host side --------------------------------------------------------------------------
+    def sum_across_processes(self, values: dict[str, float]) -> dict[str, float]:
+        """Host totals: eval sums are already global under ``xla``."""
+        return values
+
+    def allgather_int(self, value: int) -> list[int]:
+        """``value`` from every process, in rank order."""
+        if self.process_count == 1:
+            return [value]
+        from jax.experimental import multihost_utils
+
+        got = multihost_utils.process_allgather(np.array([value], np.int64))
+        return [int(v) for v in np.asarray(got).reshape(-1)]
+
+    def broadcast_state(self, state: PyTree, mesh: Mesh) -> PyTree:
+        """Replicas are one global array; every process built the same initial values."""
+        return state
+
+    def barrier(self) -> None:
+        """Wait for every process."""
+        if self.process_count > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jddp")

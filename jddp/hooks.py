@@ -1,0 +1,256 @@
+"""Periodic work of the run loop as small objects, each with its own period.
+
+The loop (:mod:`jddp.loop`) calls ``hook(step, state)`` for every hook after every step; a hook
+does its work when :meth:`Every.due`. The throughput meter, the stop-signal flag and the
+one-step-late metrics reader live here too, so the loop itself is a dozen lines.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jddp.checkpoint import Checkpoints
+from jddp.comm import Comm
+from jddp.errors import NonFiniteLoss, ReplicasDiverged
+from jddp.mesh import to_host
+from jddp.metrics import Console, InputWait, MetricsLog
+from jddp.state import TrainState
+from jddp.step import NONFINITE_KEY, STOP_KEY
+
+Metrics = dict[str, jax.Array]
+
+
+class Every:
+    """Due after every ``every``-th optimizer step (0: never)."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def due(self, step: int) -> bool:
+        """Whether the period ends at ``step``."""
+        return self.every > 0 and step % self.every == 0
+
+
+class ThroughputMeter:
+    """Images/s, step time and input wait over windows of finished steps.
+
+    A window starts when :meth:`restart` is called (after the compiling first step, after an
+    eval) and ends at the step :meth:`end_window` is given; the first step, which compiles, is
+    timed apart by :meth:`compiled`. Run totals give the summary's mean throughput.
+    """
+
+    def __init__(self, global_batch_size: int, first_step: int):
+        self.global_batch_size = global_batch_size
+        self.input_wait = InputWait()
+        self.start_s = time.perf_counter()
+        self.last_step = first_step + 1  # the step whose end ``start_s`` marks
+        self.images = 0
+        self.seconds = 0.0
+
+    def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """The batch iterator, with the time spent waiting for each batch counted."""
+        return self.input_wait.timed(batches)
+
+    def compiled(self, metrics: Metrics) -> float:
+        """Seconds since the meter started, once the first step's ``metrics`` are ready."""
+        jax.block_until_ready(metrics)
+        seconds = time.perf_counter() - self.start_s
+        self.restart()
+        return seconds
+
+    def restart(self, last_step: int | None = None) -> None:
+        """Start a new window now (after ``last_step``, if given)."""
+        self.start_s = time.perf_counter()
+        if last_step is not None:
+            self.last_step = last_step
+        self.input_wait.restart()
+
+    def end_window(self, step: int) -> dict[str, float]:
+        """``train/img_per_s``, ``train/step_time_s`` and the input-wait fraction of the window
+        ending at ``step`` (empty when no step finished in it)."""
+        done = step - self.last_step
+        if done <= 0:
+            return {}
+        seconds = time.perf_counter() - self.start_s
+        self.images += done * self.global_batch_size
+        self.seconds += seconds
+        return {
+            "train/img_per_s": done * self.global_batch_size / seconds,
+            "train/step_time_s": seconds / done,
+            InputWait.KEY: self.input_wait.end_window(seconds),
+        }
+
+    @property
+    def img_per_s(self) -> float:
+        """Mean images/s over every closed window of the run."""
+        return self.images / self.seconds if self.seconds else 0.0
+
+
+class StepReporter:
+    """Reads each step's metrics one step late (so the device never waits for the host): logs a
+    train line every ``log.every_steps`` (and at the last step, and on a non-finite step),
+    raises :class:`NonFiniteLoss` under ``halt``, and says whether any process asked to stop."""
+
+    def __init__(
+        self,
+        every: int,
+        last_step: int,
+        halt_on_nonfinite: bool,
+        log: MetricsLog,
+        meter: ThroughputMeter,
+        progress: Any,
+        checkpoints: Checkpoints,
+        baseline_img_per_s: float | None = None,
+        num_devices: int = 1,
+    ):
+        self.period = Every(every)
+        self.last_step = last_step
+        self.halt_on_nonfinite = halt_on_nonfinite
+        self.log, self.meter, self.progress, self.checkpoints = log, meter, progress, checkpoints
+        self.ideal_img_per_s = baseline_img_per_s and num_devices * baseline_img_per_s
+
+    def __call__(self, step: int, metrics: Metrics) -> bool:
+        host = {k: float(v) for k, v in to_host(metrics).items()}
+        stop_requested = host.pop(STOP_KEY, 0.0) > 0
+        if host[NONFINITE_KEY] and self.halt_on_nonfinite:
+            kept = self.checkpoints.all_steps()
+            last = self.checkpoints.directory / str(kept[-1]) if kept else "none"
+            raise NonFiniteLoss(
+                f"non-finite loss or gradient at step {step} (train.on_nonfinite=halt); the "
+                f"update was not applied; last checkpoint: {last}"
+            )
+        if self.period.due(step) or step == self.last_step or host[NONFINITE_KEY]:
+            host.update(self.meter.end_window(step))
+            if self.ideal_img_per_s and "train/img_per_s" in host:
+                host["train/scaling_efficiency"] = host["train/img_per_s"] / self.ideal_img_per_s
+            self.log.write(step, host)
+            self.progress.set_postfix(
+                loss=f"{host['train/loss']:.4f}", img_s=f"{host.get('train/img_per_s', 0):.0f}"
+            )
+            self.meter.restart(step)
+        return stop_requested
+
+
+class EvalHook(Every):
+    """Evaluate every ``every`` steps before the last (the last step is evaluated anyway)."""
+
+    def __init__(
+        self,
+        every: int,
+        last_step: int,
+        evaluate: Callable[[TrainState], dict],
+        log: MetricsLog,
+        meter: ThroughputMeter,
+    ):
+        super().__init__(every)
+        self.last_step, self.evaluate, self.log, self.meter = last_step, evaluate, log, meter
+
+    def __call__(self, step: int, state: TrainState) -> None:
+        if self.due(step) and step < self.last_step:
+            self.log.write(step, self.evaluate(state))
+            self.meter.restart(step)  # eval time is not train throughput
+
+
+class CheckpointHook(Every):
+    """Save every ``checkpoint.every_steps`` steps (in the background)."""
+
+    def __init__(self, checkpoints: Checkpoints, config: dict[str, Any]):
+        super().__init__(checkpoints.every_steps)
+        self.checkpoints, self.config = checkpoints, config
+
+    def __call__(self, step: int, state: TrainState) -> None:
+        if self.due(step):
+            self.checkpoints.save(step, state, self.config)
+
+
+class SyncCheck(Every):
+    """``dist.check_sync_every``: stop the run when replicas hold different parameters."""
+
+    def __init__(self, every: int, comm: Comm):
+        super().__init__(every)
+        self.comm = comm
+
+    def __call__(self, step: int, state: TrainState) -> None:
+        if self.due(step):
+            check_replicas_in_sync(self.comm, state, step)
+
+
+def check_replicas_in_sync(comm: Comm, state: TrainState, step: int) -> None:
+    """Raise :class:`ReplicasDiverged` unless every device of every process holds the same
+    parameters. Cheap: one float32 checksum per local device copy, compared across processes.
+    """
+    leaves = jax.tree.leaves(state.params)
+    local = set()
+    for shard_index in range(len(leaves[0].addressable_shards)):
+        total = 0.0
+        for leaf in leaves:
+            data = leaf.addressable_shards[shard_index].data
+            total += float(jnp.sum(data.astype(jnp.float32), dtype=jnp.float32))
+        local.add(total)
+    mine = int(np.float64(max(local)).view(np.int64)) if len(local) == 1 else -1
+    everyone = comm.allgather_int(mine)
+    if len(local) != 1 or len(set(everyone)) != 1:
+        raise ReplicasDiverged(
+            f"replicas diverged at step {step}: parameter checksums differ between devices or "
+            f"processes ({sorted(local)} here); the run is stopped (dist.check_sync_every)"
+        )
+
+
+class Profiler:
+    """``log.profile_steps='a:b'``: a ``jax.profiler`` trace of steps a..b-1."""
+
+    def __init__(self, steps: str | None, folder: Path, console: Console):
+        self.range = tuple(int(x) for x in steps.split(":")) if steps else None
+        self.folder, self.console = folder, console
+
+    def before(self, step: int) -> None:
+        """Start tracing before step ``a`` runs."""
+        if self.range and step == self.range[0]:
+            jax.profiler.start_trace(str(self.folder))
+
+    def after(self, step: int, metrics: Metrics) -> None:
+        """Stop once step ``b - 1`` has finished."""
+        if self.range and step == self.range[1]:
+            jax.block_until_ready(metrics)
+            jax.profiler.stop_trace()
+            self.console.say(
+                f"jddp: profile of steps {self.range[0]}..{self.range[1] - 1} in {self.folder}"
+            )
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Records SIGTERM/SIGUSR1 (SLURM's warning before a time-out) while installed; every batch
+    carries the flag so all processes agree on the step at which to stop."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def flags(self, rows: int) -> dict[str, np.ndarray]:
+        """This process's rows of the batch's stop flags."""
+        return {STOP_KEY: np.full(rows, self.signal_name is not None, np.float32)}

@@ -1,0 +1,32 @@
+"""The run loop: steps, with the periodic work done by the run's hooks (:mod:`jddp.hooks`)."""
+
+from __future__ import annotations
+
+from jddp.data.loader import place_batch
+from jddp.setup import Run
+from jddp.state import TrainState
+
+
+def train_loop(run: Run) -> tuple[TrainState, int, bool]:
+    """Run steps ``run.start_step .. run.total_steps``; returns the final state, its step, and
+    whether a stop signal (on any process) ended the loop early."""
+    state, step = run.state, run.start_step
+    rows = run.layout.rows.stop - run.layout.rows.start
+    batches = run.batches.iterate(step, run.total_steps, run.cfg.data.prefetch_batches)
+    pending = None  # the previous step's (step, metrics): read one step late
+    for batch in run.meter.timed(batches):
+        run.profiler.before(step)
+        flags = place_batch(run.stop.flags(rows), run.mesh, run.layout)
+        state, metrics = run.train_step(state, {**batch, **flags})
+        step += 1
+        run.profiler.after(step, metrics)
+        if step == run.start_step + 1:  # the first step compiles: timed apart
+            run.log.write(step, {"train/compile_s": run.meter.compiled(metrics)})
+        if pending is not None and run.reporter(*pending):
+            return state, step, True  # every process saw the same flag at the same step
+        pending = (step, metrics)
+        run.progress.update(1)
+        for hook in run.hooks:
+            hook(step, state)
+    stopped = pending is not None and run.reporter(*pending)
+    return state, step, stopped

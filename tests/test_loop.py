@@ -1,0 +1,161 @@
+"""The run loop and its hooks: periods, throughput windows, the one-step-late reader, and the
+replica sync check wired into a real loop."""
+
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+from jddp.errors import NonFiniteLoss
+from jddp.hooks import CheckpointHook, EvalHook, Every, StepReporter, ThroughputMeter
+from jddp.step import NONFINITE_KEY, STOP_KEY
+from tests.helpers import TINY
+
+
+def test_every_is_due_on_multiples_and_never_at_zero():
+    assert [s for s in range(1, 10) if Every(3).due(s)] == [3, 6, 9]
+    assert not any(Every(0).due(s) for s in range(1, 10))
+
+
+class FakeClock:
+    def __init__(self, monkeypatch):
+        self.now = 100.0
+        monkeypatch.setattr("jddp.hooks.time.perf_counter", lambda: self.now)
+
+
+def test_throughput_windows_count_finished_steps(monkeypatch):
+    clock = FakeClock(monkeypatch)
+    meter = ThroughputMeter(global_batch_size=32, first_step=0)
+    clock.now += 20.0  # the first step compiles
+    assert meter.compiled({}) == 20.0
+    clock.now += 3.0  # steps 2, 3, 4 take 1 s each
+    window = meter.end_window(4)
+    assert window["train/img_per_s"] == 32.0 and window["train/step_time_s"] == 1.0
+    meter.restart(4)
+    assert meter.end_window(4) == {}  # no step finished in this window
+    clock.now += 2.0
+    meter.end_window(6)
+    assert meter.img_per_s == 32 * 5 / 5.0
+
+
+class Recorder:
+    def __init__(self):
+        self.rows = []
+
+    def write(self, step, values):
+        self.rows.append((step, values))
+
+
+class Bar:
+    def set_postfix(self, **kw):
+        pass
+
+
+class NoCheckpoints:
+    directory = "ckpts"
+
+    def all_steps(self):
+        return []
+
+
+def reporter(log, every=2, last=5, halt=True):
+    meter = ThroughputMeter(8, 0)
+    return StepReporter(every, last, halt, log, meter, Bar(), NoCheckpoints())
+
+
+def metrics(loss=1.0, nonfinite=0.0, stop=0.0):
+    return {
+        "train/loss": jnp.float32(loss),
+        NONFINITE_KEY: jnp.float32(nonfinite),
+        STOP_KEY: jnp.float32(stop),
+    }
+
+
+def test_reporter_logs_on_its_period_and_the_last_step_and_reads_stop_flags():
+    log = Recorder()
+    report = reporter(log)
+    stops = [report(step, metrics(stop=float(step == 3))) for step in range(1, 6)]
+    assert [s for s, _ in log.rows] == [2, 4, 5]
+    assert stops == [False, False, True, False, False]
+    assert STOP_KEY not in log.rows[0][1]
+
+
+def test_reporter_halts_on_a_nonfinite_step_or_logs_it_under_skip():
+    with pytest.raises(NonFiniteLoss, match="step 3"):
+        reporter(Recorder())(3, metrics(loss=float("nan"), nonfinite=1.0))
+    log = Recorder()
+    reporter(log, halt=False)(3, metrics(loss=float("nan"), nonfinite=1.0))
+    assert [s for s, _ in log.rows] == [3]
+
+
+def test_eval_hook_skips_the_last_step_and_checkpoint_hook_follows_its_period():
+    log, evaluated, saved = Recorder(), [], []
+    hook = EvalHook(2, 4, lambda state: evaluated.append(state) or {"eval/loss": 0.0}, log,
+                    ThroughputMeter(8, 0))  # fmt: skip
+    for step in range(1, 5):
+        hook(step, f"state{step}")
+    assert evaluated == ["state2"]  # step 4 is the last: evaluated after the loop
+
+    class Ckpts:
+        every_steps = 3
+
+        def save(self, step, state, config):
+            saved.append(step)
+
+    ckpt = CheckpointHook(Ckpts(), {})
+    for step in range(1, 8):
+        ckpt(step, None)
+    assert saved == [3, 6]
+
+
+DIVERGE = """
+import sys
+import jax
+from jddp import config as config_lib
+from jddp.comm import XlaComm
+from jddp.errors import ReplicasDiverged
+from jddp.hooks import StopRequest
+from jddp.loop import train_loop
+from jddp.setup import Parts, build_run
+from jddp.workdir import RunFolder
+
+cfg = config_lib.load(None, sys.argv[1:])
+with StopRequest() as stop:
+    run = build_run(cfg, XlaComm(), RunFolder(cfg.workdir), stop, Parts())
+    leaves, treedef = jax.tree.flatten(run.state.params)
+    shards = [s.data for s in leaves[0].addressable_shards]
+    shards[1] = shards[1] + 1.0  # device 1's copy of the first parameter drifts
+    leaves[0] = jax.make_array_from_single_device_arrays(
+        leaves[0].shape, leaves[0].sharding, shards
+    )
+    run.state = run.state.replace(params=jax.tree.unflatten(treedef, leaves))
+    try:
+        _, step, _ = train_loop(run)
+        print(f"finished step={step}")
+    except ReplicasDiverged as e:
+        print(f"caught: {e}")
+    run.checkpoints.close()
+"""
+
+
+@pytest.mark.parametrize("check_every", [2, 0])
+def test_sync_check_stops_a_loop_whose_replicas_diverged(tmp_path, check_every):
+    """With dist.check_sync_every=2 the loop stops at step 2; without it the same drifted run
+    goes to the end unnoticed (so the check, not something else, catches it)."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+    }
+    args = [f"workdir={tmp_path}", *TINY, "train.steps=4", f"dist.check_sync_every={check_every}"]
+    out = subprocess.run(
+        [sys.executable, "-c", DIVERGE, *args], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    if check_every:
+        assert "caught: replicas diverged at step 2" in out.stdout
+    else:
+        assert "finished step=4" in out.stdout
