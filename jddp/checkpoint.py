@@ -133,19 +133,23 @@ class Checkpoints:
         )
 
     def restore_newest_good(
-        self, like: TrainState, agree: Callable[[bool], bool] = lambda ok: ok
+        self,
+        like: TrainState,
+        agree: Callable[[bool], bool] = lambda ok: ok,
+        check_config: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> tuple[TrainState, int] | None:
         """The newest checkpoint that restores and verifies, as ``(state, step)``; None if none.
 
         ``agree(ok)`` must return True only if every process found the candidate good, so all
-        processes fall back together. Raises ``ConfigError`` for a checkpoint of another model
-        and ``RuntimeError`` when checkpoints exist but none is usable.
+        processes fall back together. ``check_config(step, saved_config)`` may refuse a
+        candidate (raising) before its arrays are compared. Raises ``ConfigError`` for a
+        checkpoint of another model and ``CheckpointError`` when none is usable.
         """
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         steps = self.all_steps()
         damaged: list[int] = []
         try:
-            return self._restore_newest_good(abstract, like, steps, damaged, agree)
+            return self._restore_newest_good(abstract, like, steps, damaged, agree, check_config)
         finally:
             if damaged:
                 self._set_aside(damaged, agree)
@@ -163,7 +167,7 @@ class Checkpoints:
         agree(True)  # everyone waits for the move before looking at the folder again
         self._manager.reload()
 
-    def _restore_newest_good(self, abstract, like, steps, damaged, agree):
+    def _restore_newest_good(self, abstract, like, steps, damaged, agree, check_config):
         _silence_late_read_callbacks()
         for step in reversed(steps):
             where = self.directory / str(step)
@@ -175,6 +179,8 @@ class Checkpoints:
             except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
                 saved, problem = None, f"its manifest cannot be read ({_short(e)})"
             if saved is not None:
+                if check_config is not None:
+                    check_config(step, self.saved_config(step))
                 check_same_model(saved, like, where)
                 try:
                     state = self._manager.restore(
@@ -199,6 +205,12 @@ class Checkpoints:
                 "0, or repair them by hand"
             )
         return None
+
+    def saved_config(self, step: int) -> dict[str, Any]:
+        """The resolved config checkpoint ``step`` was written under."""
+        return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))[
+            "config"
+        ]
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is on disk."""

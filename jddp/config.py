@@ -124,6 +124,11 @@ class CheckpointConfig:
     keep: int = _f(3, "newest checkpoints kept")
     resume: bool = _f(True, "continue from the newest checkpoint in workdir/checkpoints")
     async_save: bool = _f(True, "write checkpoints in the background while training goes on")
+    allow_config_change: bool = _f(
+        False,
+        "resume even if model/data/optim/train keys differ from the checkpoint's config "
+        "(refused otherwise, naming the keys); also --allow-config-change",
+    )
 
 
 @dataclass
@@ -372,6 +377,12 @@ def validate(cfg: Config) -> Config:
             )
     if cfg.train.steps is not None and cfg.train.epochs is not None:
         raise ConfigError("train.steps and train.epochs are both set; set only one of them")
+    if cfg.model.sync_batchnorm and cfg.dist.backend == "mpi":
+        raise ConfigError(
+            "model.sync_batchnorm=true needs dist.backend=xla: under dist.backend=mpi processes "
+            "share no JAX runtime, so BatchNorm statistics could only be averaged within each "
+            "process (a different model); set model.sync_batchnorm=false or dist.backend=xla"
+        )
     if cfg.data.global_batch_size % cfg.train.grad_accum_steps:
         raise ConfigError(
             f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by "

@@ -227,12 +227,13 @@ class Profiler:
             )
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopRequest:
-    """Records SIGTERM/SIGUSR1 (SLURM's warning before a time-out) while installed; every batch
-    carries the flag so all processes agree on the step at which to stop."""
+    """Records SIGTERM/SIGUSR1 (SLURM's warning before a time-out) and Ctrl-C (SIGINT) while
+    installed; every batch carries the flag so all processes agree on the step at which to stop
+    and save. A second SIGINT raises ``KeyboardInterrupt`` at once (no checkpoint)."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
@@ -245,7 +246,10 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.signal_name = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.signal_name == name:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self.signal_name = name
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():

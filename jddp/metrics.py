@@ -33,16 +33,19 @@ class MetricsLog:
     def __init__(self, folder: RunFolder, resume_step: int = 0, writer: bool = True):
         self.path = folder.metrics_jsonl
         self._file = None
+        self._keys_at: dict[int, set[str]] = {}  # keys already logged, by step
         if not writer:
             return
         kept = []
         if self.path.exists():
             for line in self.path.read_text().splitlines():
                 try:
-                    if json.loads(line).get("step", 0) <= resume_step:
-                        kept.append(line)
+                    row = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                if row.get("step", 0) <= resume_step:
+                    kept.append(line)
+                    self._keys_at.setdefault(row.get("step", 0), set()).update(row)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
@@ -53,9 +56,14 @@ class MetricsLog:
 
         self._tb = SummaryWriter(str(folder.tensorboard), purge_step=resume_step + 1)
 
+    def logged(self, step: int, key: str) -> bool:
+        """Whether a line for ``step`` holding ``key`` is already in the file."""
+        return key in self._keys_at.get(step, ())
+
     def write(self, step: int, values: dict[str, Any]) -> None:
         """Write ``{"step": step, **values}`` as one line (and as TensorBoard scalars)."""
         if self._file is not None:
+            self._keys_at.setdefault(int(step), set()).update(values)
             row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
             self._file.write(json.dumps(row) + "\n")
             for k, v in row.items():

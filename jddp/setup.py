@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
@@ -35,6 +36,7 @@ from jddp.mesh import make_mesh, select_devices, to_host
 from jddp.metrics import Console, MetricsLog, make_progress
 from jddp.models import get_model_factory
 from jddp.optimizer import make_optimizer
+from jddp.resume import check_resume_config
 from jddp.state import ModelDef, TrainState, create_train_state
 from jddp.step import PixelNorm, TrainStep, cross_entropy_loss, make_eval_step, make_train_step
 from jddp.workdir import RunFolder
@@ -198,6 +200,7 @@ class Run:
     reporter: StepReporter
     profiler: Profiler
     hooks: list = field(default_factory=list)
+    start_skipped_steps: int = 0  # skipped before this run resumed
 
     @property
     def num_devices(self) -> int:
@@ -238,6 +241,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
     except ValueError as e:  # the batch is larger than the data set
         raise ConfigError(str(e)) from None
     steps = total_steps(cfg, batches.steps_per_epoch)
+    check_profile_steps(cfg.log.profile_steps, steps)
 
     model = parts.model or build_model(
         cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1]
@@ -248,6 +252,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
     model_def, state = create_train_state(model, tx, mesh)
     del model
+    check_model_output(cfg, model_def, state, splits)
 
     ckpts = Checkpoints.of(
         folder,
@@ -257,7 +262,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         writes=comm.writes_checkpoints,
         primary=writer,
     )
-    state, start_step = restore(cfg, ckpts, state, comm, console)
+    state, start_step = restore(cfg, ckpts, state, comm, console, steps)
     state = comm.broadcast_state(state, mesh)
     if writer:
         folder.config_yaml.write_text(config_lib.dump(cfg))
@@ -284,6 +289,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         start_step, steps, train_step, eval_step, ckpts, log, progress, meter, stop, reporter,
         Profiler(cfg.log.profile_steps, folder.profile, console),
     )  # fmt: skip
+    run.start_skipped_steps = int(to_host(state.skipped_steps))
     run.hooks = [
         EvalHook(cfg.train.eval_every_steps, steps, run.evaluate, log, meter),
         CheckpointHook(ckpts, run.config_dict),
@@ -292,15 +298,70 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
     return run
 
 
+def check_profile_steps(profile_steps: str | None, steps: int) -> None:
+    """``log.profile_steps='a:b'`` must end within the run (else it would silently trace
+    nothing)."""
+    if profile_steps and int(profile_steps.split(":")[1]) > steps:
+        raise ConfigError(
+            f"log.profile_steps={profile_steps!r} ends after the run's last step {steps}: "
+            f"choose 'a:b' with b <= {steps}"
+        )
+
+
+def check_model_output(cfg: Config, model_def: ModelDef, state: TrainState, splits: Splits) -> None:
+    """Refuse a model whose output is not ``[B, K]`` logits with ``K`` >= the data's classes
+    (otherwise the loss fails deep inside optax, or trains on garbage)."""
+    shape = (2, *splits.train.image_shape)
+
+    def forward(params, model_state, images):
+        model = model_def.merge(params, model_state)
+        model.eval()
+        return model(images)
+
+    where = f"model.name={cfg.model.name}"
+    try:
+        out = jax.eval_shape(
+            forward, state.params, state.model_state, jax.ShapeDtypeStruct(shape, jnp.float32)
+        )
+    except Exception as e:  # noqa: BLE001 - any failure here means "cannot take these images"
+        error = " ".join(str(e).split())[:300]
+        raise ConfigError(
+            f"{where}: the model cannot be applied to images of shape {list(shape)} "
+            f"({type(e).__name__}: {error})"
+        ) from None
+    classes = splits.train.num_classes
+    if (
+        not hasattr(out, "shape")
+        or len(out.shape) != 2
+        or out.shape[0] != 2
+        or out.shape[1] < classes
+    ):
+        got = list(out.shape) if hasattr(out, "shape") else type(out).__name__
+        raise ConfigError(
+            f"{where}: the model maps images of shape {list(shape)} to {got}; expected logits "
+            f"of shape [2, K] with K >= the {classes} classes of the data (model.num_classes)"
+        )
+
+
 def restore(
-    cfg: Config, ckpts: Checkpoints, state: TrainState, comm: Comm, console: Console
+    cfg: Config,
+    ckpts: Checkpoints,
+    state: TrainState,
+    comm: Comm,
+    console: Console,
+    total_steps: int,
 ) -> tuple[TrainState, int]:
     """The newest good checkpoint's state and step under ``checkpoint.resume``, else
-    ``(state, 0)``."""
+    ``(state, 0)``; refuses a checkpoint whose config differs in what changes training."""
     if not cfg.checkpoint.resume:
         return state, 0
+    now = config_lib.to_dict(cfg)
+
+    def check_config(step: int, saved: dict[str, Any]) -> None:
+        check_resume_config(saved, now, step, total_steps, str(ckpts.directory / str(step)))
+
     try:
-        restored = ckpts.restore_newest_good(state, agree=comm.agree)
+        restored = ckpts.restore_newest_good(state, comm.agree, check_config)
     except BaseException:
         ckpts.close()  # orbax's background threads must stop before the interpreter does
         raise

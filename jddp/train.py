@@ -15,7 +15,10 @@ from jddp import config as config_lib
 from jddp import errors
 from jddp.errors import ConfigError, JddpError, Preempted
 
-USAGE = "python -m jddp.train --config FILE.yaml [key.sub=value ...] [--print-config]"
+USAGE = (
+    "python -m jddp.train --config FILE.yaml [key.sub=value ...] [--print-config] "
+    "[--allow-config-change]"
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,6 +39,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    parser.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume even if training keys differ from the checkpoint's config "
+        "(= checkpoint.allow_config_change=true)",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, YAML-typed")
     return parser.parse_args(argv)
 
@@ -46,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     job = None
     try:
         args = parse_args(argv)
-        cfg = config_lib.load(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if args.allow_config_change:
+            overrides.append("checkpoint.allow_config_change=true")
+        cfg = config_lib.load(args.config, overrides)
         if args.print_config:
             print(config_lib.dump(cfg), end="")
             return 0

@@ -16,8 +16,10 @@ from jddp.distributed import Job, current_job
 from jddp.errors import ConfigError, NonFiniteLoss, Preempted
 from jddp.hooks import StopRequest
 from jddp.loop import train_loop
-from jddp.metrics import InputWait
+from jddp.mesh import to_host
+from jddp.metrics import Console, InputWait
 from jddp.setup import Parts, Run, build_run, check_same_config
+from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
 
 __all__ = ["Parts", "RunResult", "train_and_evaluate"]
@@ -62,6 +64,13 @@ def train_and_evaluate(
             lock.acquire()
         except ConfigError as e:
             problem = e
+        if problem is None and not cfg.checkpoint.resume:
+            moved = folder.set_aside_previous_run()
+            if moved is not None:
+                Console().say(
+                    f"jddp: checkpoint.resume=false: the earlier run's outputs in this workdir "
+                    f"were moved to {moved}"
+                )
     if not comm.agree(problem is None):
         raise problem or ConfigError(f"process 0 could not use workdir={cfg.workdir!r}")
     try:
@@ -90,8 +99,10 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
                 f"{ckpts.directory / str(step)} saved; rerun the same command to continue"
             )
             raise Preempted(step)
+        check_some_step_counted(run, state, step)
         eval_metrics = run.evaluate(state)
-        run.log.write(step, eval_metrics)
+        if not run.log.logged(step, "eval/loss"):  # a rerun of a finished run logs it once
+            run.log.write(step, eval_metrics)
         ckpts.save(step, state, run.config_dict)
         ckpts.close()
         comm.barrier()  # nobody leaves before rank 0's checkpoint is complete
@@ -113,6 +124,19 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
     )
     _summarise(run, result)
     return result
+
+
+def check_some_step_counted(run: Run, state: TrainState, step: int) -> None:
+    """Under ``train.on_nonfinite=skip``, a run whose every step was skipped learned nothing:
+    that is a failure, not a success."""
+    ran = step - run.start_step
+    skipped = int(to_host(state.skipped_steps)) - run.start_skipped_steps
+    if ran > 0 and skipped == ran:
+        raise NonFiniteLoss(
+            f"all {ran} steps of this run (steps {run.start_step + 1}..{step}) had a non-finite "
+            "loss or gradient and were skipped (train.on_nonfinite=skip): nothing was learned "
+            "and nothing was saved"
+        )
 
 
 def _summarise(run: Run, result: RunResult) -> None:

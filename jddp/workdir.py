@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 from jddp.errors import ConfigError
@@ -54,9 +55,40 @@ class RunFolder:
         """Held while a run uses the folder."""
         return self.root / LOCK_NAME
 
+    @property
+    def previous_runs(self) -> Path:
+        """Where ``checkpoint.resume=false`` moves an earlier run's outputs."""
+        return self.root / "previous"
+
     def prepare(self) -> Path:
         """Create the folder if needed; ``ConfigError`` naming it when it cannot be written."""
         return prepare(self.root)
+
+    def set_aside_previous_run(self) -> Path | None:
+        """Move an earlier run's outputs (checkpoints, metrics, TensorBoard files, config,
+        profile) to ``previous/<UTC time>/``, so a fresh run's folder holds only its own and
+        nothing written is lost; returns where they went (None if there was nothing)."""
+        outputs = [
+            self.config_yaml,
+            self.metrics_jsonl,
+            self.tensorboard,
+            self.checkpoints,
+            self.damaged_checkpoints,
+            self.profile,
+        ]
+        present = [p for p in outputs if p.exists()]
+        if not present:
+            return None
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        target = self.previous_runs / stamp
+        suffix = 1
+        while target.exists():
+            suffix += 1
+            target = self.previous_runs / f"{stamp}-{suffix}"
+        target.mkdir(parents=True)
+        for path in present:
+            path.rename(target / path.name)
+        return target
 
 
 def _proc_stat(pid: int) -> list[str]:

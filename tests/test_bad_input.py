@@ -117,9 +117,28 @@ CASES = [
     ("unwritable workdir", ["workdir={root}/a_file/run"], 2, ["workdir", "a_file", "writable"]),
     (
         "other model's checkpoint",
-        ["model.width=8"],
+        ["model.width=8", "--allow-config-change"],
         2,
         ["checkpoints/2", "different model", "(4,)", "(8,)"],
+    ),
+    # A resume whose config changes the trajectory names each key and both values.
+    ("changed model on resume", ["model.width=8"], 2, ["checkpoints/2", "model.width: 4 there"]),
+    ("changed lr on resume", ["optim.lr=0.2"], 2, ["optim.lr: 0.1 there, 0.2 now"]),
+    ("sgd to adamw", ["optim.name=adamw"], 2, ["optim.name: 'sgd' there, 'adamw' now"]),
+    ("changed seed", ["train.seed=1"], 2, ["train.seed: 0 there, 1 now"]),
+    ("fewer steps than done", ["train.steps=1"], 2, ["train.steps", "step 2", ">= 2"]),
+    ("profile after the end", ["log.profile_steps=1:9"], 2, ["log.profile_steps='1:9'", "4"]),
+    (
+        "sync BN under MPI",
+        ["model.sync_batchnorm=true", "dist.backend=mpi"],
+        2,
+        ["model.sync_batchnorm=true", "dist.backend=xla"],
+    ),
+    (
+        "wrong model output",
+        ["model.name=tests.user_models:three_logits", "workdir={root}/other"],
+        2,
+        ["three_logits", "[2, 3]", "10 classes"],
     ),
 ]
 
@@ -130,7 +149,8 @@ def test_bad_input(files, name, args, code, words):
     before = snapshot(wd)
     args = [a.replace("{root}", str(root)) for a in args]
     has_workdir = any(a.startswith("workdir=") for a in args)
-    out = train(*([] if has_workdir else [f"workdir={wd}"]), *TINY, "train.steps=4", *args)
+    steps = [] if any(a.startswith("train.steps=") for a in args) else ["train.steps=4"]
+    out = train(*([] if has_workdir else [f"workdir={wd}"]), *TINY, *steps, *args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == code, out.stderr[-2000:]
     assert len(lines) == 1, out.stderr

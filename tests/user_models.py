@@ -43,3 +43,30 @@ class DropoutMLP(nnx.Module):
 def dropout_mlp(config: dict, dtype, rngs: nnx.Rngs) -> DropoutMLP:
     """Factory for the CLI: the dropout model on 8x8x3 images."""
     return DropoutMLP(8 * 8 * 3, config["num_classes"], rngs)
+
+
+class ThreeLogits(nnx.Module):
+    """A model whose head is too small for a 10-class data set."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.out = nnx.Linear(8 * 8 * 3, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(x.reshape(x.shape[0], -1))
+
+
+def three_logits(config: dict, dtype, rngs: nnx.Rngs) -> ThreeLogits:
+    """Factory of a model with the wrong output shape (3 logits, whatever num_classes says)."""
+    return ThreeLogits(rngs)
+
+
+class NanModel(TinyMLP):
+    """Every loss is NaN: every step is non-finite."""
+
+    def __call__(self, x):
+        return super().__call__(x) * jnp.nan
+
+
+def nan_model(config: dict, dtype, rngs: nnx.Rngs) -> NanModel:
+    """Factory of the always-NaN model."""
+    return NanModel(8 * 8 * 3, config["num_classes"], rngs, dtype=dtype)

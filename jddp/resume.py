@@ -1,0 +1,83 @@
+"""What a resumed run may change: the config keys that do not alter the training trajectory.
+
+A checkpoint holds the resolved config it was written under. Resuming compares it with the
+config of the new run: a difference in any key that changes what the steps compute (model,
+data, optimizer, seed, precision, ...) is refused, naming each key and both values, unless the
+user says so with ``checkpoint.allow_config_change=true`` (``--allow-config-change``).
+``train.steps``/``train.epochs`` may grow (a longer run), never end before the checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jddp.errors import ConfigError
+
+# Keys a resume may change freely: where outputs go, how often things happen, and the topology
+# (the trajectory is the same on every topology and backend: tests/test_multiprocess.py).
+FREE_KEYS = (
+    "workdir",
+    "data.prefetch_batches",
+    "data.workers",
+    "train.eval_every_steps",
+    "train.on_nonfinite",
+    "dist.backend",
+    "dist.num_local_devices",
+    "dist.coordinator_address",
+    "dist.num_processes",
+    "dist.process_id",
+    "dist.check_sync_every",
+    "dist.init_timeout_s",
+    "dist.heartbeat_timeout_s",
+    "checkpoint.",
+    "log.",
+)
+LENGTH_KEYS = ("train.steps", "train.epochs")
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _free(key: str) -> bool:
+    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FREE_KEYS)
+
+
+def changed_keys(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, new value)`` for every trajectory-changing key that differs (keys
+    the saved config lacks, from an older jddp, count as their current default: not compared)."""
+    before, after = _flatten(saved), _flatten(now)
+    return [
+        (key, before[key], value)
+        for key, value in after.items()
+        if key in before and before[key] != value and not _free(key) and key not in LENGTH_KEYS
+    ]
+
+
+def check_resume_config(
+    saved: dict[str, Any], now: dict[str, Any], step: int, total_steps: int, where: str
+) -> None:
+    """Raise :class:`ConfigError` when resuming checkpoint ``where`` (at ``step``) under ``now``
+    would silently change the run."""
+    if total_steps < step:
+        raise ConfigError(
+            f"train.steps: the run would end at step {total_steps} but checkpoint {where} is at "
+            f"step {step}; set train.steps >= {step}, or use another workdir"
+        )
+    if now.get("checkpoint", {}).get("allow_config_change"):
+        return
+    changes = changed_keys(saved, now)
+    if changes:
+        listed = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, a, b in changes)
+        raise ConfigError(
+            f"the config differs from checkpoint {where}'s in keys that change training "
+            f"({listed}): rerun with the same values, use another workdir, "
+            "checkpoint.resume=false to start over, or checkpoint.allow_config_change=true "
+            "(--allow-config-change) to continue anyway"
+        )

@@ -1,0 +1,112 @@
+"""Runs that must not lose work or report a false success: starting over, rerunning a finished
+run, changed configs on resume, every step skipped, Ctrl-C."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import jddp
+from jddp.errors import ConfigError, NonFiniteLoss
+from jddp.hooks import StopRequest
+from tests.helpers import read_losses, steps_saved, train_cmd, wait_for
+from tests.user_models import NanModel, TinyMLP
+
+
+def data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8, 8, 3)).astype(np.float32)
+    return x, (x.mean(axis=(1, 2, 3)) > 0).astype(np.int32)
+
+
+def fit(workdir, *overrides, model=None, seed=0):
+    return jddp.fit(
+        model or TinyMLP(192, 2, nnx.Rngs(seed)),
+        train_data=data(64),
+        config={"workdir": str(workdir)},
+        overrides=[
+            "data.global_batch_size=16",
+            "log.progress=off",
+            "log.every_steps=1",
+            "optim.schedule=constant",
+            f"train.seed={seed}",
+            *overrides,
+        ],
+    )
+
+
+def rows(workdir):
+    return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_false_moves_the_earlier_run_aside(tmp_path):
+    wd = tmp_path / "run"
+    fit(wd, "train.steps=2")
+    first = read_losses(wd)
+    fit(wd, "train.steps=2", "checkpoint.resume=false", seed=1)
+    second = read_losses(wd)
+    assert sorted(second) == [1, 2] and second != first  # only the new run's lines
+    (previous,) = (wd / "previous").iterdir()
+    assert read_losses(previous) == first  # nothing written is lost
+    assert steps_saved(previous) == [2] and steps_saved(wd) == [2]
+    # A later resume finds the new run's checkpoint, not the older run's.
+    result = fit(wd, "train.steps=3", seed=1)
+    assert result.step == 3 and sorted(read_losses(wd)) == [1, 2, 3]
+    assert read_losses(wd)[2] == second[2]
+
+
+def test_rerunning_a_finished_run_logs_its_eval_once(tmp_path):
+    wd = tmp_path / "run"
+    fit(wd, "train.steps=2")
+    again = fit(wd, "train.steps=2")
+    assert again.step == 2 and again.eval["eval/count"] == 64
+    assert [r["step"] for r in rows(wd) if "eval/loss" in r] == [2]
+
+
+def test_a_changed_config_is_refused_and_nothing_is_written(tmp_path):
+    wd = tmp_path / "run"
+    fit(wd, "train.steps=2")
+    before = (wd / "config.yaml").read_text(), (wd / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="data.global_batch_size: 16 there, 32 now"):
+        fit(wd, "train.steps=4", "data.global_batch_size=32")
+    assert ((wd / "config.yaml").read_text(), (wd / "metrics.jsonl").read_text()) == before
+    result = fit(
+        wd, "train.steps=3", "data.global_batch_size=32", "checkpoint.allow_config_change=true"
+    )
+    assert result.step == 3
+
+
+def test_a_run_that_skipped_every_step_fails(tmp_path):
+    model = NanModel(192, 2, nnx.Rngs(0))
+    with pytest.raises(NonFiniteLoss, match="all 3 steps of this run"):
+        fit(tmp_path / "run", "train.steps=3", "train.on_nonfinite=skip", model=model)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_like_sigterm(tmp_path):
+    wd = tmp_path / "run"
+    job = subprocess.Popen(
+        train_cmd(wd, "train.steps=100000"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert wait_for(lambda: (wd / "metrics.jsonl").exists() and len(read_losses(wd)) >= 3, 300)
+    job.send_signal(signal.SIGINT)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 75, err[-2000:]
+    stopped = int(out.split("preempted at step ")[1].split()[0])
+    assert steps_saved(wd)[-1] == stopped and not (wd / ".jddp.lock").exists()
+
+
+def test_a_second_ctrl_c_interrupts_at_once():
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs in this thread between bytecodes
+        assert stop.signal_name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
