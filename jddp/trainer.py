@@ -20,7 +20,8 @@ from jddp.checkpoint import Checkpoints
 from jddp.comm import XlaComm, config_fingerprint, make_comm
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, TrainBatches, batch_layout, eval_batches, place_batch
-from jddp.data.sources import Splits, load_splits
+from jddp.data.registry import load_splits
+from jddp.data.source import Splits
 from jddp.errors import ConfigError, NonFiniteLoss, Preempted, ReplicasDiverged
 from jddp.mesh import make_mesh, select_devices, to_host
 from jddp.metrics import InputWait, MetricsLog, is_writer, make_progress, say
