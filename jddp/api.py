@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from flax import nnx
 
 from jddp import config as config_lib
 from jddp import distributed
 from jddp.config import Config
-from jddp.data.sources import ArraySource, Source, Splits
+from jddp.data.source import Splits, as_source
 from jddp.setup import Parts
 from jddp.trainer import RunResult, train_and_evaluate
 
@@ -51,79 +50,6 @@ def initialize(config: ConfigLike = None) -> None:
     i.e. before building your model, when running under ``jddp.launch``, SLURM or mpirun.
     A plain single process needs no call."""
     distributed.initialize(load_config(config).dist)
-
-
-class RecordSource:
-    """A :class:`~jddp.data.sources.Source` over a random-access record source (e.g. a grain
-    ``RandomAccessDataSource``): ``source[i]`` is ``(image_HxWxC, label)`` or a dict with
-    ``image`` and ``label``."""
-
-    def __init__(self, records: Any, num_classes: int, name: str = "records"):
-        self.records = records
-        self.num_classes = num_classes
-        self.name = name
-        image, _ = self._record(0)
-        self.image_shape = tuple(np.asarray(image).shape)
-
-    def _record(self, i: int) -> tuple[Any, Any]:
-        rec = self.records[int(i)]
-        if isinstance(rec, dict):
-            return rec["image"], rec["label"]
-        return rec[0], rec[1]
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def get_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Stack the records at ``indices`` (float32 images, int32 labels)."""
-        pairs = [self._record(i) for i in indices]
-        images = np.stack([np.asarray(x, np.float32) for x, _ in pairs])
-        return images, np.asarray([y for _, y in pairs], np.int32)
-
-    def __repr__(self) -> str:
-        return f"RecordSource(name={self.name!r}, n={len(self)}, image_shape={self.image_shape})"
-
-
-def as_source(data: Any, num_classes: int | None = None, name: str = "data") -> Source:
-    """Turn user data into a :class:`~jddp.data.sources.Source`.
-
-    Accepts ``(images, labels)`` numpy arrays (uint8 images are scaled to [0, 1], nothing
-    else is changed), a ``Source`` (anything with ``get_batch``), a random-access record source
-    (``len`` + ``[i]``, e.g. grain's), or an iterable of ``(images, labels)`` batches, which is
-    read once into memory and then sampled like arrays.
-    """
-    if hasattr(data, "get_batch"):
-        return data
-    if isinstance(data, tuple) and len(data) == 2 and hasattr(data[0], "shape"):
-        images, labels = np.asarray(data[0]), np.asarray(data[1]).astype(np.int32)
-    elif hasattr(data, "__len__") and hasattr(data, "__getitem__"):
-        classes = num_classes or 1 + max(
-            int(data[i][1] if not isinstance(data[i], dict) else data[i]["label"])
-            for i in range(len(data))
-        )
-        return RecordSource(data, classes, name)
-    elif isinstance(data, Iterable):
-        batches = [(np.asarray(x), np.asarray(y)) for x, y in data]
-        images = np.concatenate([x for x, _ in batches])
-        labels = np.concatenate([y for _, y in batches]).astype(np.int32)
-    else:
-        raise TypeError(
-            f"{name}: expected (images, labels) arrays, a Source, a random-access "
-            f"record source or an iterable of batches, got {type(data).__name__}"
-        )
-    if images.ndim == 3:
-        images = images[..., None]
-    if images.dtype != np.uint8:
-        images = images.astype(np.float32)
-    channels = images.shape[-1]
-    return ArraySource(
-        images,
-        labels,
-        num_classes or int(labels.max()) + 1,
-        mean=np.zeros(channels, np.float32),
-        std=np.ones(channels, np.float32),
-        name=name,
-    )
 
 
 def fit(

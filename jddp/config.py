@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from jddp.data.registry import DATA_NAMES
 from jddp.errors import ConfigError
 
 
@@ -44,9 +45,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: Literal["synthetic", "digits", "cifar10", "mnist", "npz", "imagefolder"] = _f(
-        "digits", "data set: synthetic|digits|cifar10|mnist|npz|imagefolder"
-    )
+    name: Literal[DATA_NAMES] = _f("digits", "data set: " + "|".join(DATA_NAMES))
     path: str | None = _f(None, "file or folder of the data set (cifar10, mnist, npz, imagefolder)")
     global_batch_size: int = _f(128, "examples per optimizer step over all devices and processes")
     image_size: int | None = _f(None, "resize images to this side length (null: native size)")

@@ -21,7 +21,8 @@ from jddp.checkpoint import Checkpoints
 from jddp.comm import Comm, config_fingerprint
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, TrainBatches, batch_layout
-from jddp.data.sources import Splits, load_splits
+from jddp.data.registry import load_splits
+from jddp.data.source import Splits
 from jddp.errors import ConfigError
 from jddp.hooks import (
     CheckpointHook,
@@ -49,7 +50,7 @@ class Parts:
     """What a library user supplies instead of the config's built-in choices (all optional).
 
     ``model``: an NNX module, built identically on every process. ``optimizer``: an optax
-    transformation. ``splits``: train/eval :class:`~jddp.data.sources.Source` objects.
+    transformation. ``splits``: train/eval :class:`~jddp.data.source.Source` objects.
     ``loss_fn``: ``(logits_BxK, labels_B) -> loss_B``. ``metrics_fn``: ``(logits_BxK, labels_B)
     -> {name: value_B}``, logged as ``train/<name>`` means over the global batch.
     """

@@ -15,7 +15,7 @@ from jddp.data.loader import (
     eval_batches,
     prefetch_iterator,
 )
-from jddp.data.sources import ArraySource
+from jddp.data.source import ArraySource
 from jddp.mesh import make_mesh
 
 

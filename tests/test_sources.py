@@ -1,4 +1,4 @@
-"""Tests for jddp.data.sources: real small files in every supported format, no network."""
+"""Tests for jddp.data sources and formats: real small files in every format, no network."""
 
 from __future__ import annotations
 
@@ -12,20 +12,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jddp.data.sources import (
-    DATA_NAMES,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    ArraySource,
-    DataError,
-    ImageFolderSource,
-    Source,
-    Splits,
-    channel_stats,
-    load_splits,
-    read_idx,
-    resize_images,
-)
+from jddp.data.formats.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFolderSource
+from jddp.data.formats.mnist import read_idx
+from jddp.data.image_ops import channel_stats, resize_images
+from jddp.data.registry import DATA_NAMES, load_splits
+from jddp.data.source import ArraySource, Source, Splits
+from jddp.errors import DataError
 
 # ----------------------------------------------------------------------------- writers
 
@@ -537,3 +529,10 @@ def test_repr_is_stable_without_addresses(tmp_path):
         text = repr(src)
         assert "0x" not in text and "\n" not in text
     assert repr(load_splits("synthetic", None, 8).train) == repr(sources[0])
+
+
+def test_old_sources_module_reexports():
+    from jddp.data import sources
+
+    assert sources.load_splits is load_splits and sources.ArraySource is ArraySource
+    assert sources.DATA_NAMES == DATA_NAMES

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jddp.data.sources import Source
+from jddp.data.source import Source
 from jddp.mesh import batch_sharded
 
 Batch = dict[str, jax.Array]

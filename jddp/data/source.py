@@ -1,0 +1,223 @@
+"""What a data set is to the trainer: a random-access :class:`Source` of labelled images.
+
+A source maps integer indices to ``(images [n,H,W,C], labels int32 [n])``. Images are uint8
+pixels (0..255) or already-normalised float32; a source that hands out uint8 declares its
+per-channel ``mean``/``std`` (on the [0, 1] scale) and the step normalises on the device.
+:class:`ArraySource` holds arrays in memory; :func:`as_source` adapts user data (arrays,
+record sources such as grain's, iterables of batches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = ["ArraySource", "RecordSource", "Source", "Splits", "as_source"]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A random-access labelled image set."""
+
+    num_classes: int
+    image_shape: tuple[int, int, int]  # (H, W, C) of what get_batch returns
+
+    def __len__(self) -> int:
+        """Number of examples."""
+        ...
+
+    def get_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """images float32 [n,H,W,C] already normalized, labels int32 [n]."""
+        ...
+
+    def __repr__(self) -> str:
+        """Stable description, no memory addresses (grain embeds it in its state)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Splits:
+    """The train and eval sources of one data set."""
+
+    train: Source
+    eval: Source
+
+
+def one_line(text: object) -> str:
+    """Collapse ``text`` to a single line (exception texts may hold newlines)."""
+    return " ".join(str(text).split())
+
+
+def as_index_array(indices: np.ndarray, n: int, who: str) -> np.ndarray:
+    """Validate a 1-D integer index array for a source of ``n`` examples."""
+    idx = np.asarray(indices)
+    if idx.ndim != 1:
+        raise ValueError(f"{who}.get_batch: indices must be 1-D, got shape {idx.shape}")
+    if idx.size and not np.issubdtype(idx.dtype, np.integer):
+        raise ValueError(f"{who}.get_batch: indices must be integers, got dtype {idx.dtype}")
+    if idx.size and (idx.min() < -n or idx.max() >= n):
+        raise IndexError(f"{who}.get_batch: index out of range for {n} examples")
+    return idx.astype(np.intp, copy=False)
+
+
+def scale_shift(
+    dtype: np.dtype, mean: np.ndarray, std: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel ``(scale, shift)`` so that ``x * scale + shift`` = ``(x/255 - mean)/std``."""
+    pixel = 1.0 / 255.0 if dtype == np.uint8 else 1.0
+    scale = (pixel / std).astype(np.float32)
+    shift = (-mean / std).astype(np.float32)
+    return scale, shift
+
+
+class ArraySource:
+    """An in-memory :class:`Source` over images kept in their compact native dtype.
+
+    Args:
+      images: ``[N,H,W,C]`` uint8 (pixels 0..255) or float32 array.
+      labels: ``[N]`` integer labels in ``[0, num_classes)``.
+      num_classes: number of classes.
+      mean: per-channel mean (``[C]``) on the ``[0, 1]`` scale for uint8 images.
+      std: per-channel std (``[C]``), same scale as ``mean``.
+      name: short stable name used in ``repr`` (e.g. ``"cifar10/train"``).
+
+    ``get_batch`` gathers with one numpy fancy-indexing op, converts to float32
+    (dividing uint8 by 255) and standardizes: ``(x - mean) / std``.
+    """
+
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        num_classes: int,
+        mean: Sequence[float] | np.ndarray,
+        std: Sequence[float] | np.ndarray,
+        name: str,
+    ) -> None:
+        """Validate shapes and precompute the per-channel affine normalization."""
+        images = np.asarray(images)
+        labels = np.asarray(labels)
+        if images.ndim != 4:
+            raise ValueError(f"ArraySource {name!r}: images must be [N,H,W,C], got {images.shape}")
+        if images.dtype != np.uint8 and images.dtype != np.float32:
+            raise ValueError(
+                f"ArraySource {name!r}: images must be uint8 or float32, got {images.dtype}"
+            )
+        if labels.shape != (images.shape[0],):
+            raise ValueError(
+                f"ArraySource {name!r}: labels shape {labels.shape} does not match "
+                f"{images.shape[0]} images"
+            )
+        channels = images.shape[-1]
+        mean_arr = np.asarray(mean, np.float32).reshape(-1)
+        std_arr = np.asarray(std, np.float32).reshape(-1)
+        if mean_arr.shape != (channels,) or std_arr.shape != (channels,):
+            raise ValueError(
+                f"ArraySource {name!r}: mean/std need {channels} values, "
+                f"got {mean_arr.shape[0]} and {std_arr.shape[0]}"
+            )
+        if np.any(std_arr <= 0):
+            raise ValueError(f"ArraySource {name!r}: std must be positive, got {std_arr}")
+        self.images = images
+        self.labels = labels.astype(np.int32, copy=False)
+        self.num_classes = int(num_classes)
+        self.image_shape: tuple[int, int, int] = tuple(int(d) for d in images.shape[1:])
+        self.mean = mean_arr
+        self.std = std_arr
+        self.name = str(name)
+        self._scale, self._shift = scale_shift(images.dtype, mean_arr, std_arr)
+
+    def __len__(self) -> int:
+        """Number of examples."""
+        return int(self.images.shape[0])
+
+    def get_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Return normalized float32 images ``[n,H,W,C]`` and int32 labels ``[n]``."""
+        idx = as_index_array(indices, len(self), "ArraySource")
+        images = self.images[idx].astype(np.float32)
+        images *= self._scale
+        images += self._shift
+        return images, self.labels[idx]
+
+    def __repr__(self) -> str:
+        """Stable description (no memory addresses)."""
+        return (
+            f"ArraySource(name={self.name!r}, n={len(self)}, image_shape={self.image_shape}, "
+            f"dtype={self.images.dtype.name}, num_classes={self.num_classes})"
+        )
+
+
+class RecordSource:
+    """A :class:`Source` over a random-access record source (e.g. a grain
+    ``RandomAccessDataSource``): ``source[i]`` is ``(image_HxWxC, label)`` or a dict with
+    ``image`` and ``label``."""
+
+    def __init__(self, records: Any, num_classes: int, name: str = "records"):
+        self.records = records
+        self.num_classes = num_classes
+        self.name = name
+        image, _ = self._record(0)
+        self.image_shape = tuple(np.asarray(image).shape)
+
+    def _record(self, i: int) -> tuple[Any, Any]:
+        rec = self.records[int(i)]
+        if isinstance(rec, dict):
+            return rec["image"], rec["label"]
+        return rec[0], rec[1]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def get_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Stack the records at ``indices`` (float32 images, int32 labels)."""
+        pairs = [self._record(i) for i in indices]
+        images = np.stack([np.asarray(x, np.float32) for x, _ in pairs])
+        return images, np.asarray([y for _, y in pairs], np.int32)
+
+    def __repr__(self) -> str:
+        return f"RecordSource(name={self.name!r}, n={len(self)}, image_shape={self.image_shape})"
+
+
+def as_source(data: Any, num_classes: int | None = None, name: str = "data") -> Source:
+    """Turn user data into a :class:`Source`.
+
+    Accepts ``(images, labels)`` numpy arrays (uint8 images are scaled to [0, 1], nothing
+    else is changed), a ``Source`` (anything with ``get_batch``), a random-access record source
+    (``len`` + ``[i]``, e.g. grain's), or an iterable of ``(images, labels)`` batches, which is
+    read once into memory and then sampled like arrays.
+    """
+    if hasattr(data, "get_batch"):
+        return data
+    if isinstance(data, tuple) and len(data) == 2 and hasattr(data[0], "shape"):
+        images, labels = np.asarray(data[0]), np.asarray(data[1]).astype(np.int32)
+    elif hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+        classes = num_classes or 1 + max(
+            int(data[i][1] if not isinstance(data[i], dict) else data[i]["label"])
+            for i in range(len(data))
+        )
+        return RecordSource(data, classes, name)
+    elif isinstance(data, Iterable):
+        batches = [(np.asarray(x), np.asarray(y)) for x, y in data]
+        images = np.concatenate([x for x, _ in batches])
+        labels = np.concatenate([y for _, y in batches]).astype(np.int32)
+    else:
+        raise TypeError(
+            f"{name}: expected (images, labels) arrays, a Source, a random-access "
+            f"record source or an iterable of batches, got {type(data).__name__}"
+        )
+    if images.ndim == 3:
+        images = images[..., None]
+    if images.dtype != np.uint8:
+        images = images.astype(np.float32)
+    channels = images.shape[-1]
+    return ArraySource(
+        images,
+        labels,
+        num_classes or int(labels.max()) + 1,
+        mean=np.zeros(channels, np.float32),
+        std=np.ones(channels, np.float32),
+        name=name,
+    )
