@@ -112,6 +112,63 @@ def _sync_model_state(comm: Comm, model_state: Any) -> Any:
     return jax.tree.map(sync, model_state)
 
 
+def _accumulate(local_grads: Callable, params, model_state, images, labels, k: int):
+    """``local_grads`` over ``k`` micro-batches of this device's rows: gradients and metrics
+    are means over them, the model state carries from one micro-batch to the next."""
+    if k == 1:
+        return local_grads(params, model_state, images, labels)
+
+    def micro(x: jax.Array) -> jax.Array:
+        return x.reshape(k, -1, *x.shape[1:])
+
+    def body(carry, mb):
+        g_sum, stats, m_sum = carry
+        g, stats, m = local_grads(params, stats, *mb)
+        return (jax.tree.map(jnp.add, g_sum, g), stats, jax.tree.map(jnp.add, m_sum, m)), None
+
+    shapes = jax.eval_shape(local_grads, params, model_state, micro(images)[0], micro(labels)[0])
+    zeros = jax.tree.map(lambda a: _to_varying(jnp.zeros(a.shape, a.dtype)), shapes)
+    (grads, stats, metrics), _ = jax.lax.scan(
+        body, (zeros[0], _to_varying(model_state), zeros[2]), (micro(images), micro(labels))
+    )
+    grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
+    return grads, stats, metrics
+
+
+def _make_update_stage(tx: optax.GradientTransformation, schedule: optax.Schedule | None):
+    """The optimizer stage: ``(state, grads, model_state, metrics) -> (state, metrics)``."""
+
+    def update_stage(state: TrainState, grads, stats, metrics):
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        # A non-finite loss or gradient drops the whole update, identically on every replica
+        # (all of them see the same averaged values), so the state never holds NaNs.
+        finite = jnp.isfinite(metrics["train/loss"]) & _all_finite(grads)
+        params, opt_state, stats = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state, stats),
+            (state.params, state.opt_state, state.model_state),
+        )
+        skipped = state.skipped_steps + (~finite).astype(jnp.int32)
+        metrics = {
+            **metrics,
+            NONFINITE_KEY: (~finite).astype(jnp.float32),
+            "train/skipped_steps": skipped,
+        }
+        if schedule is not None:
+            metrics["train/lr"] = schedule(state.step)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=params,
+            model_state=stats,
+            opt_state=opt_state,
+            skipped_steps=skipped,
+        )
+        return new_state, metrics
+
+    return update_stage
+
+
 @dataclass(frozen=True)
 class TrainStep:
     """The data-parallel train step ``(state, batch) -> (state, metrics)`` and its two stages.
@@ -182,30 +239,9 @@ def make_train_step(
         return grads, new_stats, {"train/loss": loss, **extra}
 
     def per_device(state: TrainState, images, labels):
-        if grad_accum_steps == 1:
-            grads, stats, metrics = local_grads(state.params, state.model_state, images, labels)
-        else:
-            micro = lambda x: x.reshape(grad_accum_steps, -1, *x.shape[1:])  # noqa: E731
-
-            def body(carry, mb):
-                g_sum, stats, m_sum = carry
-                g, stats, m = local_grads(state.params, stats, *mb)
-                return (
-                    jax.tree.map(jnp.add, g_sum, g),
-                    stats,
-                    jax.tree.map(jnp.add, m_sum, m),
-                ), None
-
-            shapes = jax.eval_shape(
-                local_grads, state.params, state.model_state, micro(images)[0], micro(labels)[0]
-            )
-            zeros = jax.tree.map(lambda a: _to_varying(jnp.zeros(a.shape, a.dtype)), shapes)
-            (grads, stats, metrics), _ = jax.lax.scan(
-                body,
-                (zeros[0], _to_varying(state.model_state), zeros[2]),
-                (micro(images), micro(labels)),
-            )
-            grads, metrics = jax.tree.map(lambda x: x / grad_accum_steps, (grads, metrics))
+        grads, stats, metrics = _accumulate(
+            local_grads, state.params, state.model_state, images, labels, grad_accum_steps
+        )
         # The one place where gradients are averaged across devices (and processes).
         grads = comm.average_grads(grads)
         stats = _sync_model_state(comm, stats)
@@ -221,34 +257,7 @@ def make_train_step(
         per_device_batch, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P()
     )
 
-    def update_stage(state: TrainState, grads, stats, metrics):
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        # A non-finite loss or gradient drops the whole update, identically on every replica
-        # (all of them see the same averaged values), so the state never holds NaNs.
-        finite = jnp.isfinite(metrics["train/loss"]) & _all_finite(grads)
-        params, opt_state, stats = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old),
-            (params, opt_state, stats),
-            (state.params, state.opt_state, state.model_state),
-        )
-        skipped = state.skipped_steps + (~finite).astype(jnp.int32)
-        metrics = {
-            **metrics,
-            NONFINITE_KEY: (~finite).astype(jnp.float32),
-            "train/skipped_steps": skipped,
-        }
-        if schedule is not None:
-            metrics["train/lr"] = schedule(state.step)
-        new_state = state.replace(
-            step=state.step + 1,
-            params=params,
-            model_state=stats,
-            opt_state=opt_state,
-            skipped_steps=skipped,
-        )
-        return new_state, metrics
-
+    update_stage = _make_update_stage(tx, schedule)
     return TrainStep(grads_stage, update_stage, comm.compose(grads_stage, update_stage))
 
 
