@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -209,6 +210,10 @@ def help_text() -> str:
 # Type checking and coercion
 
 
+class _NotFinite(ConfigError):
+    """A float key holding NaN or +-Inf (every float key must be finite)."""
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -219,6 +224,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if len(options) == 1:
             try:
                 return _coerce(key, value, options[0])
+            except _NotFinite:
+                raise
             except ConfigError as e:
                 raise ConfigError(f"{e} (or null)") from None
         for a in options:
@@ -248,14 +255,19 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return int(value)
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(number):
+            raise _NotFinite(f"{key}: must be a finite number, got {number}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -357,8 +369,15 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"train.label_smoothing: must be in [0, 1), got {cfg.train.label_smoothing}"
         )
-    if not 0.0 <= cfg.optim.momentum < 1.0:
-        raise ConfigError(f"optim.momentum: must be in [0, 1), got {cfg.optim.momentum}")
+    for key, v in {
+        "optim.momentum": cfg.optim.momentum,
+        "optim.b1": cfg.optim.b1,
+        "optim.b2": cfg.optim.b2,
+    }.items():
+        if not 0.0 <= v < 1.0:
+            raise ConfigError(f"{key}: must be in [0, 1), got {v}")
+    if cfg.workdir is not None and not cfg.workdir.strip():
+        raise ConfigError("workdir: must not be empty; give a folder or leave it unset")
     if cfg.log.profile_steps is not None:
         parts = cfg.log.profile_steps.split(":")
         if (
@@ -380,9 +399,19 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def _expand_workdir(cfg: Config) -> Config:
+    """``workdir=~/x`` means the home folder's ``x``, not a folder named ``~``."""
+    if cfg.workdir and cfg.workdir.startswith("~"):
+        try:
+            cfg.workdir = str(Path(cfg.workdir).expanduser())
+        except RuntimeError as e:  # ~user of an unknown user, or no home folder
+            raise ConfigError(f"workdir: cannot expand {cfg.workdir!r}: {e}") from None
+    return cfg
+
+
 def from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a :class:`Config` from a nested mapping (as read from YAML)."""
-    return validate(_build(Config, data or {}, ""))
+    return _expand_workdir(validate(_build(Config, data or {}, "")))
 
 
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -113,6 +113,14 @@ CASES = [
     ),
     ("missing config file", ["--config", "{root}/none.yaml"], 2, ["none.yaml", "no such file"]),
     ("invalid YAML", ["--config", "{root}/bad.yaml"], 2, ["bad.yaml", "not valid YAML"]),
+    ("lr nan", ["optim.lr=nan"], 2, ["optim.lr", "finite", "nan"]),
+    ("lr inf", ["optim.lr=inf"], 2, ["optim.lr", "finite", "inf"]),
+    ("weight decay nan", ["optim.weight_decay=nan"], 2, ["optim.weight_decay", "finite"]),
+    ("label smoothing nan", ["train.label_smoothing=nan"], 2, ["train.label_smoothing", "finite"]),
+    ("baseline inf", ["log.baseline_img_per_s=.inf"], 2, ["log.baseline_img_per_s", "finite"]),
+    ("adamw b1 = 1", ["optim.name=adamw", "optim.b1=1"], 2, ["optim.b1", "[0, 1)"]),
+    ("adamw b2 < 0", ["optim.b2=-0.5"], 2, ["optim.b2", "[0, 1)"]),
+    ("empty workdir", ["workdir="], 2, ["workdir", "empty"]),
     ("unknown flag", ["--frobnicate"], 2, ["--frobnicate"]),
     ("unwritable workdir", ["workdir={root}/a_file/run"], 2, ["workdir", "a_file", "writable"]),
     (
@@ -180,3 +188,20 @@ def test_all_checkpoints_damaged_is_a_runtime_error(files, tmp_path):
     # Only jddp's own lines: no tracebacks from reads still in flight when a restore failed.
     assert "Traceback" not in out.stderr
     assert all(line.startswith("jddp: ") for line in out.stderr.splitlines() if line.strip())
+
+
+def test_workdir_tilde_is_the_home_folder(tmp_path):
+    """``workdir=~/x`` trains in ``$HOME/x`` (no folder named ``~``), and config.yaml says so."""
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    out = subprocess.run(
+        [sys.executable, "-m", "jddp.train", "workdir=~/x", *TINY, "train.steps=1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    saved = (tmp_path / "home" / "x" / "config.yaml").read_text()
+    assert f"workdir: {tmp_path / 'home' / 'x'}\n" in saved
+    assert not (tmp_path / "~").exists()
