@@ -414,6 +414,86 @@ def from_dict(data: dict[str, Any]) -> Config:
     return _expand_workdir(validate(_build(Config, data or {}, "")))
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping in a YAML file names the same key twice."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` whose mappings refuse a key given twice (PyYAML silently keeps the
+    last one); the error names the dotted key and both lines."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        # Before anything is constructed (merges rewrite mappings in place): each mapping's
+        # dotted prefix and the keys written in it.
+        self._mappings: dict[int, tuple[str, list[yaml.Node]]] = {}
+        self._label(node, "")
+        return super().construct_document(node)
+
+    def _label(self, node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                self._label(item, prefix)
+        if not isinstance(node, yaml.MappingNode) or id(node) in self._mappings:
+            return
+        own = [k for k, _ in node.value if k.tag != _MERGE_TAG]
+        self._mappings[id(node)] = (prefix, own)
+        for key_node, value_node in node.value:
+            sub = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+            self._label(value_node, f"{prefix}{sub}.")
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> Any:
+        prefix, own = self._mappings.get(id(node), ("", []))
+        seen: dict[Any, int] = {}
+        for key_node in own:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(
+                        f"duplicate key {prefix + str(key)!r} (lines {seen[key]} and {line}); "
+                        "give each key once"
+                    )
+                seen[key] = line
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML config file; ``ConfigError`` naming the file when it cannot be
+    read, is not UTF-8, is not valid YAML, names a key twice or is not a mapping."""
+    p = Path(path)
+    where = f"--config {str(p)!r}"
+    if p.is_dir():
+        raise ConfigError(f"{where}: is a directory, not a YAML file")
+    if not p.exists():
+        raise ConfigError(f"{where}: no such file")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+            "save it as UTF-8"
+        ) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
+    except _DuplicateKey as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except yaml.YAMLError as e:
+        msg = " ".join(str(e).split())
+        raise ConfigError(f"{where}: not valid YAML: {msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of sections at top level")
+    return data
+
+
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config file (or start from the defaults), apply overrides, validate.
 
@@ -421,16 +501,7 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     """
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--config {str(p)!r}: no such file")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            msg = " ".join(str(e).split())
-            raise ConfigError(f"--config {str(p)!r}: not valid YAML: {msg}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"--config {str(p)!r}: expected a mapping of sections at top level")
+        data = read_file(path)
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(data, key, value)

@@ -63,6 +63,9 @@ def files(tmp_path_factory):
     (root / "truncated.npz").write_bytes(data[: len(data) // 2])
     (root / "bad.yaml").write_text("model: [unclosed\n")
     (root / "a_file").write_text("")
+    (root / "latin1.yaml").write_bytes("optim:\n  name: sgd  # r\xe9glage\n".encode("latin-1"))
+    (root / "twice.yaml").write_text("optim:\n  lr: 0.1\n  momentum: 0.8\n  lr: 0.2\n")
+    (root / "confdir").mkdir()
     return root, wd
 
 
@@ -113,6 +116,14 @@ CASES = [
     ),
     ("missing config file", ["--config", "{root}/none.yaml"], 2, ["none.yaml", "no such file"]),
     ("invalid YAML", ["--config", "{root}/bad.yaml"], 2, ["bad.yaml", "not valid YAML"]),
+    ("config not UTF-8", ["--config", "{root}/latin1.yaml"], 2, ["latin1.yaml", "not UTF-8"]),
+    ("config is a folder", ["--config", "{root}/confdir"], 2, ["confdir", "directory"]),
+    (
+        "duplicate YAML key",
+        ["--config", "{root}/twice.yaml"],
+        2,
+        ["twice.yaml", "duplicate key 'optim.lr'", "lines 2 and 4"],
+    ),
     ("lr nan", ["optim.lr=nan"], 2, ["optim.lr", "finite", "nan"]),
     ("lr inf", ["optim.lr=inf"], 2, ["optim.lr", "finite", "inf"]),
     ("weight decay nan", ["optim.weight_decay=nan"], 2, ["optim.weight_decay", "finite"]),

@@ -219,6 +219,49 @@ def test_cli_print_config_expands_tilde(tmp_path):
     assert not (tmp_path / "~").exists()
 
 
+def test_config_file_not_utf8(tmp_path):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("optim:\n  name: sgd  # r\xe9glage\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as e:
+        config_lib.load(p)
+    assert str(e.value).startswith(f"--config {str(p)!r}: not UTF-8 text")
+    assert "\n" not in str(e.value)
+
+
+def test_config_file_is_a_directory(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        config_lib.load(tmp_path)
+    assert str(e.value).startswith(f"--config {str(tmp_path)!r}: ")
+    assert "directory" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text, key, lines",
+    [
+        ("optim:\n  lr: 0.1\ntrain:\n  steps: 3\noptim:\n  lr: 0.2\n", "optim", "1 and 5"),
+        ("optim:\n  lr: 0.1\n  momentum: 0.8\n  lr: 0.2\n", "optim.lr", "2 and 4"),
+        ("optim: {lr: 0.1, lr: 0.2}\n", "optim.lr", "1 and 1"),
+        ("workdir: a\nworkdir: b\n", "workdir", "1 and 2"),
+        ("model:\n  x:\n    y: 1\n    y: 2\n", "model.x.y", "3 and 4"),
+    ],
+)
+def test_duplicate_yaml_keys_are_refused(tmp_path, text, key, lines):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        config_lib.load(p)
+    msg = str(e.value)
+    assert msg.startswith(f"--config {str(p)!r}: duplicate key {key!r}"), msg
+    assert f"lines {lines}" in msg and "\n" not in msg
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    text = "base: &b {lr: 0.1, momentum: 0.5}\n"
+    p = write(tmp_path, text + "optim:\n  <<: *b\n  lr: 0.2\n")
+    # 'base' is not a config key; the merge itself must not count as a duplicate 'lr'.
+    with pytest.raises(ConfigError, match="unknown config key 'base"):
+        config_lib.load(p)
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
