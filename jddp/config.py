@@ -502,8 +502,15 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     data: dict[str, Any] = {}
     if path is not None:
         data = read_file(path)
+    given: dict[str, str] = {}
     for text in overrides:
         key, value = parse_override(text)
+        if key in given:
+            raise ConfigError(
+                f"{key}: set twice on the command line ({given[key]!r} and "
+                f"{text.split('=', 1)[1]!r}); give each key once"
+            )
+        given[key] = text.split("=", 1)[1]
         set_dotted(data, key, value)
     cfg = from_dict(data)
     if cfg.workdir is None:

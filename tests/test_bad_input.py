@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import with_overrides
+
 pytestmark = pytest.mark.slow
 
 TINY = [
@@ -124,6 +126,7 @@ CASES = [
         2,
         ["twice.yaml", "duplicate key 'optim.lr'", "lines 2 and 4"],
     ),
+    ("override twice", ["optim.lr=0.1", "optim.lr=0.2"], 2, ["optim.lr", "0.1", "0.2", "twice"]),
     ("lr nan", ["optim.lr=nan"], 2, ["optim.lr", "finite", "nan"]),
     ("lr inf", ["optim.lr=inf"], 2, ["optim.lr", "finite", "inf"]),
     ("weight decay nan", ["optim.weight_decay=nan"], 2, ["optim.weight_decay", "finite"]),
@@ -149,7 +152,8 @@ def test_bad_input(files, name, args, code, words):
     before = snapshot(wd)
     args = [a.replace("{root}", str(root)) for a in args]
     has_workdir = any(a.startswith("workdir=") for a in args)
-    out = train(*([] if has_workdir else [f"workdir={wd}"]), *TINY, "train.steps=4", *args)
+    args = with_overrides([*TINY, "train.steps=4"], *args)  # each key once on the command line
+    out = train(*([] if has_workdir else [f"workdir={wd}"]), *args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == code, out.stderr[-2000:]
     assert len(lines) == 1, out.stderr

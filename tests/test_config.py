@@ -262,12 +262,23 @@ def test_yaml_merge_keys_are_not_duplicates(tmp_path):
         config_lib.load(p)
 
 
+def test_repeated_override_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        config_lib.load(None, ["optim.lr=0.1", "train.steps=3", "optim.lr=0.2"])
+    msg = str(e.value)
+    assert msg.startswith("optim.lr:") and "0.1" in msg and "0.2" in msg
+    # A key set in the file and once on the command line is an ordinary override.
+    cfg = config_lib.load(write(tmp_path, "optim:\n  lr: 0.1\n"), ["optim.lr=0.3"])
+    assert cfg.optim.lr == 0.3
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
         (["optim.lr=nan"], ["optim.lr", "finite"]),
         (["optim.b2=1"], ["optim.b2", "[0, 1)"]),
         (["workdir="], ["workdir", "empty"]),
+        (["optim.lr=0.1", "optim.lr=0.2"], ["optim.lr", "0.1", "0.2"]),
     ],
 )
 def test_cli_new_checks_exit_2_with_one_line(args, words):
