@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -220,3 +221,46 @@ def test_workdir_tilde_is_the_home_folder(tmp_path):
     saved = (tmp_path / "home" / "x" / "config.yaml").read_text()
     assert f"workdir: {tmp_path / 'home' / 'x'}\n" in saved
     assert not (tmp_path / "~").exists()
+
+
+@pytest.fixture(params=["closes", "silent", "talks"])
+def not_a_coordinator(request):
+    """A TCP server on localhost that accepts and then closes, says nothing, or greets in
+    another protocol; yields its port."""
+    server = socket.create_server(("localhost", 0))
+    conns = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            if request.param == "closes":
+                conn.close()
+            elif request.param == "talks":
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n" * 4)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.close()
+        for c in conns:
+            c.close()
+
+
+def test_coordinator_address_that_is_not_a_coordinator(files, not_a_coordinator):
+    """Something answers TCP at dist.coordinator_address but is no JAX coordinator: exit 2 and
+    one line naming the key and the address (not a C++ abort after dist.init_timeout_s)."""
+    root, wd = files
+    before = snapshot(wd)
+    address = f"localhost:{not_a_coordinator}"
+    dist = [f"dist.coordinator_address={address}", "dist.num_processes=2", "dist.process_id=1"]
+    out = train(f"workdir={wd}", *TINY, "train.steps=4", *dist, "dist.init_timeout_s=20")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert len(lines) == 1, out.stderr
+    assert "dist.coordinator_address" in lines[0] and address in lines[0], lines[0]
+    assert snapshot(wd) == before
