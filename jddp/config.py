@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -213,6 +214,10 @@ def help_text() -> str:
 # Type checking and coercion
 
 
+class _NotFinite(ConfigError):
+    """A float key holding NaN or +-Inf (every float key must be finite)."""
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -223,6 +228,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if len(options) == 1:
             try:
                 return _coerce(key, value, options[0])
+            except _NotFinite:
+                raise
             except ConfigError as e:
                 raise ConfigError(f"{e} (or null)") from None
         for a in options:
@@ -252,14 +259,19 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return int(value)
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(number):
+            raise _NotFinite(f"{key}: must be a finite number, got {number}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -361,8 +373,15 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"train.label_smoothing: must be in [0, 1), got {cfg.train.label_smoothing}"
         )
-    if not 0.0 <= cfg.optim.momentum < 1.0:
-        raise ConfigError(f"optim.momentum: must be in [0, 1), got {cfg.optim.momentum}")
+    for key, v in {
+        "optim.momentum": cfg.optim.momentum,
+        "optim.b1": cfg.optim.b1,
+        "optim.b2": cfg.optim.b2,
+    }.items():
+        if not 0.0 <= v < 1.0:
+            raise ConfigError(f"{key}: must be in [0, 1), got {v}")
+    if cfg.workdir is not None and not cfg.workdir.strip():
+        raise ConfigError("workdir: must not be empty; give a folder or leave it unset")
     if cfg.log.profile_steps is not None:
         parts = cfg.log.profile_steps.split(":")
         if (
@@ -390,9 +409,99 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def _expand_workdir(cfg: Config) -> Config:
+    """``workdir=~/x`` means the home folder's ``x``, not a folder named ``~``."""
+    if cfg.workdir and cfg.workdir.startswith("~"):
+        try:
+            cfg.workdir = str(Path(cfg.workdir).expanduser())
+        except RuntimeError as e:  # ~user of an unknown user, or no home folder
+            raise ConfigError(f"workdir: cannot expand {cfg.workdir!r}: {e}") from None
+    return cfg
+
+
 def from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a :class:`Config` from a nested mapping (as read from YAML)."""
-    return validate(_build(Config, data or {}, ""))
+    return _expand_workdir(validate(_build(Config, data or {}, "")))
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping in a YAML file names the same key twice."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` whose mappings refuse a key given twice (PyYAML silently keeps the
+    last one); the error names the dotted key and both lines."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        # Before anything is constructed (merges rewrite mappings in place): each mapping's
+        # dotted prefix and the keys written in it.
+        self._mappings: dict[int, tuple[str, list[yaml.Node]]] = {}
+        self._label(node, "")
+        return super().construct_document(node)
+
+    def _label(self, node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                self._label(item, prefix)
+        if not isinstance(node, yaml.MappingNode) or id(node) in self._mappings:
+            return
+        own = [k for k, _ in node.value if k.tag != _MERGE_TAG]
+        self._mappings[id(node)] = (prefix, own)
+        for key_node, value_node in node.value:
+            sub = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+            self._label(value_node, f"{prefix}{sub}.")
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> Any:
+        prefix, own = self._mappings.get(id(node), ("", []))
+        seen: dict[Any, int] = {}
+        for key_node in own:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(
+                        f"duplicate key {prefix + str(key)!r} (lines {seen[key]} and {line}); "
+                        "give each key once"
+                    )
+                seen[key] = line
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML config file; ``ConfigError`` naming the file when it cannot be
+    read, is not UTF-8, is not valid YAML, names a key twice or is not a mapping."""
+    p = Path(path)
+    where = f"--config {str(p)!r}"
+    if p.is_dir():
+        raise ConfigError(f"{where}: is a directory, not a YAML file")
+    if not p.exists():
+        raise ConfigError(f"{where}: no such file")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+            "save it as UTF-8"
+        ) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
+    except _DuplicateKey as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except yaml.YAMLError as e:
+        msg = " ".join(str(e).split())
+        raise ConfigError(f"{where}: not valid YAML: {msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of sections at top level")
+    return data
 
 
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -402,18 +511,16 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     """
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--config {str(p)!r}: no such file")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            msg = " ".join(str(e).split())
-            raise ConfigError(f"--config {str(p)!r}: not valid YAML: {msg}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"--config {str(p)!r}: expected a mapping of sections at top level")
+        data = read_file(path)
+    given: dict[str, str] = {}
     for text in overrides:
         key, value = parse_override(text)
+        if key in given:
+            raise ConfigError(
+                f"{key}: set twice on the command line ({given[key]!r} and "
+                f"{text.split('=', 1)[1]!r}); give each key once"
+            )
+        given[key] = text.split("=", 1)[1]
         set_dotted(data, key, value)
     cfg = from_dict(data)
     if cfg.workdir is None:

@@ -126,18 +126,53 @@ def detect_launch(cfg: DistConfig) -> Launch:
     return Launch("single")
 
 
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_HTTP2_SETTINGS = 0x4  # frame type of the server's first frame
+_EMPTY_SETTINGS_FRAME = bytes([0, 0, 0, _HTTP2_SETTINGS, 0, 0, 0, 0, 0])
+_PROBE_TIMEOUT_S = 10.0  # how long a connected coordinator may take to send its SETTINGS
+
+
+def _answers_http2(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether the server on ``sock`` speaks HTTP/2, as the gRPC server of JAX's coordination
+    service does: send the client connection preface, and the reply must start with a SETTINGS
+    frame (9-byte header: 24-bit length, type 0x4, flags without ACK, stream 0)."""
+    sock.settimeout(timeout_s)
+    try:
+        sock.sendall(_HTTP2_PREFACE + _EMPTY_SETTINGS_FRAME)
+        header = b""
+        while len(header) < 9:
+            chunk = sock.recv(9 - len(header))
+            if not chunk:  # closed without a frame
+                return False
+            header += chunk
+    except OSError:  # reset, or nothing within timeout_s
+        return False
+    length = int.from_bytes(header[:3], "big")
+    stream = int.from_bytes(header[5:9], "big") & 0x7FFFFFFF
+    return header[3] == _HTTP2_SETTINGS and not header[4] & 0x1 and stream == 0 and length % 6 == 0
+
+
 def wait_for_coordinator(address: str, timeout_s: float) -> None:
-    """Return once ``address`` accepts TCP connections, or raise after ``timeout_s``.
+    """Return once a JAX coordinator answers at ``address``, or raise after ``timeout_s``.
 
     JAX's own client aborts the whole process (no Python exception) when the coordinator
-    cannot be reached; probing first turns that into a clear, catchable error.
+    cannot be reached or is something else; probing first turns that into a clear, catchable
+    error: ``RuntimeError`` when nothing accepts TCP connections there in time,
+    :class:`ConfigError` when something does but does not answer HTTP/2 (gRPC).
     """
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((host.strip("[]") or "localhost", int(port)), 2.0):
-                return
+            with socket.create_connection((host.strip("[]") or "localhost", int(port)), 2.0) as s:
+                probe_s = min(_PROBE_TIMEOUT_S, max(1.0, deadline - time.monotonic()))
+                if _answers_http2(s, probe_s):
+                    return
+                raise ConfigError(
+                    f"dist.coordinator_address={address}: something accepts TCP connections "
+                    f"there but it is not a JAX coordinator (no HTTP/2 reply within "
+                    f"{probe_s:g} s); give process 0's host:port"
+                )
         except OSError as e:
             if time.monotonic() >= deadline:
                 raise RuntimeError(

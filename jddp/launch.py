@@ -10,7 +10,7 @@ environment that :mod:`jddp.distributed` reads:
 
 * ``JDDP_COORDINATOR_ADDRESS=localhost:<port>`` (a free port unless ``--port`` is given),
 * ``JDDP_NUM_PROCESSES=N``, ``JDDP_PROCESS_ID=<i>``, ``JDDP_LOCAL_RANK=<i>``,
-* ``PYTHONUNBUFFERED=1``,
+* ``PYTHONUNBUFFERED=1``, ``JDDP_LAUNCHER_PID=<the launcher's pid>``,
 * with ``--devices-per-proc K``: ``XLA_FLAGS`` gets ``--xla_force_host_platform_device_count=K``
   (replacing any existing value of that flag) and ``JAX_PLATFORMS=cpu`` unless already set.
 
@@ -23,11 +23,19 @@ other children's process groups, SIGKILLs whatever is still alive after ``--kill
 seconds and exits with that rank's code (``128 + signal`` for a signal death). If every child
 exits 0 the launcher exits 0. Leftover grandchildren in the children's process groups are
 terminated before the launcher returns, and every child is reaped.
+
+Children die with the launcher even when it cannot forward anything (``kill -9``, OOM killer):
+on Linux each child is started with ``PR_SET_PDEATHSIG=SIGKILL``; elsewhere, and for a rank
+started through a wrapper that forks, :func:`watch_launcher` (which ``python -m jddp.train``
+calls) ends the rank once its parent process changes.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import functools
 import os
 import signal
 import socket
@@ -48,6 +56,9 @@ _POLL_INTERVAL = 0.05
 _READER_JOIN_TIMEOUT = 5.0  # after all children are reaped, how long to wait for EOF on pipes
 _REAP_TIMEOUT = 2.0  # after SIGKILL, how long to wait for a child / group to disappear
 _READ_LIMIT = 1 << 16  # longest piece of a newline-less line forwarded at once
+LAUNCHER_PID_ENV = "JDDP_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_WATCH_INTERVAL = 1.0  # seconds between a rank's checks that its parent is still there
 
 
 class _UsageError(Exception):
@@ -168,6 +179,7 @@ def child_env(
     env["JDDP_PROCESS_ID"] = str(rank)
     env["JDDP_LOCAL_RANK"] = str(rank)
     env["PYTHONUNBUFFERED"] = "1"
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
     if devices_per_proc is not None:
         env["XLA_FLAGS"] = merge_xla_flags(env.get("XLA_FLAGS"), devices_per_proc)
         env.setdefault("JAX_PLATFORMS", "cpu")
@@ -212,6 +224,62 @@ def _proc_group_has_live_member(pgid: int) -> bool:
         if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
             return True
     return False
+
+
+def _load_prctl() -> Any:
+    """libc's ``prctl`` as a ctypes function, or None where there is none (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+def _die_with_parent(prctl: Any, parent: int) -> None:
+    """Run in the child between fork and exec: SIGKILL this process when ``parent`` dies.
+
+    PDEATHSIG survives ``exec`` and fires when the *thread* that forked exits, so the launcher
+    forks from the thread that then waits for the children. If the launcher died before the
+    ``prctl`` took effect, the child is already orphaned: it ends itself at once.
+    """
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def watch_launcher(interval: float = _WATCH_INTERVAL) -> threading.Thread | None:
+    """In a rank started by ``python -m jddp.launch``: end this process (SIGKILL) once its
+    parent changes, i.e. the launcher (or a wrapper between it and the rank) is gone.
+
+    The fallback to ``PR_SET_PDEATHSIG`` where the platform has none, and the guard for ranks
+    started through a wrapper that forks (``bash -c "...; ..."``), which PDEATHSIG does not
+    reach. A no-op (returns None) outside the launcher; otherwise returns the daemon thread.
+    """
+    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    if not launcher.isdigit():
+        return None
+    parent = os.getppid()
+    try:
+        os.kill(int(launcher), 0)
+    except ProcessLookupError:  # the launcher died before this rank got here
+        os.kill(os.getpid(), signal.SIGKILL)
+    except OSError:
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name=f"{PROG}-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 class _Output:
@@ -352,33 +420,43 @@ class _Launcher:
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, envs: list[dict[str, str]]) -> None:
-        """Start the children (stopping early if a signal arrives meanwhile)."""
-        for rank, env in enumerate(envs):
-            if self.signal_received is not None:
-                break
-            proc = subprocess.Popen(
-                self.command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-            self.procs.append(proc)
-            self.live_groups.add(proc.pid)
-            if self.signal_received is not None:  # arrived while Popen ran: forward it too
-                try:
-                    os.killpg(proc.pid, self.signal_received)
-                except OSError:
-                    pass
-            prefix = f"[rank {rank}] "
-            for pipe, out in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
-                assert pipe is not None
-                t = threading.Thread(
-                    target=_pump, args=(pipe, prefix, out), name=f"{PROG}-rank{rank}", daemon=True
+        """Start the children (stopping early if a signal arrives meanwhile), then their output
+        readers: the forks happen while no reader thread runs, since the ``preexec_fn`` that
+        ties each child's life to the launcher's is only safe without other threads."""
+        die_with_launcher = functools.partial(_die_with_parent, _load_prctl(), os.getpid())
+        try:
+            for env in envs:
+                if self.signal_received is not None:
+                    break
+                proc = subprocess.Popen(
+                    self.command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=die_with_launcher,
                 )
-                t.start()
-                self.readers.append(t)
+                self.procs.append(proc)
+                self.live_groups.add(proc.pid)
+                if self.signal_received is not None:  # arrived while Popen ran: forward it too
+                    try:
+                        os.killpg(proc.pid, self.signal_received)
+                    except OSError:
+                        pass
+        finally:
+            for rank, proc in enumerate(self.procs):
+                prefix = f"[rank {rank}] "
+                for pipe, out in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
+                    assert pipe is not None
+                    t = threading.Thread(
+                        target=_pump,
+                        args=(pipe, prefix, out),
+                        name=f"{PROG}-rank{rank}",
+                        daemon=True,
+                    )
+                    t.start()
+                    self.readers.append(t)
 
     def wait(self) -> int:
         """Supervise the children until all have exited; return the launcher's exit code."""

@@ -21,9 +21,23 @@ TINY = [
 TINY_SYNC = [*TINY, "model.sync_batchnorm=true"]
 
 
+def with_overrides(base, *overrides) -> list[str]:
+    """``base`` then ``overrides``, dropping the base entries whose key an override sets (the CLI
+    refuses a key given twice)."""
+    keys = {o.split("=", 1)[0] for o in overrides if "=" in o}
+    return [b for b in base if b.split("=", 1)[0] not in keys] + list(overrides)
+
+
 def train_cmd(workdir, *overrides, base=TINY_SYNC) -> list[str]:
-    """``python -m jddp.train workdir=... <base> <overrides>``."""
-    return [sys.executable, "-m", "jddp.train", f"workdir={workdir}", *base, *overrides]
+    """``python -m jddp.train workdir=... <base> <overrides>`` (an override replaces a base
+    entry of the same key)."""
+    return [
+        sys.executable,
+        "-m",
+        "jddp.train",
+        f"workdir={workdir}",
+        *with_overrides(base, *overrides),
+    ]
 
 
 def launch_cmd(nproc, devices, workdir, *overrides, base=TINY_SYNC) -> list[str]:

@@ -6,10 +6,13 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.helpers import with_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +66,9 @@ def files(tmp_path_factory):
     (root / "truncated.npz").write_bytes(data[: len(data) // 2])
     (root / "bad.yaml").write_text("model: [unclosed\n")
     (root / "a_file").write_text("")
+    (root / "latin1.yaml").write_bytes("optim:\n  name: sgd  # r\xe9glage\n".encode("latin-1"))
+    (root / "twice.yaml").write_text("optim:\n  lr: 0.1\n  momentum: 0.8\n  lr: 0.2\n")
+    (root / "confdir").mkdir()
     return root, wd
 
 
@@ -113,6 +119,23 @@ CASES = [
     ),
     ("missing config file", ["--config", "{root}/none.yaml"], 2, ["none.yaml", "no such file"]),
     ("invalid YAML", ["--config", "{root}/bad.yaml"], 2, ["bad.yaml", "not valid YAML"]),
+    ("config not UTF-8", ["--config", "{root}/latin1.yaml"], 2, ["latin1.yaml", "not UTF-8"]),
+    ("config is a folder", ["--config", "{root}/confdir"], 2, ["confdir", "directory"]),
+    (
+        "duplicate YAML key",
+        ["--config", "{root}/twice.yaml"],
+        2,
+        ["twice.yaml", "duplicate key 'optim.lr'", "lines 2 and 4"],
+    ),
+    ("override twice", ["optim.lr=0.1", "optim.lr=0.2"], 2, ["optim.lr", "0.1", "0.2", "twice"]),
+    ("lr nan", ["optim.lr=nan"], 2, ["optim.lr", "finite", "nan"]),
+    ("lr inf", ["optim.lr=inf"], 2, ["optim.lr", "finite", "inf"]),
+    ("weight decay nan", ["optim.weight_decay=nan"], 2, ["optim.weight_decay", "finite"]),
+    ("label smoothing nan", ["train.label_smoothing=nan"], 2, ["train.label_smoothing", "finite"]),
+    ("baseline inf", ["log.baseline_img_per_s=.inf"], 2, ["log.baseline_img_per_s", "finite"]),
+    ("adamw b1 = 1", ["optim.name=adamw", "optim.b1=1"], 2, ["optim.b1", "[0, 1)"]),
+    ("adamw b2 < 0", ["optim.b2=-0.5"], 2, ["optim.b2", "[0, 1)"]),
+    ("empty workdir", ["workdir="], 2, ["workdir", "empty"]),
     ("unknown flag", ["--frobnicate"], 2, ["--frobnicate"]),
     ("unwritable workdir", ["workdir={root}/a_file/run"], 2, ["workdir", "a_file", "writable"]),
     (
@@ -149,8 +172,8 @@ def test_bad_input(files, name, args, code, words):
     before = snapshot(wd)
     args = [a.replace("{root}", str(root)) for a in args]
     has_workdir = any(a.startswith("workdir=") for a in args)
-    steps = [] if any(a.startswith("train.steps=") for a in args) else ["train.steps=4"]
-    out = train(*([] if has_workdir else [f"workdir={wd}"]), *TINY, *steps, *args)
+    args = with_overrides([*TINY, "train.steps=4"], *args)  # each key once on the command line
+    out = train(*([] if has_workdir else [f"workdir={wd}"]), *args)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == code, out.stderr[-2000:]
     assert len(lines) == 1, out.stderr
@@ -200,3 +223,63 @@ def test_all_checkpoints_damaged_is_a_runtime_error(files, tmp_path):
     # Only jddp's own lines: no tracebacks from reads still in flight when a restore failed.
     assert "Traceback" not in out.stderr
     assert all(line.startswith("jddp: ") for line in out.stderr.splitlines() if line.strip())
+
+
+def test_workdir_tilde_is_the_home_folder(tmp_path):
+    """``workdir=~/x`` trains in ``$HOME/x`` (no folder named ``~``), and config.yaml says so."""
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    out = subprocess.run(
+        [sys.executable, "-m", "jddp.train", "workdir=~/x", *TINY, "train.steps=1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    saved = (tmp_path / "home" / "x" / "config.yaml").read_text()
+    assert f"workdir: {tmp_path / 'home' / 'x'}\n" in saved
+    assert not (tmp_path / "~").exists()
+
+
+@pytest.fixture(params=["closes", "silent", "talks"])
+def not_a_coordinator(request):
+    """A TCP server on localhost that accepts and then closes, says nothing, or greets in
+    another protocol; yields its port."""
+    server = socket.create_server(("localhost", 0))
+    conns = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            if request.param == "closes":
+                conn.close()
+            elif request.param == "talks":
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n" * 4)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.close()
+        for c in conns:
+            c.close()
+
+
+def test_coordinator_address_that_is_not_a_coordinator(files, not_a_coordinator):
+    """Something answers TCP at dist.coordinator_address but is no JAX coordinator: exit 2 and
+    one line naming the key and the address (not a C++ abort after dist.init_timeout_s)."""
+    root, wd = files
+    before = snapshot(wd)
+    address = f"localhost:{not_a_coordinator}"
+    dist = [f"dist.coordinator_address={address}", "dist.num_processes=2", "dist.process_id=1"]
+    out = train(f"workdir={wd}", *TINY, "train.steps=4", *dist, "dist.init_timeout_s=20")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert len(lines) == 1, out.stderr
+    assert "dist.coordinator_address" in lines[0] and address in lines[0], lines[0]
+    assert snapshot(wd) == before

@@ -1,7 +1,9 @@
 """Config: YAML + overrides, typing, validation, --help and --print-config."""
 
+import os
 import subprocess
 import sys
+import typing
 
 import pytest
 import yaml
@@ -122,5 +124,167 @@ def test_cli_bad_input_exits_2_with_one_line(args, words):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1
+    for w in words:
+        assert w in lines[0]
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optim.lr=nan", "optim.lr"),
+        ("optim.lr=inf", "optim.lr"),
+        ("optim.lr=-.inf", "optim.lr"),
+        ("optim.weight_decay=nan", "optim.weight_decay"),
+        ("optim.momentum=.nan", "optim.momentum"),
+        ("train.label_smoothing=nan", "train.label_smoothing"),
+        ("train.epochs=inf", "train.epochs"),
+        ("log.baseline_img_per_s=inf", "log.baseline_img_per_s"),
+        ("optim.b1=nan", "optim.b1"),
+    ],
+)
+def test_non_finite_numbers_are_refused(override, key):
+    with pytest.raises(ConfigError) as e:
+        config_lib.load(None, [override])
+    msg = str(e.value)
+    assert msg.startswith(key + ":") and "finite" in msg and "\n" not in msg
+
+
+def test_every_float_key_must_be_finite(tmp_path):
+    float_keys = [
+        k for k, tp, *_ in config_lib.iter_keys() if tp is float or float in typing.get_args(tp)
+    ]
+    assert "optim.lr" in float_keys and "log.baseline_img_per_s" in float_keys
+    for key in float_keys:
+        section, name = key.split(".")
+        with pytest.raises(ConfigError, match=f"^{key}: .*finite"):
+            config_lib.load(write(tmp_path, f"{section}:\n  {name}: .nan\n"))
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("optim.b1=1", ["optim.b1", "[0, 1)", "1.0"]),
+        ("optim.b1=-0.1", ["optim.b1", "[0, 1)"]),
+        ("optim.b2=1.5", ["optim.b2", "[0, 1)"]),
+        ("optim.weight_decay=-1e-4", ["optim.weight_decay", ">= 0"]),
+    ],
+)
+def test_out_of_range_values(override, words):
+    with pytest.raises(ConfigError) as e:
+        config_lib.load(None, [override])
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_large_finite_values_are_fine():
+    cfg = config_lib.load(None, ["optim.lr=1e3", "optim.b1=0", "optim.b2=0.9999"])
+    assert cfg.optim.lr == 1000.0 and cfg.optim.b1 == 0.0
+
+
+@pytest.mark.parametrize("value", ["", "' '", "''"])
+def test_empty_workdir_is_refused(value):
+    with pytest.raises(ConfigError, match="^workdir: .*empty"):
+        config_lib.load(None, [f"workdir={value}"])
+
+
+def test_empty_workdir_in_file_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="^workdir: "):
+        config_lib.load(write(tmp_path, "workdir: ''\n"))
+
+
+def test_workdir_tilde_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert config_lib.load(None, ["workdir=~/x"]).workdir == str(tmp_path / "x")
+    cfg = config_lib.load(write(tmp_path, "workdir: ~/runs/a\n"))
+    assert cfg.workdir == str(tmp_path / "runs" / "a")
+    assert config_lib.load(None, ["workdir=a/~b"]).workdir == "a/~b"  # only a leading ~
+
+
+def test_workdir_of_unknown_user_is_refused():
+    with pytest.raises(ConfigError, match="workdir.*~nosuchuser-jddp"):
+        config_lib.load(None, ["workdir=~nosuchuser-jddp/x"])
+
+
+def test_cli_print_config_expands_tilde(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "jddp.train", "--print-config", "workdir=~/x"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["workdir"] == str(tmp_path / "x")
+    assert not (tmp_path / "~").exists()
+
+
+def test_config_file_not_utf8(tmp_path):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("optim:\n  name: sgd  # r\xe9glage\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as e:
+        config_lib.load(p)
+    assert str(e.value).startswith(f"--config {str(p)!r}: not UTF-8 text")
+    assert "\n" not in str(e.value)
+
+
+def test_config_file_is_a_directory(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        config_lib.load(tmp_path)
+    assert str(e.value).startswith(f"--config {str(tmp_path)!r}: ")
+    assert "directory" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text, key, lines",
+    [
+        ("optim:\n  lr: 0.1\ntrain:\n  steps: 3\noptim:\n  lr: 0.2\n", "optim", "1 and 5"),
+        ("optim:\n  lr: 0.1\n  momentum: 0.8\n  lr: 0.2\n", "optim.lr", "2 and 4"),
+        ("optim: {lr: 0.1, lr: 0.2}\n", "optim.lr", "1 and 1"),
+        ("workdir: a\nworkdir: b\n", "workdir", "1 and 2"),
+        ("model:\n  x:\n    y: 1\n    y: 2\n", "model.x.y", "3 and 4"),
+    ],
+)
+def test_duplicate_yaml_keys_are_refused(tmp_path, text, key, lines):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        config_lib.load(p)
+    msg = str(e.value)
+    assert msg.startswith(f"--config {str(p)!r}: duplicate key {key!r}"), msg
+    assert f"lines {lines}" in msg and "\n" not in msg
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    text = "base: &b {lr: 0.1, momentum: 0.5}\n"
+    p = write(tmp_path, text + "optim:\n  <<: *b\n  lr: 0.2\n")
+    # 'base' is not a config key; the merge itself must not count as a duplicate 'lr'.
+    with pytest.raises(ConfigError, match="unknown config key 'base"):
+        config_lib.load(p)
+
+
+def test_repeated_override_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        config_lib.load(None, ["optim.lr=0.1", "train.steps=3", "optim.lr=0.2"])
+    msg = str(e.value)
+    assert msg.startswith("optim.lr:") and "0.1" in msg and "0.2" in msg
+    # A key set in the file and once on the command line is an ordinary override.
+    cfg = config_lib.load(write(tmp_path, "optim:\n  lr: 0.1\n"), ["optim.lr=0.3"])
+    assert cfg.optim.lr == 0.3
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["optim.lr=nan"], ["optim.lr", "finite"]),
+        (["optim.b2=1"], ["optim.b2", "[0, 1)"]),
+        (["workdir="], ["workdir", "empty"]),
+        (["optim.lr=0.1", "optim.lr=0.2"], ["optim.lr", "0.1", "0.2"]),
+    ],
+)
+def test_cli_new_checks_exit_2_with_one_line(args, words):
+    out = run_cli("--print-config", *args)
+    assert out.returncode == 2, out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jddp: error: "), out.stderr
     for w in words:
         assert w in lines[0]

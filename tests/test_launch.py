@@ -379,3 +379,138 @@ def test_helpers() -> None:
     assert env["JAX_PLATFORMS"] == "tpu" and env["PYTHONUNBUFFERED"] == "1"
     port = launch.find_free_port()
     assert 0 < port < 65536
+
+
+def _sigkill_leftovers(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    """kill -9 of the launcher cannot forward anything: the ranks must still go (PDEATHSIG),
+    also a rank that ignores SIGTERM."""
+    body = """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    mark(f"ready{RANK}")
+    time.sleep(600)
+    """
+    launcher = _start_and_wait_ready(tmp_path, body, nproc=2)
+    pids = read_pids(tmp_path, ["pid0", "pid1"])
+    try:
+        launcher.kill()
+        launcher.communicate(timeout=30)
+        for pid in pids:
+            assert pid_gone(pid, timeout=10), f"rank pid {pid} outlived its launcher"
+    finally:
+        _sigkill_leftovers(pids)
+
+
+def test_rank_watches_its_launcher_where_pdeathsig_is_missing(tmp_path: Path) -> None:
+    """The fallback for systems without prctl: ``watch_launcher()`` in a rank ends it once its
+    parent changes. Here the rank's parent is a plain process (no PDEATHSIG) that is killed."""
+    rank = (
+        "import sys, time; from jddp.launch import watch_launcher; watch_launcher(0.1); "
+        "print('watching', flush=True); time.sleep(600)"
+    )
+    parent = f"""
+import os, subprocess, sys, time
+env = dict(os.environ, JDDP_LAUNCHER_PID=str(os.getpid()))
+child = subprocess.Popen([sys.executable, "-c", {rank!r}], env=env, stdout=subprocess.PIPE)
+print(child.pid, child.stdout.readline().decode().strip(), flush=True)
+time.sleep(600)
+"""
+    proc = subprocess.Popen([PY, "-c", parent], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        pid, said = proc.stdout.readline().split()
+        child = int(pid)
+        assert said == "watching"
+        proc.kill()
+        proc.wait(timeout=30)
+        assert pid_gone(child, timeout=10), "the rank outlived its parent"
+    finally:
+        proc.kill()
+        proc.wait()
+        if child is not None:
+            _sigkill_leftovers([child])
+
+
+def test_watch_launcher_is_off_without_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("JDDP_LAUNCHER_PID", raising=False)
+    assert launch.watch_launcher() is None
+    assert launch.child_env({}, rank=0, nproc=1, port=1)["JDDP_LAUNCHER_PID"] == str(os.getpid())
+
+
+@pytest.mark.slow
+def test_training_ranks_die_with_a_sigkilled_launcher_and_the_rerun_resumes(
+    tmp_path: Path,
+) -> None:
+    from tests.helpers import launch_cmd, run_pids, steps_saved, wait_for
+
+    wd = tmp_path / "run"
+    cmd = launch_cmd(2, 1, wd, "train.steps=100000", "checkpoint.every_steps=1")
+    metrics = wd / "metrics.jsonl"
+    logs = [tmp_path / f"{name}.log" for name in ("out1", "err1", "out2", "err2")]
+    first = rerun = None
+    try:
+        with open(logs[0], "w") as out, open(logs[1], "w") as err:
+            first = subprocess.Popen(cmd, stdout=out, stderr=err)
+        trained = lambda: metrics.exists() and metrics.read_text().strip() and steps_saved(wd)  # noqa: E731
+        assert wait_for(trained, 300), logs[1].read_text()[-3000:]
+        ranks = run_pids(wd, exclude=first.pid)
+        assert len(ranks) == 2, ranks
+        first.kill()  # kill -9: no chance to forward anything
+        first.wait(timeout=30)
+        t0 = time.monotonic()
+        for pid in ranks:
+            assert pid_gone(pid, timeout=max(0.0, 10 - (time.monotonic() - t0))), pid
+        assert run_pids(wd) == []
+        # The same command again: the ranks' lock is stale, so it is taken over and the run
+        # resumes from the last checkpoint.
+        with open(logs[2], "w") as out, open(logs[3], "w") as err:
+            rerun = subprocess.Popen(cmd, stdout=out, stderr=err)
+        resumed = lambda: "resumed from" in logs[2].read_text() or rerun.poll() is not None  # noqa: E731
+        assert wait_for(resumed, 300)
+        assert rerun.poll() is None, logs[3].read_text()[-3000:]
+        assert "in use by a live run" not in logs[3].read_text()
+        rerun.terminate()  # forwarded: the ranks save and stop
+        rerun.wait(timeout=120)
+        assert "taking over stale lock" in logs[3].read_text()
+    finally:
+        for p in (first, rerun):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        _sigkill_leftovers(run_pids(wd))
+
+
+def test_rank_behind_a_forking_wrapper_dies_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    """``bash -c "cmd; ..."`` forks: PDEATHSIG ends bash, and the rank's own watch
+    (``watch_launcher``, as ``python -m jddp.train`` runs it) ends the rank."""
+    body = """
+    from jddp.launch import watch_launcher
+    watch_launcher(0.1)
+    mark(f"ready{RANK}")
+    time.sleep(600)
+    """
+    wrapped = ["bash", "-c", '"$@"; exit $?', "bash", *child_cmd(tmp_path, body)]
+    launcher = subprocess.Popen(
+        launcher_argv("--nproc", "2", "--", *wrapped),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_files(tmp_path, ["ready0", "ready1"])
+        pids = read_pids(tmp_path, ["pid0", "pid1"])
+        launcher.kill()
+        launcher.communicate(timeout=30)
+        for pid in pids:
+            assert pid_gone(pid, timeout=10), f"rank pid {pid} outlived its launcher"
+    finally:
+        launcher.kill()
+        launcher.communicate()
+        _sigkill_leftovers(read_pids(tmp_path, [p.name for p in tmp_path.glob("pid[01]")]))

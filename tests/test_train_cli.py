@@ -1,20 +1,15 @@
 """The CLI end to end on a tiny model: outputs, metrics, checkpoints, resume, exit codes."""
 
 import subprocess
-import sys
 
 import pytest
 import yaml
 
-from tests.helpers import TINY, read_losses, read_metrics
+from tests.helpers import TINY, read_losses, read_metrics, train_cmd
 
 
 def train(workdir, *overrides):
-    return subprocess.run(
-        [sys.executable, "-m", "jddp.train", f"workdir={workdir}", *TINY, *overrides],
-        capture_output=True,
-        text=True,
-    )
+    return subprocess.run(train_cmd(workdir, *overrides, base=TINY), capture_output=True, text=True)
 
 
 train_losses = read_losses
