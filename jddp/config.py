@@ -85,6 +85,11 @@ class TrainConfig:
         "float32", "compute dtype; parameters and BatchNorm statistics stay float32"
     )
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss")
+    compilation_cache_dir: str | None = _f(
+        "~/.cache/jddp/jax",
+        "JAX's persistent compilation cache: a restarted run loads its compiled step instead "
+        "of compiling it again (null: off)",
+    )
     on_nonfinite: Literal["halt", "skip"] = _f(
         "halt",
         "a step with a non-finite loss/gradient: halt (error, exit 1, last checkpoint kept) or "

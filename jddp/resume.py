@@ -21,6 +21,7 @@ FREE_KEYS = (
     "data.workers",
     "train.eval_every_steps",
     "train.on_nonfinite",
+    "train.compilation_cache_dir",
     "dist.backend",
     "dist.num_local_devices",
     "dist.coordinator_address",

@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(config_lib.dump(cfg), end="")
             return 0
+        # XLA reads XLA_FLAGS when its backends start: before jax.distributed or any compute.
+        from jddp.xla_setup import apply_cpu_flags
+
+        apply_cpu_flags()
         # Heavy imports only when training; jax.distributed must start before any computation.
         from jddp import distributed
         from jddp.trainer import train_and_evaluate

@@ -21,6 +21,7 @@ from jddp.metrics import Console, InputWait
 from jddp.setup import Parts, Run, build_run, check_same_config
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
+from jddp.xla_setup import enable_compilation_cache
 
 __all__ = ["Parts", "RunResult", "train_and_evaluate"]
 
@@ -53,6 +54,7 @@ def train_and_evaluate(
     :class:`~jddp.errors.NonFiniteLoss` for a non-finite step under ``train.on_nonfinite=halt``,
     :class:`~jddp.errors.ConfigError` for bad input.
     """
+    enable_compilation_cache(cfg.train.compilation_cache_dir)
     comm = make_comm(job or current_job(cfg.dist), cfg.dist.backend, cfg.dist.grad_allreduce_dtype)
     check_same_config(comm, cfg)
     folder = RunFolder(cfg.workdir)

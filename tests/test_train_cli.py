@@ -49,7 +49,9 @@ def test_train_writes_outputs(tmp_path):
 @pytest.mark.slow
 def test_resume_continues_the_same_trajectory(tmp_path):
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    assert train(straight, "train.steps=6").returncode == 0
+    cache = tmp_path / "xla-cache"
+    assert train(straight, "train.steps=6", f"train.compilation_cache_dir={cache}").returncode == 0
+    assert any(cache.iterdir())  # the compiled programs went to the persistent cache
     first = train(interrupted, "train.steps=4", "checkpoint.every_steps=2")
     assert first.returncode == 0, first.stderr
     again = train(interrupted, "train.steps=6", "checkpoint.every_steps=2")
