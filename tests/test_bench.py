@@ -71,6 +71,7 @@ def test_bench_quick_writes_json(quick_json):
     jddp = records["jddp-1x1"]
     assert jddp["compile_s"] > 0
     assert jddp["model_flops_per_step"] > 0
+    assert jddp["xla_flops_per_step"] > 0  # XLA's count, kept beside the analytic one
     assert jddp["img_per_s"] == pytest.approx(8 / jddp["median_step_s"])
 
 
@@ -206,3 +207,94 @@ def test_mpi_config_and_rank0_relay(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     protocol.serve(None, None, None, World())
     assert World.relayed == [None]
+
+
+def test_gpu_settings_flops_and_both_torch_ratios():
+    """The GPU path, checked without a GPU (and without torch or jax): jddp workers do not
+    preallocate the GPU, the peer there is torchvision's model with channels_last and
+    cudnn.benchmark (``-compile``: torch.compile) while the CPU peer is unchanged, MFU comes from
+    the analytic FLOP count with XLA's beside it, and jddp is compared with both PyTorch rows."""
+    import argparse
+    import os
+
+    specs, runner = _load_bench("specs"), _load_bench("runner")
+    torch_worker, results = _load_bench("torch_worker"), _load_bench("results")
+    gpu = specs.Workload(
+        model="resnet50",
+        stem="imagenet",
+        num_classes=1000,
+        image_size=224,
+        global_batch=256,
+        dtype="bfloat16",
+        platform="gpu",
+    )
+    no_profile = argparse.Namespace(profile=False)
+
+    env = runner.worker_env(specs.parse_config("jddp-1x1", gpu), 0, 0, no_profile, "")
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and env["JAX_PLATFORMS"] == "cuda"
+    cpu_env = runner.worker_env(
+        specs.parse_config("jddp-1x1", specs.Workload()), 0, 0, no_profile, ""
+    )
+    key = "XLA_PYTHON_CLIENT_PREALLOCATE"
+    assert cpu_env.get(key) == os.environ.get(key)  # CPU: left as it is
+    kept = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".4"}
+    runner.gpu_memory_env(kept)  # a user's own setting wins
+    assert kept == {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".4"}
+
+    with pytest.raises(ValueError, match="torch-ddp configs only"):
+        specs.parse_config("jddp-1x1-compile", gpu)
+    compiled = specs.parse_config("torch-ddp-1x1-compile", gpu)
+    opts = torch_worker.peer_options({"work": vars(gpu), "threads": 1, "variant": compiled.variant})
+    assert (opts["impl"], opts["channels_last"], opts["cudnn_benchmark"]) == (
+        "torchvision",
+        True,
+        True,
+    )
+    assert opts["compile"] and opts["device"] == "cuda" and opts["dtype"] == "bfloat16"
+    cpu_opts = torch_worker.peer_options({"work": vars(specs.Workload()), "threads": 2})
+    assert (cpu_opts["impl"], cpu_opts["channels_last"], cpu_opts["compile"]) == (
+        "own",
+        False,
+        False,
+    )
+
+    def rec(config, framework, procs, median, variant=None, xla=None):
+        return {
+            "config": config,
+            "framework": framework,
+            "dtype": "bfloat16",
+            "processes": procs,
+            "devices_per_process": 1,
+            "variant": variant,
+            "global_batch": 256,
+            "median_step_s": median,
+            "img_per_s": 256 / median,
+            "xla_flops_per_step": xla,
+        }
+
+    records = [
+        rec("jddp-1x1", "jddp", 1, 0.0466, xla=102.9e9),
+        rec("torch-ddp-1x1", "torch", 1, 0.0643),
+        rec("torch-ddp-1x1-compile", "torch", 1, 0.0451, variant="compile"),
+    ]
+    results.derive(records, {"bfloat16": 989e12}, {**vars(gpu)})
+    jddp = records[0]
+    assert jddp["model_flops_per_step"] / 1e12 == pytest.approx(6.28, rel=0.01)
+    assert jddp["mfu"] == pytest.approx(6.28e12 / 0.0466 / 989e12, rel=0.01)  # ~13.6%
+    assert jddp["xla_mfu"] == pytest.approx(102.9e9 / 0.0466 / 989e12)  # XLA's: ~0.2%
+    assert jddp["ratio_vs"] == "torch-ddp-1x1"
+    assert jddp["ratio_img_per_s"] == pytest.approx(0.0643 / 0.0466)  # 1.38x eager
+    assert jddp["ratio_vs_compiled"] == "torch-ddp-1x1-compile"
+    assert jddp["ratio_img_per_s_compiled"] == pytest.approx(0.0451 / 0.0466)  # 0.97x
+    cells = _load_bench("tables").record_cells(
+        {
+            **jddp,
+            "timed_steps": 1,
+            "p10_step_s": 0.0466,
+            "p90_step_s": 0.0466,
+            "compile_s": 1.0,
+            "first_step_s": 1.0,
+            "maxrss_mib_per_process": [1000.0],
+        }
+    )
+    assert cells["mfu"] == "13.6%" and cells["xla_mfu"] == "0.2%" and cells["ratio_c"] == "0.97"

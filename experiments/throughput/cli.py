@@ -207,8 +207,8 @@ def measure(blocks: list[list], args: argparse.Namespace, log) -> tuple[list, li
     return groups, failures, load
 
 
-def records_of(groups: list[Group], peaks: dict) -> list[dict]:
-    """One record per group, MFU and ratios derived."""
+def records_of(groups: list[Group], peaks: dict, workload: dict) -> list[dict]:
+    """One record per group, FLOPs, MFU and ratios derived."""
     flops_by_dtype = {}
     for g in groups:
         if g.spec.framework == "jddp" and g.ready and g.ready[0].get("flops_per_device"):
@@ -216,7 +216,7 @@ def records_of(groups: list[Group], peaks: dict) -> list[dict]:
                 g.spec.work.dtype, g.ready[0]["flops_per_device"] * g.ready[0]["devices"]
             )
     records = [summarise(g, flops_by_dtype) for g in groups]
-    derive(records, peaks)
+    derive(records, peaks, workload)
     return records
 
 
@@ -288,7 +288,9 @@ def benchmark(ap: argparse.ArgumentParser, args: argparse.Namespace, argv) -> in
         print(f"[{time.perf_counter() - t_start:6.0f} s] {msg}", file=sys.stderr, flush=True)
 
     groups, failures, load = measure(blocks, args, log)
-    records = records_of(groups, peak_by_dtype(peak, args.peak_tflops is not None, args.platform))
+    workload = preset | {"width": args.width, "platform": args.platform}
+    peaks = peak_by_dtype(peak, args.peak_tflops is not None, args.platform)
+    records = records_of(groups, peaks, workload)
     out = output_path(args.out, started.date().isoformat(), machine["name"], quick=args.quick)
     argv = argv if argv is not None else sys.argv[1:]
     result = {
@@ -297,7 +299,7 @@ def benchmark(ap: argparse.ArgumentParser, args: argparse.Namespace, argv) -> in
         "wall_s": time.perf_counter() - t_start,
         "command": shlex.join([".venv/bin/python", "experiments/bench.py", *argv]),
         "machine": machine,
-        "workload": preset | {"width": args.width, "platform": args.platform},
+        "workload": workload,
         "method": method_of(args, peak, peak_note),
         "loadavg_1_5_15": load,
         "records": records,

@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 
 from . import common
+from .flops import COUNTING, train_step_flops
 from .runner import Group, slowest, worker_env
 from .tables import plot, print_table
 
@@ -19,13 +20,17 @@ def _base_record(g: Group) -> dict:
     """What a group's record holds whether or not it timed any step."""
     spec, w = g.spec, g.spec.work
     compile_what = "lower + compile of the step" if spec.framework == "jddp" else None
+    if spec.framework == "torch" and spec.has("compile"):
+        compile_what = "torch.compile: compiled inside the 1st warm-up step (1st step s)"
     if spec.mpi:
         compile_what = (
             "lower + compile of the grads stage (the update jit compiles in the 1st step)"
         )
-    xla_flags = None
+    xla_flags, client_env = None, None
     if spec.framework == "jddp":
-        xla_flags = worker_env(spec, 0, 0, argparse.Namespace(profile=False), "").get("XLA_FLAGS")
+        env = worker_env(spec, 0, 0, argparse.Namespace(profile=False), "")
+        xla_flags = env.get("XLA_FLAGS")
+        client_env = {k: v for k, v in env.items() if k.startswith("XLA_PYTHON_CLIENT_")}
     per_proc_key = "devices_per_process" if spec.framework == "jddp" else "threads_per_process"
     rec = {
         "config": spec.name,
@@ -38,6 +43,7 @@ def _base_record(g: Group) -> dict:
         "global_batch": w.global_batch,
         "env": {k: v for k, v in spec.extra_env.items()},
         "xla_flags": xla_flags,
+        "xla_client_env": client_env,  # JAX's GPU allocator settings (GPU: no preallocation)
         "step_s_by_round": [slowest([r["step_s"] for r in rnd]) for rnd in g.runs],
         "loss_rank0": [x for rnd in g.runs for x in rnd[0]["loss"]],
         "warmup_s": slowest([r["warmup_s"] for r in g.ready]),
@@ -95,27 +101,74 @@ def summarise(g: Group, flops_by_dtype: dict[str, float]) -> dict:
         ),
         img_per_s=g.spec.work.global_batch / med,
         first_step_s=rec["warmup_s"][0] if rec["warmup_s"] else None,
-        model_flops_per_step=flops,
-        model_flops_source=source if flops else None,
-        achieved_gflops=flops / med / 1e9 if flops else None,
+        xla_flops_per_step=flops,
+        xla_flops_source=source if flops else None,
         step_s=times,
     )
     return rec
 
 
-def derive(records: list[dict], peak_by_dtype: dict[str, float | None]) -> None:
-    """Fields computed from the measured ones: MFU and the jddp / PyTorch ratios."""
+def _migrate(r: dict) -> None:
+    """Results written before the analytic count held XLA's count in ``model_flops_*``: move it
+    to the ``xla_*`` fields, where it is now kept."""
+    if "xla_flops_per_step" in r or "median_step_s" not in r:
+        return
+    if (r.get("model_flops_source") or "XLA").startswith("XLA"):
+        r["xla_flops_per_step"] = r.pop("model_flops_per_step", None)
+        r["xla_flops_source"] = r.pop("model_flops_source", None)
+
+
+def add_flops(r: dict, workload: dict, peak: float | None) -> None:
+    """Model FLOPs per step from the architecture (:mod:`.flops`), XLA's count beside it, the
+    achieved GFLOP/s and the MFU of each."""
+    _migrate(r)
+    if "median_step_s" not in r:
+        return
+    analytic = train_step_flops({**workload, "global_batch": r["global_batch"]})
+    med, xla = r["median_step_s"], r.get("xla_flops_per_step")
+    r["model_flops_per_step"] = analytic
+    r["model_flops_source"] = COUNTING if analytic else None
+    r["achieved_gflops"] = analytic / med / 1e9 if analytic else None
+    r["xla_achieved_gflops"] = xla / med / 1e9 if xla else None
+    r["mfu"] = analytic / med / peak if analytic and peak else None
+    r["xla_mfu"] = xla / med / peak if xla and peak else None
+
+
+def derive(records: list[dict], peak_by_dtype: dict[str, float | None], workload: dict) -> None:
+    """Fields computed from the measured ones: FLOPs, MFU and the jddp / PyTorch ratios."""
     for r in records:
-        peak = peak_by_dtype.get(r["dtype"])
-        gflops = r.get("achieved_gflops")
-        r["mfu"] = gflops * 1e9 / peak if gflops and peak else None
-        r.pop("ratio_vs", None)
-        r.pop("ratio_img_per_s", None)
-    add_ratios(records)
+        add_flops(r, workload, peak_by_dtype.get(r["dtype"]))
+        for key in RATIO_KEYS:
+            r.pop(key, None)
+    add_ratios(records, workload.get("platform", "cpu"))
 
 
-def add_ratios(records: list[dict]) -> None:
-    """jddp images/s over PyTorch DDP's: same dtype and process count, pinned if jddp is."""
+RATIO_KEYS = ("ratio_vs", "ratio_img_per_s", "ratio_vs_compiled", "ratio_img_per_s_compiled")
+
+
+def _variants(r: dict) -> set[str]:
+    return set((r.get("variant") or "").split("-")) - {""}
+
+
+def _peer(r: dict, peers: list[dict], compiled: bool, platform: str) -> dict | None:
+    """The PyTorch record to compare jddp record ``r`` with: eager or ``-compile``, pinned if
+    ``r`` is; on CPU the same process count (else 2 processes, else unpinned), on GPU the same
+    number of GPUs (one per PyTorch process)."""
+    peers = [p for p in peers if ("compile" in _variants(p)) == compiled]
+    pin = "pin" in _variants(r)
+
+    def pick(procs: int, pinned: bool) -> list[dict]:
+        return [p for p in peers if p["processes"] == procs and ("pin" in _variants(p)) == pinned]
+
+    if platform == "gpu":
+        same = pick(r["processes"] * r.get("devices_per_process", 1), pin)
+    else:  # jddp's XLA-flag suffixes have no peer
+        same = pick(r["processes"], pin) or pick(2, pin) or pick(r["processes"], False)
+    return same[0] if same else None
+
+
+def add_ratios(records: list[dict], platform: str = "cpu") -> None:
+    """jddp images/s over PyTorch DDP's (eager and, where run, ``torch.compile``), same dtype."""
     for r in records:
         if r["framework"] != "jddp" or "img_per_s" not in r:
             continue
@@ -124,16 +177,11 @@ def add_ratios(records: list[dict]) -> None:
             for p in records
             if p["framework"] == "torch" and p["dtype"] == r["dtype"] and "img_per_s" in p
         ]
-
-        def pick(procs: int, variant: str | None, peers=peers) -> list[dict]:
-            return [p for p in peers if p["processes"] == procs and p["variant"] == variant]
-
-        # PyTorch variants are only "pin" or none; jddp's XLA-flag suffixes have no peer.
-        want = "pin" if "pin" in (r["variant"] or "").split("-") else None
-        same = pick(r["processes"], want) or pick(2, want) or pick(r["processes"], None)
-        if same:
-            r["ratio_vs"] = same[0]["config"]
-            r["ratio_img_per_s"] = r["img_per_s"] / same[0]["img_per_s"]
+        for compiled, suffix in ((False, ""), (True, "_compiled")):
+            peer = _peer(r, peers, compiled, platform)
+            if peer:
+                r[f"ratio_vs{suffix}"] = peer["config"]
+                r[f"ratio_img_per_s{suffix}"] = r["img_per_s"] / peer["img_per_s"]
 
 
 def default_peak_flops(machine: dict, platform_name: str) -> tuple[float | None, str]:
@@ -173,6 +221,7 @@ def recompute(path: Path, plot_it: bool) -> int:
     derive(
         result["records"],
         peak_by_dtype(method.get("peak_flops"), given, result["workload"]["platform"]),
+        result["workload"],
     )
     if not given and result["workload"]["platform"] == "cpu" and machine.get("cpu_mhz"):
         method["peak_note"] = default_peak_flops(machine, "cpu")[1]
@@ -200,8 +249,9 @@ def recompute(path: Path, plot_it: bool) -> int:
 
 def print_ratios(records: list[dict]) -> None:
     for r in records:
-        if "ratio_img_per_s" in r:
-            print(
-                f"ratio {r['config']}/{r['dtype']} vs {r['ratio_vs']}/{r['dtype']}: "
-                f"{r['ratio_img_per_s']:.2f}x images/s"
-            )
+        for suffix in ("", "_compiled"):
+            if f"ratio_img_per_s{suffix}" in r:
+                print(
+                    f"ratio {r['config']}/{r['dtype']} vs {r[f'ratio_vs{suffix}']}/{r['dtype']}: "
+                    f"{r[f'ratio_img_per_s{suffix}']:.2f}x images/s"
+                )

@@ -66,8 +66,12 @@ def _markdown_run(path: Path, result: dict, md_dir: Path, peak_note: bool) -> li
         hardware += f"{len(gpus)} × {gpus[0].split(' (UUID')[0].split(': ', 1)[-1]}"
     else:
         hardware += "GPUs: " + ", ".join(g.split(" (UUID")[0] for g in gpus)
+    if gpus and m.get("gpu_driver"):
+        hardware += f", driver {m['gpu_driver']}"
     versions = ", ".join(
-        f"{k} {v}" for k, v in (m.get("versions") or {}).items() if v and k in ("jax", "torch")
+        f"{k} {v}"
+        for k, v in (m.get("versions") or {}).items()
+        if v and (k in ("jax", "torch", "torchvision") or k.startswith("jax-cuda"))
     )
     dirty = m.get("git_dirty_paths") or []
     commit = f"`{m.get('git_commit')}`" + (
@@ -115,11 +119,16 @@ def results_md_block(results_dir: Path, md_dir: Path) -> str:
             "`--profile` runs are left out), oldest first. Step s: the slowest rank's wall time "
             "of a step, median (p10-p90) of the timed steps; img/s: global batch / median; "
             "jddp / PyTorch DDP img/s: jddp's images/s over those of the PyTorch configuration "
-            "named, same run and dtype; compile s: jddp's `lower` + `compile` (`jddp-mpi-*`: of "
-            "the grads stage only, its update jit compiles in the 1st step; PyTorch runs "
-            "eagerly: -); 1st step s: the first warm-up step; peak RSS: `ru_maxrss` of each "
-            "process; GFLOP/s: model FLOPs per step (XLA's cost analysis of jddp's step, used for "
-            "both sides and for `jddp-mpi-*`) / median; MFU: GFLOP/s over the stated peak."
+            "named, same run and dtype (eager, and `-compile`: `torch.compile`, where run); "
+            "compile s: jddp's `lower` + `compile` (`jddp-mpi-*`: of the grads stage only, its "
+            "update jit compiles in the 1st step; PyTorch: -, `torch.compile` compiles in the 1st "
+            "step); 1st step s: the first warm-up step; peak RSS: `ru_maxrss` of each process; "
+            "GFLOP/s (analytic): the model's FLOPs per step counted from its architecture (3 x 2 "
+            "x the forward MACs of convolutions and dense head x global batch, "
+            "`experiments/throughput/flops.py`) / median; GFLOP/s by XLA's count: XLA's "
+            "`cost_analysis` of jddp's compiled step instead (used for both sides and for "
+            "`jddp-mpi-*`; on GPU it misses cuDNN convolutions); MFU: GFLOP/s over the stated "
+            "peak."
         ),
         "",
     ]

@@ -50,6 +50,7 @@ class Group:
                 "backend": spec.backend,
                 "nproc": spec.nproc,
                 "per_proc": spec.per_proc,
+                "variant": spec.variant,
                 "work": work,
                 "warmup": args.warmup,
                 "threads": spec.per_proc,
@@ -182,6 +183,23 @@ def pump(proc: subprocess.Popen, q: queue.Queue, log: Path) -> None:
     q.put(None)
 
 
+# JAX's GPU allocator settings: any one of them set by the user is kept as it is.
+GPU_MEMORY_VARS = (
+    "XLA_PYTHON_CLIENT_PREALLOCATE",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_ALLOCATOR",
+)
+
+
+def gpu_memory_env(env: dict[str, str]) -> None:
+    """A jddp worker on GPU allocates as it goes instead of taking JAX's default 75% of the GPU
+    at start, so the PyTorch peer (and other jddp groups) alive at the same time find memory:
+    ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, unless the user set one of :data:`GPU_MEMORY_VARS`
+    (e.g. ``XLA_PYTHON_CLIENT_MEM_FRACTION=.45`` for a fixed share)."""
+    if not any(k in env for k in GPU_MEMORY_VARS):
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+
+
 def worker_env(spec: GroupSpec, rank: int, port: int, args, dump_dir: str) -> dict[str, str]:
     """The same base environment for every worker, plus the configuration's own variables."""
     env = dict(os.environ)
@@ -209,9 +227,12 @@ def worker_env(spec: GroupSpec, rank: int, port: int, args, dump_dir: str) -> di
                 f for f in xla_flags if not f.startswith("--xla_force_host_platform_device_count")
             ]
             xla_flags.append(f"--xla_force_host_platform_device_count={spec.per_proc}")
-        elif spec.nproc > 1 and not spec.mpi:  # one process per group of GPUs (mpi: by rank)
-            first = rank * spec.per_proc
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(first, first + spec.per_proc)))
+        else:
+            gpu_memory_env(env)
+            if spec.nproc > 1 and not spec.mpi:  # one process per group of GPUs (mpi: by rank)
+                first = rank * spec.per_proc
+                gpus = range(first, first + spec.per_proc)
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         if spec.nproc > 1 and not spec.mpi:  # mpi: mpirun tells each rank its place
             env.update(
                 JDDP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",

@@ -52,7 +52,7 @@ class GroupSpec:
     framework: str  # "jddp" | "torch"
     nproc: int
     per_proc: int  # jddp: devices per process; torch: CPU threads (GPU: 1 device)
-    variant: str  # "" or "-"-joined suffixes: "pin", "1t", "noynnconv"
+    variant: str  # "" or "-"-joined suffixes: "pin", "1t", "noynnconv", "compile"
     work: Workload
     extra_env: dict[str, str] = field(default_factory=dict)
     backend: str = "xla"  # jddp's dist.backend: "xla" (jddp-PxD) | "mpi" (jddp-mpi-PxD)
@@ -70,7 +70,9 @@ class GroupSpec:
         return f"{self.name}/{self.work.dtype}"
 
 
-CONFIG_RE = re.compile(r"^(jddp|jddp-mpi|torch-ddp)-(\d+)x(\d+)((?:-(?:1t|pin|noynnconv))*)$")
+CONFIG_RE = re.compile(
+    r"^(jddp|jddp-mpi|torch-ddp)-(\d+)x(\d+)((?:-(?:1t|pin|noynnconv|compile))*)$"
+)
 
 
 def parse_config(name: str, work: Workload) -> GroupSpec:
@@ -80,7 +82,7 @@ def parse_config(name: str, work: Workload) -> GroupSpec:
     if not m:
         raise ValueError(
             f"bad config {name!r}: expected jddp-PxD, jddp-mpi-PxD or torch-ddp-PxT "
-            "[-pin] [-1t] [-noynnconv]"
+            "[-pin] [-1t] [-noynnconv] [-compile]"
         )
     fw = "torch" if m.group(1) == "torch-ddp" else "jddp"
     nproc, per, variant = int(m.group(2)), int(m.group(3)), m.group(4).strip("-")
@@ -88,6 +90,8 @@ def parse_config(name: str, work: Workload) -> GroupSpec:
         raise ValueError(f"bad config {name!r}: counts must be >= 1")
     if fw != "jddp" and {"1t", "noynnconv"} & set(variant.split("-")):
         raise ValueError(f"{name!r}: -1t and -noynnconv are XLA flags, for jddp configs only")
+    if fw == "jddp" and "compile" in variant.split("-"):
+        raise ValueError(f"{name!r}: -compile (torch.compile) is for torch-ddp configs only")
     if fw == "torch" and work.platform == "gpu" and per != 1:
         raise ValueError(f"{name!r}: on GPU each PyTorch process drives one GPU (use -Px1)")
     backend = "mpi" if m.group(1) == "jddp-mpi" else "xla"

@@ -14,12 +14,34 @@ TABLE_COLUMNS = (
     ("step", "step s median (p10-p90)", 25, "step s, median (p10-p90)"),
     ("img_s", "img/s", 7, "img/s"),
     ("ratio", "x torch", 7, "jddp / PyTorch DDP img/s"),
+    ("ratio_c", "x compiled", 10, "jddp / PyTorch DDP + torch.compile img/s"),
     ("compile", "compile s", 9, "compile s"),
     ("first", "1st step s", 10, "1st step s"),
     ("rss", "RSS MiB/proc", 12, "peak RSS MiB per process"),
-    ("gflops", "GFLOP/s", 8, "GFLOP/s"),
-    ("mfu", "MFU", 6, "MFU"),
+    ("gflops", "GFLOP/s", 8, "GFLOP/s (analytic)"),
+    ("mfu", "MFU", 6, "MFU (analytic)"),
+    ("xla_gflops", "XLA GFLOP/s", 11, "GFLOP/s by XLA's count"),
+    ("xla_mfu", "XLA MFU", 7, "MFU by XLA's count"),
 )
+
+
+def _flops_cells(r: dict) -> dict[str, str]:
+    """GFLOP/s and MFU by the analytic count and by XLA's. A record written before the analytic
+    count (no ``xla_flops_per_step``; ``--recompute`` adds it) held XLA's in the plain fields."""
+    fields = {"gflops": "achieved_gflops", "mfu": "mfu"}
+    fields |= {"xla_gflops": "xla_achieved_gflops", "xla_mfu": "xla_mfu"}
+    if "xla_flops_per_step" not in r:
+        fields = {"gflops": "", "mfu": "", "xla_gflops": "achieved_gflops", "xla_mfu": "mfu"}
+    cells = {}
+    for cell, key in fields.items():
+        value = r.get(key) if key else None
+        if not value:
+            cells[cell] = "-"
+        elif cell.endswith("mfu"):
+            cells[cell] = f"{100 * value:.1f}%"
+        else:
+            cells[cell] = f"{value:.1f}"
+    return cells
 
 
 def record_cells(r: dict) -> dict[str, str] | None:
@@ -38,11 +60,12 @@ def record_cells(r: dict) -> dict[str, str] | None:
         "img_s": f"{r['img_per_s']:.1f}",
         "ratio": num("ratio_img_per_s", ".2f"),
         "ratio_vs": r.get("ratio_vs") or "",
+        "ratio_c": num("ratio_img_per_s_compiled", ".2f"),
+        "ratio_c_vs": r.get("ratio_vs_compiled") or "",
         "compile": num("compile_s", ".1f"),
         "first": num("first_step_s", ".2f"),
         "rss": "/".join(f"{x:.0f}" for x in r["maxrss_mib_per_process"]),
-        "gflops": f"{r['achieved_gflops']:.1f}" if r.get("achieved_gflops") else "-",
-        "mfu": f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-",
+        **_flops_cells(r),
     }
 
 
@@ -74,8 +97,10 @@ def markdown_table(records: list[dict]) -> list[str]:
         if cells is None:
             cells = {k: "-" for k, _, _, _ in TABLE_COLUMNS}
             cells.update(config=r["config"], dtype=r["dtype"], n="0")
-        elif cells["ratio_vs"]:
-            cells["ratio"] += f" (vs {cells['ratio_vs']})"
+        else:
+            for cell in ("ratio", "ratio_c"):
+                if cells[f"{cell}_vs"]:
+                    cells[cell] += f" (vs {cells[f'{cell}_vs']})"
         lines.append("| " + " | ".join(cells[k] for k, _, _, _ in TABLE_COLUMNS) + " |")
     return lines
 
