@@ -33,6 +33,7 @@ VERSIONED = (
     "optax",
     "numpy",
     "torch",
+    "torchvision",
     "mpi4py",
     "mpi4jax",
     "mpich",
@@ -142,6 +143,10 @@ def machine_info(name: str | None = None, extra: dict[str, Any] | None = None) -
         "isa": sorted(flags & ISA_FLAGS),
         "mem_gib": _mem_gib(),
         "gpus": (sh("nvidia-smi", "-L") or "").splitlines(),
+        "gpu_driver": (
+            sh("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader") or ""
+        ).split("\n")[0]
+        or None,
         "python": platform.python_version(),
         "versions": {d: version(d) for d in VERSIONED},
         "xla_flags": os.environ.get("XLA_FLAGS"),

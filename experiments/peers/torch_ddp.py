@@ -6,6 +6,7 @@ Usage (repo root; needs ``pip install -r experiments/requirements-bench.txt``):
         [--steps 8] [--warmup 2] [--dtype float32|bfloat16] [--global-batch 128]
         [--model resnet18|resnet50] [--stem cifar|imagenet] [--image-size 32]
         [--width 64] [--num-classes 10] [--device cpu|cuda] [--channels-last]
+        [--impl own|torchvision] [--compile] [--cudnn-benchmark]
 
 It starts ``--nproc`` processes itself with ``torch.multiprocessing`` (``MASTER_ADDR``,
 ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set like ``torchrun`` does). Run under
@@ -21,6 +22,15 @@ momentum 0.1 (= flax 0.9) and eps 1e-5, conv init kaiming_normal(fan_out), last 
 zero-initialised (jddp's ``zero_init_residual=True``). Optimizer: ``SGD(lr=0.1, momentum=0.9,
 weight_decay=5e-4)``, i.e. jddp's ``optax.chain(add_decayed_weights(5e-4), sgd(0.1, 0.9))``
 (weight decay on every parameter, added to the gradient before momentum).
+
+``--impl torchvision`` takes torchvision's ``resnet18``/``resnet50`` instead (what users run on a
+GPU; ``bench.py --platform gpu`` uses it with ``--channels-last --cudnn-benchmark``), the CIFAR
+stem adapted as common CIFAR recipes do (``conv1`` a 3x3/1 conv, ``maxpool`` an identity); when
+torchvision is missing or cannot build the model (a width other than 64) the model above is used
+and the record says why. ``--compile`` wraps the DDP model in ``torch.compile`` (compiled
+during the first step). On CUDA, float32 matmuls may use TF32
+(``torch.set_float32_matmul_precision("high")``, as JAX's default precision; cuDNN convolutions
+use TF32 by default).
 
 ``bfloat16`` is ``torch.autocast(device_type, dtype=torch.bfloat16)`` around forward and loss
 (parameters, gradients and the all-reduce stay float32, as in jddp).
@@ -159,6 +169,42 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
+def _torchvision_resnet(cfg: PeerConfig) -> tuple[nn.Module | None, str]:
+    """torchvision's ResNet for ``cfg`` (``zero_init_residual=True`` as jddp; the ``cifar`` stem
+    as common CIFAR recipes adapt it: ``conv1`` a 3x3/1 conv, ``maxpool`` removed), or None and
+    why not (torchvision missing or broken, a width it does not build)."""
+    if cfg.model not in ARCHS:
+        return None, f"torchvision: no {cfg.model!r} here"
+    if cfg.width != 64:
+        return None, f"torchvision's ResNet has base width 64, not {cfg.width}"
+    try:
+        import torchvision.models as tvm
+    except (ImportError, RuntimeError) as e:  # RuntimeError: a torchvision built for another torch
+        return None, f"torchvision not importable ({type(e).__name__}: {e})"
+    model = getattr(tvm, cfg.model)(
+        weights=None, num_classes=cfg.num_classes, zero_init_residual=True
+    )
+    what = f"torchvision.models.{cfg.model}(zero_init_residual=True)"
+    if cfg.stem == "cifar":
+        model.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+        model.maxpool = nn.Identity()
+        what += " with the CIFAR stem (conv1 3x3/1, no maxpool)"
+    return model, what
+
+
+def build_model(cfg: PeerConfig) -> tuple[nn.Module, str]:
+    """The model of ``cfg.impl`` and a description of it. ``torchvision`` falls back to the
+    model written out here, saying why, when torchvision cannot provide it."""
+    note = ""
+    if cfg.impl == "torchvision":
+        model, what = _torchvision_resnet(cfg)
+        if model is not None:
+            return model, what
+        note = f"; torchvision's model not used: {what}"
+    return ResNet(cfg.model, cfg.num_classes, cfg.stem, cfg.width), f"torch_ddp.ResNet{note}"
+
+
 # ------------------------------------------------------------------------------------ runner
 @dataclass
 class PeerConfig:
@@ -174,6 +220,9 @@ class PeerConfig:
     device: str = "cpu"
     threads: int = 1
     channels_last: bool = False
+    impl: str = "own"  # "own": the model written out above; "torchvision": torchvision's
+    compile: bool = False  # torch.compile around the DDP model
+    cudnn_benchmark: bool = False  # torch.backends.cudnn.benchmark (CUDA)
     lr: float = 0.1
     momentum: float = 0.9
     weight_decay: float = 5e-4
@@ -197,14 +246,20 @@ class DDPRunner:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+        if cfg.device == "cuda" and cfg.cudnn_benchmark:
+            torch.backends.cudnn.benchmark = True
+        if cfg.device == "cuda":  # TF32 for float32 matmuls too, as JAX's default precision
+            torch.set_float32_matmul_precision("high")
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        model = ResNet(cfg.model, cfg.num_classes, cfg.stem, cfg.width).to(self.device)
+        model, self.model_impl = build_model(cfg)
+        model = model.to(self.device)
         self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
         model = model.to(memory_format=self.memory_format)
         ids = [self.device.index] if cfg.device == "cuda" else None
-        self.model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        self.model = torch.compile(ddp) if cfg.compile else ddp
         self.opt = torch.optim.SGD(
-            self.model.parameters(),
+            ddp.parameters(),
             lr=cfg.lr,
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
@@ -293,6 +348,7 @@ def run_worker(cfg: PeerConfig, steps: int, warmup: int) -> dict | None:
             "config": asdict(cfg),
             "world_size": runner.world,
             "torch": torch.__version__,
+            "model_impl": runner.model_impl,
             "torch_threads": torch.get_num_threads(),
             "warmup_s": times[:warmup],
             "step_s": times[warmup:],
@@ -338,6 +394,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--impl", choices=["own", "torchvision"], default="own")
+    p.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
+    p.add_argument("--cudnn-benchmark", action="store_true")
     a = p.parse_args(argv)
     cfg = PeerConfig(
         model=a.model,
@@ -350,6 +409,9 @@ def main(argv: list[str] | None = None) -> None:
         device=a.device,
         threads=a.threads,
         channels_last=a.channels_last,
+        impl=a.impl,
+        compile=a.compile,
+        cudnn_benchmark=a.cudnn_benchmark,
     )
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: one worker
         record = run_worker(cfg, a.steps, a.warmup)
