@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else argv
     # Under ``python -m jddp.launch``: go when the launcher goes, even where PDEATHSIG is missing.
-    from jddp.launch import watch_launcher
+    from jddp.lifeline import watch_launcher
 
     watch_launcher()
     job = None

@@ -1,0 +1,314 @@
+"""The launcher's supervision of its children: start them in their own process groups, forward
+their output line by line with a ``[rank i]`` prefix, forward signals, stop everyone when one
+fails, and reap every child and leftover grandchild."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO
+
+from jddp.lifeline import _die_with_parent, _load_prctl
+
+PROG = "jddp.launch"
+_POLL_INTERVAL = 0.05
+_READER_JOIN_TIMEOUT = 5.0  # after all children are reaped, how long to wait for EOF on pipes
+_REAP_TIMEOUT = 2.0  # after SIGKILL, how long to wait for a child / group to disappear
+_READ_LIMIT = 1 << 16  # longest piece of a newline-less line forwarded at once
+
+
+def describe_exit(returncode: int) -> str:
+    """Describe a ``Popen.returncode``: ``exited with code 3`` / ``killed by signal SIGKILL``."""
+    if returncode < 0:
+        return f"killed by signal {_signal_name(-returncode)}"
+    return f"exited with code {returncode}"
+
+
+def exit_code_for(returncode: int) -> int:
+    """Map a child's ``Popen.returncode`` to a shell-style exit status (128+N for signals)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _proc_group_has_live_member(pgid: int) -> bool:
+    """Scan ``/proc`` for a non-zombie process in group ``pgid`` (True if ``/proc`` is absent)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited meanwhile, or not readable
+        # "pid (comm) state ppid pgrp ...": comm may contain spaces or parentheses.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+class _Output:
+    """Line-atomic, thread-safe writer to the launcher's stdout or stderr."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        # Reentrant: the signal handler may write while the main thread holds the lock.
+        self._lock = threading.RLock()
+        self._broken = False
+
+    def write(self, text: str) -> None:
+        """Write ``text`` and flush; swallow broken pipes (children keep being drained)."""
+        with self._lock:
+            if self._broken:
+                return
+            stream: IO[str] | None = getattr(sys, self._name)
+            if stream is None:
+                return
+            try:
+                try:
+                    stream.write(text)
+                except UnicodeEncodeError:
+                    enc = getattr(stream, "encoding", None) or "ascii"
+                    stream.write(text.encode(enc, "backslashreplace").decode(enc))
+                stream.flush()
+            except (BrokenPipeError, ValueError):
+                self._broken = True
+            except OSError:
+                pass
+
+
+def _pump(pipe: IO[bytes], prefix: str, out: _Output) -> None:
+    """Forward ``pipe`` to ``out`` line by line, each line prefixed; close the pipe at EOF."""
+    try:
+        while True:
+            chunk = pipe.readline(_READ_LIMIT)
+            if not chunk:
+                break
+            text = chunk.decode("utf-8", errors="replace")
+            if not text.endswith("\n"):
+                text += "\n"
+            out.write(prefix + text)
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
+class _Launcher:
+    """State for one launch: the children, their reader threads and the stop logic."""
+
+    def __init__(self, command: list[str], nproc: int, kill_timeout: float) -> None:
+        self.command = command
+        self.nproc = nproc
+        self.kill_timeout = kill_timeout
+        self.stdout = _Output("stdout")
+        self.stderr = _Output("stderr")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.readers: list[threading.Thread] = []
+        # Process groups we may still signal (pgid == child pid since start_new_session=True).
+        self.live_groups: set[int] = set()
+        self.signal_received: int | None = None
+        self.stop_deadline: float | None = None  # when to escalate to SIGKILL
+        self.killed_at: float | None = None  # when kill_all() first ran
+        self.returncodes: dict[int, int] = {}  # rank -> Popen.returncode, filled by wait()
+
+    # -- signalling -------------------------------------------------------------------------
+    def signal_groups(self, sig: int) -> None:
+        """Send ``sig`` to every process group we have not yet seen empty."""
+        for pgid in list(self.live_groups):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                self._forget_group_if_reaped(pgid)
+            except PermissionError:
+                pass
+
+    def _forget_group_if_reaped(self, pgid: int) -> None:
+        for p in self.procs:
+            if p.pid == pgid and p.returncode is not None:
+                self.live_groups.discard(pgid)
+
+    def _group_alive(self, pgid: int) -> bool:
+        """Whether process group ``pgid`` has a member that is not a zombie.
+
+        Orphaned grandchildren are reparented to init, which may reap them lazily; their
+        zombies still count for ``killpg(pgid, 0)``, so on Linux we look at ``/proc`` instead.
+        """
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return _proc_group_has_live_member(pgid)
+
+    def _prune_groups(self) -> None:
+        """Forget groups whose leader is reaped and that have no members left."""
+        for p in self.procs:
+            if p.returncode is not None and p.pid in self.live_groups:
+                if not self._group_alive(p.pid):
+                    self.live_groups.discard(p.pid)
+
+    def begin_stop(self, sig: int) -> None:
+        """Send ``sig`` to all groups and arm the SIGKILL escalation after ``kill_timeout``."""
+        self.signal_groups(sig)
+        if self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + self.kill_timeout
+
+    def kill_all(self) -> None:
+        """SIGKILL every remaining process group."""
+        if self.killed_at is None:
+            self.killed_at = time.monotonic()
+        self.signal_groups(signal.SIGKILL)
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        """Signal handler: forward the first SIGINT/SIGTERM, escalate to SIGKILL on the next."""
+        if self.signal_received is None and self.stop_deadline is None:
+            self.signal_received = signum
+            self.stderr.write(
+                f"{PROG}: received {_signal_name(signum)}; forwarding to "
+                f"{self._alive_count()} processes\n"
+            )
+            self.begin_stop(signum)
+        else:
+            if self.signal_received is None:
+                self.signal_received = signum
+            self.stderr.write(f"{PROG}: received {_signal_name(signum)} again; killing all\n")
+            self.kill_all()
+
+    def _alive_count(self) -> int:
+        """Children not yet seen exited (no poll(): reaping stays in :meth:`wait`)."""
+        return len(self.procs) - len(self.returncodes)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self, envs: list[dict[str, str]]) -> None:
+        """Start the children (stopping early if a signal arrives meanwhile), then their output
+        readers: the forks happen while no reader thread runs, since the ``preexec_fn`` that
+        ties each child's life to the launcher's is only safe without other threads."""
+        die_with_launcher = functools.partial(_die_with_parent, _load_prctl(), os.getpid())
+        try:
+            for env in envs:
+                if self.signal_received is not None:
+                    break
+                proc = subprocess.Popen(
+                    self.command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=die_with_launcher,
+                )
+                self.procs.append(proc)
+                self.live_groups.add(proc.pid)
+                if self.signal_received is not None:  # arrived while Popen ran: forward it too
+                    try:
+                        os.killpg(proc.pid, self.signal_received)
+                    except OSError:
+                        pass
+        finally:
+            for rank, proc in enumerate(self.procs):
+                prefix = f"[rank {rank}] "
+                for pipe, out in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
+                    assert pipe is not None
+                    t = threading.Thread(
+                        target=_pump,
+                        args=(pipe, prefix, out),
+                        name=f"{PROG}-rank{rank}",
+                        daemon=True,
+                    )
+                    t.start()
+                    self.readers.append(t)
+
+    def wait(self) -> int:
+        """Supervise the children until all have exited; return the launcher's exit code."""
+        failure: int | None = None  # exit code of the first failed rank
+        while len(self.returncodes) < len(self.procs):
+            exited = []
+            for rank, proc in enumerate(self.procs):
+                if rank not in self.returncodes and proc.poll() is not None:
+                    self.returncodes[rank] = proc.returncode
+                    exited.append(rank)
+            for rank in exited:
+                rc = self.returncodes[rank]
+                if rc == 0 or failure is not None or self.signal_received is not None:
+                    continue  # success, or an expected death while stopping
+                failure = exit_code_for(rc)
+                self.stderr.write(
+                    f"{PROG}: rank {rank} {describe_exit(rc)}; "
+                    f"stopping the other {self._alive_count()} processes\n"
+                )
+                # Also signals the failed rank's own group, in case it left grandchildren.
+                self.begin_stop(signal.SIGTERM)
+            if len(self.returncodes) == len(self.procs):
+                break
+            now = time.monotonic()
+            if self.killed_at is not None and now - self.killed_at > _REAP_TIMEOUT:
+                # Something survives SIGKILL (e.g. uninterruptible sleep): give up on it so the
+                # launcher still exits within its time bound.
+                self.stderr.write(f"{PROG}: some processes did not die after SIGKILL\n")
+                break
+            if (
+                self.stop_deadline is not None
+                and self.killed_at is None
+                and now >= self.stop_deadline
+            ):
+                self.kill_all()
+            time.sleep(_POLL_INTERVAL)
+        self._cleanup_groups()
+        self._join_readers()
+        if failure is not None:
+            return failure
+        if self.signal_received is not None:
+            return 128 + self.signal_received
+        return 0
+
+    def _cleanup_groups(self) -> None:
+        """Terminate grandchildren left in the children's process groups."""
+        self._prune_groups()
+        if not self.live_groups:
+            return
+        if self.killed_at is None:
+            self.begin_stop(signal.SIGTERM)
+            assert self.stop_deadline is not None
+            while self.live_groups and time.monotonic() < self.stop_deadline:
+                time.sleep(_POLL_INTERVAL)
+                self._prune_groups()
+            self.kill_all()
+        deadline = time.monotonic() + _REAP_TIMEOUT
+        while self.live_groups and time.monotonic() < deadline:
+            time.sleep(_POLL_INTERVAL)
+            self._prune_groups()
+
+    def _join_readers(self) -> None:
+        deadline = time.monotonic() + _READER_JOIN_TIMEOUT
+        for t in self.readers:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def abort(self) -> None:
+        """Kill and reap everything started so far (used when startup fails)."""
+        self.kill_all()
+        for p in self.procs:
+            try:
+                p.wait(_REAP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                pass
+        self._join_readers()
