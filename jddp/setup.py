@@ -175,6 +175,11 @@ def build_steps(
     return train_step, eval_step
 
 
+def _first_copy(x: Any) -> Any:
+    """This process's first copy of a replicated array (one device, no cross-device copy)."""
+    return x.addressable_data(0) if isinstance(x, jax.Array) else x
+
+
 @dataclass
 class Run:
     """Everything the loop uses, built from the config by :func:`build_run`."""
@@ -202,6 +207,18 @@ class Run:
     profiler: Profiler
     hooks: list = field(default_factory=list)
     start_skipped_steps: int = 0  # skipped before this run resumed
+    user_model: nnx.Module | None = None  # the module jddp.fit was given: trained in place
+
+    def trained_model(self, state: TrainState) -> nnx.Module:
+        """The module holding ``state``'s parameters and model state (this process's first
+        copy of the replicated arrays): the user's module, updated in place, or a new one."""
+        params, model_state, rest = jax.tree.map(
+            _first_copy, (state.params, state.model_state, self.model_def.rest)
+        )
+        if self.user_model is not None:
+            nnx.update(self.user_model, params, model_state)
+            return self.user_model
+        return nnx.merge(self.model_def.graphdef, params, model_state, rest)
 
     @property
     def num_devices(self) -> int:
@@ -291,6 +308,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         Profiler(cfg.log.profile_steps, folder.profile, console),
     )  # fmt: skip
     run.start_skipped_steps = int(to_host(state.skipped_steps))
+    run.user_model = parts.model
     run.hooks = [
         EvalHook(cfg.train.eval_every_steps, steps, run.evaluate, log, meter),
         CheckpointHook(ckpts, run.config_dict),

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from flax import nnx
+
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.distributed import Job, current_job
@@ -27,7 +29,9 @@ __all__ = ["Parts", "RunResult", "train_and_evaluate"]
 
 @dataclass
 class RunResult:
-    """What a finished run reports: final step, final eval metrics, timing, checkpoint path.
+    """What a finished run reports: final step, final eval metrics, timing, checkpoint path,
+    and ``model``: the trained module (the one given to :func:`jddp.fit`, updated in place, or
+    the one the config built), in the mode training left it (call ``model.eval()`` to infer).
 
     ``input_wait_fraction``: the share of the timed train wall time (the first step, which
     compiles, and eval excluded) that process 0's loop spent blocked waiting for the next batch
@@ -40,6 +44,7 @@ class RunResult:
     img_per_s: float
     checkpoint_dir: str
     input_wait_fraction: float = 0.0
+    model: nnx.Module | None = None
 
 
 def train_and_evaluate(
@@ -121,6 +126,7 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
         img_per_s=run.meter.img_per_s,
         checkpoint_dir=str(ckpts.directory / str(step)),
         input_wait_fraction=run.meter.input_wait.mean_fraction,
+        model=run.trained_model(state),
     )
     _summarise(run, result)
     return result

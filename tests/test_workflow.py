@@ -1,0 +1,77 @@
+"""Before and after the loop: the trained model in hand (fit, load), predict, evaluate,
+warm start, progress lines."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import jddp
+from tests.user_models import TinyMLP
+
+
+def data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8, 8, 3)).astype(np.float32)
+    y = (x.mean(axis=(1, 2, 3)) > 0).astype(np.int32)
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """A TinyMLP fitted on a learnable 2-class problem: (model, result, workdir, eval data)."""
+    import optax
+
+    workdir = tmp_path_factory.mktemp("fit") / "run"
+    model = TinyMLP(192, 2, nnx.Rngs(0))
+    evals = data(40, seed=1)
+    result = jddp.fit(
+        model,
+        optax.adam(1e-2),
+        train_data=data(512),
+        eval_data=evals,
+        config={"workdir": str(workdir), "train": {"steps": 30}},
+        overrides=["data.global_batch_size=16", "log.progress=off", "log.every_steps=10"],
+    )
+    return model, result, workdir, evals
+
+
+def accuracy(model, x, y):
+    model.eval()
+    return float((np.asarray(model(x)).argmax(-1) == y).mean())
+
+
+def test_fit_leaves_the_trained_weights_in_the_passed_model_and_load_gives_them_back(fitted):
+    model, result, workdir, (x, y) = fitted
+    assert result.model is model
+    assert accuracy(model, x, y) == pytest.approx(result.eval["eval/accuracy"], abs=1e-6)
+    assert accuracy(TinyMLP(192, 2, nnx.Rngs(0)), x, y) != accuracy(model, x, y)
+    want = np.asarray(model(x))
+    for path in (workdir, result.checkpoint_dir):  # a workdir or one checkpoint folder
+        loaded = jddp.load(path, model=TinyMLP(192, 2, nnx.Rngs(7)))
+        np.testing.assert_allclose(np.asarray(loaded(x)), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(jddp.ConfigError, match="no checkpoint of step 7"):
+        jddp.load(workdir, step=7, model=TinyMLP(192, 2, nnx.Rngs(7)))
+    with pytest.raises(jddp.ConfigError, match="other shapes.*out"):
+        jddp.load(workdir, model=TinyMLP(192, 3, nnx.Rngs(7)))
+
+
+def test_load_builds_the_model_the_checkpoint_config_names(tmp_path):
+    from jddp.trainer import train_and_evaluate
+
+    cfg = jddp.load_config(
+        {"workdir": str(tmp_path / "run")},
+        [
+            "model.name=tests.user_models:dropout_mlp",
+            "data.name=synthetic",
+            "data.image_size=8",
+            "data.global_batch_size=16",
+            "train.steps=3",
+            "log.progress=off",
+        ],
+    )
+    result = train_and_evaluate(cfg)
+    loaded = jddp.load(tmp_path / "run")
+    assert int(loaded.calls[...]) == int(result.model.calls[...]) == 3  # model state too
+    x = data(5)[0]
+    result.model.eval()
+    np.testing.assert_allclose(np.asarray(loaded(x)), np.asarray(result.model(x)), rtol=1e-6)
