@@ -20,6 +20,7 @@ _EXPORTS = {
     "load_config": "jddp.api",
     "as_source": "jddp.api",
     "load": "jddp.inference",
+    "evaluate": "jddp.evaluate",
     "predict": "jddp.inference",
     "RunResult": "jddp.trainer",
     "Config": "jddp.config",
@@ -45,4 +46,6 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jddp' has no attribute {name!r}")
     module = importlib.import_module(_EXPORTS[name])
-    return module if name == "models" else getattr(module, name)
+    if name in ("models", "evaluate"):  # jddp.evaluate: a callable module (the CLI's too)
+        return module
+    return getattr(module, name)

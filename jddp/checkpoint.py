@@ -262,15 +262,19 @@ def short_name(name: str) -> str:
     return name.removeprefix(".").removesuffix(".value")
 
 
-def open_checkpoint(path: str | Path, step: int | None, key: str) -> tuple[Checkpoints, int]:
-    """The checkpoints (read only) and the step that ``path`` names: a workdir (its newest
+def find_checkpoint(
+    path: str | Path, step: int | None, key: str, step_key: str | None = None
+) -> tuple[Path, int]:
+    """The checkpoints folder and the step that ``path`` names: a workdir (its newest
     checkpoint, or ``step``), its ``checkpoints`` folder, or one checkpoint folder
-    ``.../checkpoints/<step>``. ``ConfigError`` naming ``key`` when there is none."""
+    ``.../checkpoints/<step>``. Reads only the file system. ``ConfigError`` naming ``key`` (or
+    ``step_key`` for a step that does not exist) when there is none."""
+    step_key = step_key or key
     p = Path(path).absolute()
     if p.name.isdigit() and (p / "state").is_dir():
         directory, named = p.parent, int(p.name)
         if step is not None and step != named:
-            raise ConfigError(f"{key}: {path} is the checkpoint of step {named}, not {step}")
+            raise ConfigError(f"{step_key}: {path} is the checkpoint of step {named}, not {step}")
         step = named
     elif (p / "checkpoints").is_dir() or (p / "config.yaml").is_file():
         directory = RunFolder(p).checkpoints
@@ -289,19 +293,29 @@ def open_checkpoint(path: str | Path, step: int | None, key: str) -> tuple[Check
         step = steps[-1]
     elif step not in steps:
         raise ConfigError(
-            f"{key}: no checkpoint of step {step} in {directory} (there are: "
+            f"{step_key}: no checkpoint of step {step} in {directory} (there are: "
             f"{', '.join(map(str, steps))})"
         )
-    ckpts = Checkpoints(
+    return directory, step
+
+
+def open_checkpoint(path: str | Path, step: int | None, key: str) -> tuple[Checkpoints, int]:
+    """:func:`find_checkpoint`, opened for reading (close it after use)."""
+    directory, step = find_checkpoint(path, step, key)
+    return reader(directory), step
+
+
+def reader(directory: Path) -> Checkpoints:
+    """The checkpoints in ``directory``, for reading only."""
+    return Checkpoints(
         directory,
         every_steps=0,
-        keep=len(steps) + 1,
+        keep=1,
         async_save=False,
         writes=False,
         primary=False,
         damaged_directory=directory.parent / "checkpoints-damaged",
     )
-    return ckpts, step
 
 
 def _silence_late_read_callbacks() -> None:

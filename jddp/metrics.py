@@ -78,6 +78,13 @@ class MetricsLog:
             self._tb.close()
 
 
+def append_metrics(folder: RunFolder, step: int, values: dict[str, Any]) -> None:
+    """Append ``{"step": step, **values}`` to ``metrics.jsonl`` (``jddp.evaluate``, no run)."""
+    row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
+    with folder.metrics_jsonl.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def make_progress(mode: str, total: int, initial: int, writer: bool = True) -> tqdm:
     """A tqdm bar with step, loss, img/s and ETA; ``auto`` shows it only on a terminal."""
     enabled = writer and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))

@@ -263,8 +263,9 @@ def make_eval_step(
     """Build the eval step ``(state, batch) -> sums``.
 
     ``batch`` carries ``mask`` [B] (1 for real examples, 0 for padding), so a padded last batch
-    counts each real example exactly once. Returns global *sums* ``loss_sum``, ``correct`` and
-    ``count``; the caller divides after the last batch.
+    counts each real example exactly once. Returns global *sums* ``loss_sum``, ``correct``,
+    ``count`` and, when the model has more than 5 outputs, ``correct_top5`` (the label is among
+    the 5 largest logits); the caller divides after the last batch.
     """
     loss_fn = loss_fn or cross_entropy_loss()
 
@@ -280,6 +281,10 @@ def make_eval_step(
             "correct": (correct * mask).sum(),
             "count": mask.sum(),
         }
+        if logits.shape[-1] > 5:
+            top5_Bx5 = jax.lax.top_k(logits, 5)[1]
+            in_top5 = jnp.any(top5_Bx5 == batch["labels"][:, None], axis=-1)
+            sums["correct_top5"] = (in_top5.astype(jnp.float32) * mask).sum()
         return jax.lax.psum(sums, DATA_AXIS)
 
     return jax.jit(

@@ -75,3 +75,62 @@ def test_load_builds_the_model_the_checkpoint_config_names(tmp_path):
     x = data(5)[0]
     result.model.eval()
     np.testing.assert_allclose(np.asarray(loaded(x)), np.asarray(result.model(x)), rtol=1e-6)
+
+
+def test_predict_keeps_input_order_and_pads_the_last_batch(fitted):
+    model, _, _, (x, _) = fitted
+    model.eval()
+    want = np.asarray(model(x))
+    got = jddp.predict(model, x, batch_size=16)  # 40 = 16 + 16 + 8 (padded)
+    assert got.shape == (40, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    pixels = np.random.default_rng(0).integers(0, 256, size=(5, 8, 8, 3), dtype=np.uint8)
+    normalised = ((pixels / 255.0 - 0.5) / 0.25).astype(np.float32)
+    np.testing.assert_allclose(
+        jddp.predict(model, pixels, mean=[0.5] * 3, std=[0.25] * 3),
+        np.asarray(model(normalised)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_library_evaluate_matches_fit_and_reports_no_top5_for_two_classes(fitted):
+    model, result, workdir, evals = fitted
+    got = jddp.evaluate(model, evals, batch_size=16)
+    assert got["eval/count"] == 40
+    assert got["eval/accuracy"] == pytest.approx(result.eval["eval/accuracy"], abs=1e-6)
+    assert got["eval/loss"] == pytest.approx(result.eval["eval/loss"], rel=1e-5)
+    assert "eval/top5_accuracy" not in got and "eval/top5_accuracy" not in result.eval
+
+
+def test_evaluate_cli(tmp_path):
+    """On a finished 10-class run: the same loss and top-5 as the run's final eval, appended to
+    metrics.jsonl; a missing step or checkpoint is exit 2 naming it."""
+    import subprocess
+    import sys
+
+    from jddp.evaluate import main
+    from jddp.trainer import train_and_evaluate
+    from tests.helpers import TINY, read_metrics
+
+    workdir = tmp_path / "run"
+    model = "model.name=tests.user_models:tiny_mlp"  # 10 classes; compiles fast
+    cfg = jddp.load_config({"workdir": str(workdir)}, [*TINY, model, "train.steps=2"])
+    result = train_and_evaluate(cfg)
+    assert 0 <= result.eval["eval/top5_accuracy"] <= 1
+    out = subprocess.run(
+        [sys.executable, "-m", "jddp.evaluate", "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "jddp: eval step=2 " in out.stdout
+    final, appended = [r for r in read_metrics(workdir) if "eval/loss" in r][-2:]
+    assert appended["step"] == final["step"] == 2 and appended["eval/data"] == "synthetic"
+    for key in ("eval/loss", "eval/accuracy", "eval/top5_accuracy", "eval/count"):
+        assert appended[key] == pytest.approx(final[key], rel=1e-6), key
+    assert main(["--workdir", str(workdir), "--step", "7"]) == 2
+    assert main(["--workdir", str(tmp_path)]) == 2  # no run there
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "config.yaml").write_text((workdir / "config.yaml").read_text())
+    assert main(["--workdir", str(tmp_path / "fresh")]) == 2  # no checkpoint
