@@ -262,6 +262,48 @@ def short_name(name: str) -> str:
     return name.removeprefix(".").removesuffix(".value")
 
 
+def mismatched_weights(
+    saved: dict[str, tuple[int, ...]], weights: dict[str, Any]
+) -> tuple[list[str], list[tuple[str, tuple, tuple]]]:
+    """Arrays of ``weights`` the checkpoint lacks, and ``(name, saved, now)`` for every array
+    whose shape differs (names as in the checkpoint's manifest)."""
+    missing, differ = [], []
+    for name, leaf in weight_leaves(weights):
+        shape = tuple(leaf.shape)
+        if name not in saved:
+            missing.append(name)
+        elif saved[name] != shape:
+            differ.append((name, saved[name], shape))
+    return missing, differ
+
+
+def describe_mismatch(missing: list[str], differ: list[tuple[str, tuple, tuple]]) -> str:
+    """One line naming (up to 5 of) each kind of mismatch."""
+    parts = []
+    if missing:
+        names = ", ".join(short_name(n) for n in missing[:5])
+        parts.append(f"{len(missing)} arrays are not in the checkpoint ({names})")
+    if differ:
+        names = ", ".join(
+            f"{short_name(n)} {list(a)} there vs {list(b)} now" for n, a, b in differ[:5]
+        )
+        parts.append(f"{len(differ)} arrays have other shapes ({names})")
+    return "; ".join(parts)
+
+
+def with_shapes(weights: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """``weights`` as shape/dtype structs, with the shape of each array named in ``shapes``."""
+    out = {}
+    for top in ("params", "model_state"):
+        flat, treedef = jax.tree_util.tree_flatten_with_path(weights[top])
+        leaves = [
+            jax.ShapeDtypeStruct(shapes.get(f".{top}{jax.tree_util.keystr(p)}", x.shape), x.dtype)
+            for p, x in flat
+        ]
+        out[top] = jax.tree_util.tree_unflatten(treedef, leaves)
+    return out
+
+
 def find_checkpoint(
     path: str | Path, step: int | None, key: str, step_key: str | None = None
 ) -> tuple[Path, int]:

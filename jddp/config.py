@@ -128,6 +128,12 @@ class CheckpointConfig:
         "resume even if model/data/optim/train keys differ from the checkpoint's config "
         "(refused otherwise, naming the keys); also --allow-config-change",
     )
+    init_from: str | None = _f(
+        None,
+        "start a new run (step 0, fresh optimizer) from the params and model state of another "
+        "run: its workdir or one checkpoint folder; a head of another num_classes is "
+        "re-initialised; ignored when workdir holds a checkpoint to resume",
+    )
 
 
 @dataclass

@@ -16,42 +16,18 @@ import numpy as np
 from flax import nnx
 
 from jddp import config as config_lib
-from jddp.checkpoint import Checkpoints, open_checkpoint, short_name, weight_leaves
+from jddp.checkpoint import (
+    Checkpoints,
+    describe_mismatch,
+    mismatched_weights,
+    open_checkpoint,
+)
 from jddp.errors import ConfigError
 from jddp.setup import build_model
 from jddp.state import split_model
 from jddp.step import PixelNorm
 
 PathLike = str | Path
-
-
-def mismatched_weights(
-    saved: dict[str, tuple[int, ...]], weights: dict[str, Any]
-) -> tuple[list[str], list[tuple[str, tuple, tuple]]]:
-    """Arrays of ``weights`` the checkpoint lacks, and ``(name, saved, now)`` for every array
-    whose shape differs (names as in the checkpoint's manifest)."""
-    missing, differ = [], []
-    for name, leaf in weight_leaves(weights):
-        shape = tuple(leaf.shape)
-        if name not in saved:
-            missing.append(name)
-        elif saved[name] != shape:
-            differ.append((name, saved[name], shape))
-    return missing, differ
-
-
-def describe_mismatch(missing: list[str], differ: list[tuple[str, tuple, tuple]]) -> str:
-    """One line naming (up to 5 of) each kind of mismatch."""
-    parts = []
-    if missing:
-        names = ", ".join(short_name(n) for n in missing[:5])
-        parts.append(f"{len(missing)} arrays are not in the checkpoint ({names})")
-    if differ:
-        names = ", ".join(
-            f"{short_name(n)} {list(a)} there vs {list(b)} now" for n, a, b in differ[:5]
-        )
-        parts.append(f"{len(differ)} arrays have other shapes ({names})")
-    return "; ".join(parts)
 
 
 def restore_into(model: nnx.Module, ckpts: Checkpoints, step: int, key: str) -> nnx.Module:

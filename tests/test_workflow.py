@@ -1,6 +1,7 @@
 """Before and after the loop: the trained model in hand (fit, load), predict, evaluate,
 warm start, progress lines."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -134,3 +135,40 @@ def test_evaluate_cli(tmp_path):
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / "config.yaml").write_text((workdir / "config.yaml").read_text())
     assert main(["--workdir", str(tmp_path / "fresh")]) == 2  # no checkpoint
+
+
+def test_init_from_another_run(fitted, tmp_path, capsys):
+    """Step 0, the other run's weights (sgd(0) keeps them), fresh optimizer; a new head of
+    another class count re-initialised and named; other mismatches refused naming arrays."""
+    import optax
+
+    source, _, source_dir, _ = fitted
+
+    def fit(model, name, images=None):
+        return jddp.fit(
+            model,
+            optax.sgd(0.0),
+            train_data=data(64) if images is None else images,
+            config={"workdir": str(tmp_path / name), "train": {"steps": 1}},
+            overrides=[f"checkpoint.init_from={source_dir}", "data.global_batch_size=16"],
+        )
+
+    same = fit(TinyMLP(192, 2, nnx.Rngs(9)), "same")
+    assert same.step == 1
+    for a, b in zip(jax_leaves(same.model), jax_leaves(source), strict=True):
+        np.testing.assert_array_equal(a, b)
+    fresh_head = TinyMLP(192, 3, nnx.Rngs(9))
+    want_head = np.asarray(fresh_head.out.kernel[...])
+    three = fit(fresh_head, "three")
+    out = capsys.readouterr().out
+    assert "re-initialised params['out']['bias'], params['out']['kernel']" in out, out
+    assert "class dimension 2 -> 3" in out
+    np.testing.assert_array_equal(three.model.out.kernel[...], want_head)
+    np.testing.assert_array_equal(three.model.hidden.kernel[...], source.hidden.kernel[...])
+    small = (data(64)[0][:, :4, :4], data(64)[1])
+    with pytest.raises(jddp.ConfigError, match=r"init_from.*params\['hidden'\]\['kernel'\]"):
+        fit(TinyMLP(48, 2, nnx.Rngs(9)), "other", small)
+
+
+def jax_leaves(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
