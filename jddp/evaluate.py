@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from jddp.comm import Comm
 from jddp.data.loader import BatchLayout, eval_batches
 from jddp.mesh import to_host
+from jddp.metrics import describe_eval
 from jddp.state import TrainState
 
 USAGE = "python -m jddp.evaluate --workdir W [--step N] [key.sub=value ...]"
@@ -60,16 +61,6 @@ def evaluate(
         out["eval/top5_accuracy"] = totals["correct_top5"] / count
     out["eval/count"] = int(totals.get("count", 0.0))
     return out
-
-
-def describe(metrics: dict) -> str:
-    """``loss 0.1234, accuracy 0.9876, top-5 0.9990 over N examples``."""
-    top5 = metrics.get("eval/top5_accuracy")
-    return (
-        f"loss {metrics['eval/loss']:.4f}, accuracy {metrics['eval/accuracy']:.4f}"
-        + (f", top-5 {top5:.4f}" if top5 is not None else "")
-        + f" over {metrics['eval/count']} examples"
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +195,7 @@ def evaluate_checkpoint(cfg, directory: Path, step: int, job) -> dict:
         append_metrics(RunFolder(cfg.workdir), step, {**metrics, "eval/data": cfg.data.name})
     Console(comm.process_index == 0).say(
         f"jddp: evaluated checkpoint {directory / str(step)} on {cfg.data.name} "
-        f"({len(splits.eval)} eval examples): {describe(metrics)}\n"
+        f"({len(splits.eval)} eval examples): {describe_eval(metrics)}\n"
         f"jddp: eval step={step} "
         + " ".join(
             f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()

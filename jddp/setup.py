@@ -41,7 +41,7 @@ from jddp.hooks import (
     ThroughputMeter,
 )
 from jddp.mesh import make_mesh, put_replicated, select_devices, to_host
-from jddp.metrics import Console, MetricsLog, make_progress
+from jddp.metrics import Console, MetricsLog, Progress
 from jddp.models import get_model_factory
 from jddp.optimizer import make_optimizer
 from jddp.resume import check_resume_config
@@ -298,7 +298,9 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
     train_step, eval_step = build_steps(
         cfg, model_def, tx, mesh, comm, parts, schedule, PixelNorm.of(splits.train)
     )
-    progress = make_progress(cfg.log.progress, steps, start_step, writer)
+    progress = Progress(
+        cfg.log.progress, steps, start_step, writer, batches.steps_per_epoch, console
+    )
     meter = ThroughputMeter(cfg.data.global_batch_size, start_step)
     reporter = StepReporter(
         cfg.log.every_steps,
@@ -319,7 +321,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
     run.start_skipped_steps = int(to_host(state.skipped_steps))
     run.user_model = parts.model
     run.hooks = [
-        EvalHook(cfg.train.eval_every_steps, steps, run.evaluate, log, meter),
+        EvalHook(cfg.train.eval_every_steps, steps, run.evaluate, log, meter, progress),
         CheckpointHook(ckpts, run.config_dict),
         SyncCheck(cfg.dist.check_sync_every, comm),
     ]

@@ -155,7 +155,8 @@ def make_train_step(
     their gradients, and the averaged gradient is applied once. Returned metrics are means
     over the whole global batch: ``train/loss``, ``train/accuracy``, ``train/nonfinite`` (1
     when the update was dropped because the loss or a gradient was not finite),
-    ``train/skipped_steps`` (and ``train/lr``). An optional ``batch["sys/stop"]`` (one flag per
+    ``train/skipped_steps``, ``train/grad_norm`` (of the averaged gradient), ``train/param_norm``
+    (after the update) (and ``train/lr``). An optional ``batch["sys/stop"]`` (one flag per
     row, each process filling its rows) comes back as ``metrics["sys/stop"] > 0`` when any
     process asked to stop, so all processes agree on the step. The model's mutable state
     (BatchNorm statistics, RNG counters, custom variables) carries through the micro-batches
@@ -237,6 +238,8 @@ def make_train_step(
             **metrics,
             NONFINITE_KEY: (~finite).astype(jnp.float32),
             "train/skipped_steps": skipped,
+            "train/grad_norm": optax.tree.norm(grads),  # of the averaged gradient
+            "train/param_norm": optax.tree.norm(params),
         }
         if schedule is not None:
             metrics["train/lr"] = schedule(state.step)

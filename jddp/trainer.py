@@ -16,11 +16,10 @@ from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.distributed import Job, current_job
 from jddp.errors import ConfigError, NonFiniteLoss, Preempted
-from jddp.evaluate import describe
 from jddp.hooks import StopRequest
 from jddp.loop import train_loop
 from jddp.mesh import to_host
-from jddp.metrics import Console, InputWait
+from jddp.metrics import Console, InputWait, describe_eval
 from jddp.setup import Parts, Run, build_run, check_same_config
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
@@ -151,7 +150,7 @@ def _summarise(run: Run, result: RunResult) -> None:
     run.console.say(
         "jddp: summary\n"
         f"  steps          {run.start_step} -> {result.step} of {run.total_steps}\n"
-        f"  eval           {describe(ev)}\n"
+        f"  eval           {describe_eval(ev)}\n"
         f"  throughput     {result.img_per_s:.1f} img/s on {run.num_devices} devices "
         f"({run.comm.process_count} processes)\n"
         f"  input wait     {100 * result.input_wait_fraction:.2f}% of the timed step wall time "

@@ -104,30 +104,45 @@ def test_library_evaluate_matches_fit_and_reports_no_top5_for_two_classes(fitted
     assert "eval/top5_accuracy" not in got and "eval/top5_accuracy" not in result.eval
 
 
-def test_evaluate_cli(tmp_path):
-    """On a finished 10-class run: the same loss and top-5 as the run's final eval, appended to
-    metrics.jsonl; a missing step or checkpoint is exit 2 naming it."""
+def test_train_progress_lines_then_evaluate_cli(tmp_path):
+    """A CLI run with stdout piped prints progress lines (train, eval, epoch end) and logs
+    grad/param norms. Evaluating its checkpoint from the CLI gives the run's final eval (loss,
+    top-5 for 10 classes), appended to metrics.jsonl; a missing step or checkpoint is exit 2."""
     import subprocess
     import sys
 
     from jddp.evaluate import main
-    from jddp.trainer import train_and_evaluate
-    from tests.helpers import TINY, read_metrics
+    from tests.helpers import read_metrics
 
     workdir = tmp_path / "run"
-    model = "model.name=tests.user_models:tiny_mlp"  # 10 classes; compiles fast
-    cfg = jddp.load_config({"workdir": str(workdir)}, [*TINY, model, "train.steps=2"])
-    result = train_and_evaluate(cfg)
-    assert 0 <= result.eval["eval/top5_accuracy"] <= 1
+    train = [
+        *("model.name=tests.user_models:tiny_mlp", "data.name=synthetic", "data.image_size=8"),
+        *("data.global_batch_size=128", "train.steps=10", "train.eval_every_steps=5"),
+        "log.every_steps=4",  # 1024 examples: 8 steps per epoch
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "jddp.train", f"workdir={workdir}", *train],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "jddp: step 8/10 epoch 1.00, loss " in out.stdout, out.stdout
+    assert ", lr 0.0" in out.stdout and " img/s, ETA 0:00:" in out.stdout
+    assert "jddp: eval at step 5 epoch 0.62: loss " in out.stdout
+    assert "jddp: epoch 1 done at step 8/10: loss " in out.stdout
+    rows = [r for r in read_metrics(workdir) if "train/loss" in r]
+    assert [r["step"] for r in rows] == [4, 8, 10]
+    assert all(r["train/grad_norm"] > 0 and r["train/param_norm"] > 0 for r in rows)
+
     out = subprocess.run(
         [sys.executable, "-m", "jddp.evaluate", "--workdir", str(workdir)],
         capture_output=True,
         text=True,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "jddp: eval step=2 " in out.stdout
+    assert "jddp: eval step=10 " in out.stdout
     final, appended = [r for r in read_metrics(workdir) if "eval/loss" in r][-2:]
-    assert appended["step"] == final["step"] == 2 and appended["eval/data"] == "synthetic"
+    assert appended["step"] == final["step"] == 10 and appended["eval/data"] == "synthetic"
     for key in ("eval/loss", "eval/accuracy", "eval/top5_accuracy", "eval/count"):
         assert appended[key] == pytest.approx(final[key], rel=1e-6), key
     assert main(["--workdir", str(workdir), "--step", "7"]) == 2
