@@ -102,7 +102,7 @@ def evaluate_model(
     model = as_model(model_or_workdir, step)
     cfg = None if model is model_or_workdir else run_config(Path(model_or_workdir), overrides)
     if data is not None:
-        source = as_source(data, None, "eval")
+        source = as_source(data, None, "eval", label="data")
     elif cfg is not None:
         source = load_data(cfg).eval
     else:

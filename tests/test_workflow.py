@@ -187,3 +187,17 @@ def test_init_from_another_run(fitted, tmp_path, capsys):
 
 def jax_leaves(model):
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+
+
+def test_lists_of_batches_and_float_labels():
+    from jddp.data.source import as_source
+
+    (x1, y1), (x2, y2) = data(16), data(8, seed=1)
+    for batches in ([(x1, y1), (x2, y2)], ((x1, y1), (x2, y2))):
+        source = as_source(batches)
+        assert len(source) == 24 and source.num_classes == 2
+        np.testing.assert_array_equal(source.get_batch(np.arange(16, 24))[1], y2)
+    whole = as_source([(x1, y1.astype(np.float32))])  # whole-number floats are class indices
+    np.testing.assert_array_equal(whole.get_batch(np.arange(16))[1], y1)
+    with pytest.raises(jddp.ConfigError, match="train_data: labels must be integer"):
+        jddp.fit(TinyMLP(192, 2, nnx.Rngs(0)), train_data=(x1, y1 + 0.5))
