@@ -93,6 +93,7 @@ def evaluate_model(
     from jddp.data.loader import batch_layout
     from jddp.data.source import as_source
     from jddp.distributed import current_job
+    from jddp.errors import ConfigError
     from jddp.inference import as_model
     from jddp.mesh import make_mesh
     from jddp.setup import COMPUTE_DTYPES, load_data
@@ -100,7 +101,13 @@ def evaluate_model(
     from jddp.step import PixelNorm, cross_entropy_loss, make_eval_step
 
     model = as_model(model_or_workdir, step)
-    cfg = None if model is model_or_workdir else run_config(Path(model_or_workdir), overrides)
+    cfg = None
+    if model is not model_or_workdir:  # a run: its config (optional when data is given)
+        try:
+            cfg = run_config(Path(model_or_workdir), overrides)
+        except ConfigError:
+            if data is None:
+                raise
     if data is not None:
         source = as_source(data, None, "eval", label="data")
     elif cfg is not None:

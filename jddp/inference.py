@@ -70,11 +70,19 @@ def load(path: PathLike, step: int | None = None, *, model: nnx.Module | None = 
     """
     ckpts, step = open_checkpoint(path, step, key="path")
     try:
-        if model is None:
+        if model is not None:
+            restore_into(model, ckpts, step, key="path")
+        else:
             cfg = model_config(ckpts.saved_config(step))
             channels = _in_channels(ckpts.weight_shapes(step))
             model = build_model(cfg, nnx.Rngs(0), in_channels=channels)
-        restore_into(model, ckpts, step, key="path")
+            try:
+                restore_into(model, ckpts, step, key="path")
+            except ConfigError as e:
+                raise ConfigError(
+                    f"{e}; the config names model.name={cfg.model.name}: for a model that was "
+                    "passed to jddp.fit, pass a freshly built one as jddp.load(..., model=...)"
+                ) from None
     finally:
         ckpts.close()
     model.eval()
