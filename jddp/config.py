@@ -139,10 +139,10 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     every_steps: int = _f(10, "write a train line to metrics.jsonl every k steps")
-    progress: Literal["auto", "on", "lines", "off"] = _f(
+    progress: Literal["auto", "on", "off", "lines"] = _f(
         "auto",
         "auto: a progress bar on a terminal, else plain lines on stdout (step, epoch, loss, lr, "
-        "img/s, ETA every log.every_steps; evals; epoch ends)|on (bar)|lines|off",
+        "img/s, ETA every log.every_steps; evals; epoch ends)|on (bar)|off|lines",
     )
     profile_steps: str | None = _f(
         None, "'a:b': write a jax.profiler trace of steps a..b-1 to workdir/profile (TensorBoard)"
