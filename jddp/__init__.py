@@ -1,6 +1,7 @@
 """jddp: a JAX data-parallel trainer for Flax NNX models.
 
 The few public names: :func:`fit` and :func:`initialize` to train your own model, loss and data;
+:func:`load`, :func:`predict` and :func:`evaluate` to use a trained model;
 the building blocks :func:`make_mesh`, :func:`create_train_state`, :func:`make_train_step`,
 :func:`make_eval_step`; the models in :mod:`jddp.models`; :class:`Config` and
 :func:`load_config`. Imports are lazy so ``python -m jddp.train --help`` stays fast.
@@ -18,6 +19,9 @@ _EXPORTS = {
     "initialize": "jddp.api",
     "load_config": "jddp.api",
     "as_source": "jddp.api",
+    "load": "jddp.inference",
+    "evaluate": "jddp.evaluate",
+    "predict": "jddp.inference",
     "RunResult": "jddp.trainer",
     "Config": "jddp.config",
     "ConfigError": "jddp.config",
@@ -42,4 +46,6 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jddp' has no attribute {name!r}")
     module = importlib.import_module(_EXPORTS[name])
-    return module if name == "models" else getattr(module, name)
+    if name in ("models", "evaluate"):  # jddp.evaluate: a callable module (the CLI's too)
+        return module
+    return getattr(module, name)

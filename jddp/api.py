@@ -65,14 +65,19 @@ def fit(
 ) -> RunResult:
     """Train ``model`` data-parallel over every device of every process; returns the result.
 
+    ``model`` ends up holding the trained parameters and model state (it is updated in place,
+    and is ``result.model``); ``jddp.load(result.checkpoint_dir, model=...)`` gets them back
+    later.
+
     Args:
       model: any Flax NNX module mapping images ``[B,H,W,C]`` to logits ``[B,K]`` (with or
         without BatchNorm, dropout or other mutable ``nnx.Variable`` state, all of which is
         carried between steps and checkpointed); build it identically on every process (same
         seed).
       optimizer: any optax transformation (default: the config's ``optim`` section).
-      train_data, eval_data: see :func:`as_source` (default: the config's ``data`` section;
-        without ``eval_data`` the train data is evaluated).
+      train_data, eval_data: see :func:`as_source`: ``(images, labels)`` arrays, a list or
+        iterable of such batches, a Source or a record source (default: the config's ``data``
+        section; without ``eval_data`` the train data is evaluated). Labels are class indices.
       loss_fn: ``(logits_BxK, labels_B) -> loss_B`` (default: softmax cross-entropy).
       metrics_fn: ``(logits_BxK, labels_B) -> {name: value_B}``, logged as ``train/<name>``.
       config: a :class:`~jddp.config.Config`, a nested dict, a YAML path or None; ``overrides``
@@ -83,8 +88,12 @@ def fit(
     cfg = load_config(config, overrides)
     splits = None
     if train_data is not None:
-        train = as_source(train_data, None, "train")
-        evals = as_source(eval_data, train.num_classes, "eval") if eval_data is not None else train
+        train = as_source(train_data, None, "train", label="train_data")
+        evals = (
+            as_source(eval_data, train.num_classes, "eval", label="eval_data")
+            if eval_data is not None
+            else train
+        )
         splits = Splits(train=train, eval=evals)
     parts = Parts(
         model=model, optimizer=optimizer, splits=splits, loss_fn=loss_fn, metrics_fn=metrics_fn

@@ -134,13 +134,21 @@ class CheckpointConfig:
         "resume even if model/data/optim/train keys differ from the checkpoint's config "
         "(refused otherwise, naming the keys); also --allow-config-change",
     )
+    init_from: str | None = _f(
+        None,
+        "start a new run (step 0, fresh optimizer) from the params and model state of another "
+        "run: its workdir or one checkpoint folder; a head of another num_classes is "
+        "re-initialised; ignored when workdir holds a checkpoint to resume",
+    )
 
 
 @dataclass
 class LogConfig:
     every_steps: int = _f(10, "write a train line to metrics.jsonl every k steps")
-    progress: Literal["auto", "on", "off"] = _f(
-        "auto", "progress bar: auto (only on a terminal)|on|off"
+    progress: Literal["auto", "on", "off", "lines"] = _f(
+        "auto",
+        "auto: a progress bar on a terminal, else plain lines on stdout (step, epoch, loss, lr, "
+        "img/s, ETA every log.every_steps; evals; epoch ends)|on (bar)|off|lines",
     )
     profile_steps: str | None = _f(
         None, "'a:b': write a jax.profiler trace of steps a..b-1 to workdir/profile (TensorBoard)"

@@ -1,15 +1,37 @@
-"""Evaluation: loss and accuracy over every example of an eval source exactly once."""
+"""Evaluation: loss, top-1 and top-5 accuracy over every example of an eval source exactly once.
+
+Three ways in:
+
+* the trainer's evals call :func:`evaluate` with its eval step and state;
+* ``python -m jddp.evaluate --workdir W [--step N] [key=value ...]`` evaluates a checkpoint of a
+  run on the configured eval split (overrides may change ``data.*``), on any number of devices
+  and processes (under ``python -m jddp.launch``, SLURM or mpirun, as train), prints the
+  result and appends it to ``W/metrics.jsonl``;
+* the library call ``jddp.evaluate(model_or_workdir, data=None, ...)`` (this module is
+  callable: :func:`evaluate_model` runs).
+
+Exit codes of the CLI are those of train: 0, 2 for bad input (no checkpoint in the workdir, a
+``--step`` that does not exist, a bad override), 1 for any other failure.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
+import sys
+import types
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
 
 from jax.sharding import Mesh
 
 from jddp.comm import Comm
 from jddp.data.loader import BatchLayout, eval_batches
 from jddp.mesh import to_host
+from jddp.metrics import describe_eval
 from jddp.state import TrainState
+
+USAGE = "python -m jddp.evaluate --workdir W [--step N] [key.sub=value ...]"
 
 
 def evaluate(
@@ -21,17 +43,232 @@ def evaluate(
     layout: BatchLayout,
     comm: Comm,
 ) -> dict:
-    """``eval/loss``, ``eval/accuracy`` and ``eval/count`` over every example of ``source``
-    exactly once (the last batch is padded and masked), summed over every process."""
-    totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
+    """``eval/loss``, ``eval/accuracy``, ``eval/top5_accuracy`` (models with more than 5
+    outputs) and ``eval/count`` over every example of ``source`` exactly once (the last batch
+    is padded and masked), summed over every process."""
+    totals: dict[str, float] = {}
     for batch in eval_batches(source, global_batch_size, mesh, layout):
         sums = to_host(eval_step(state, batch))
-        for k in totals:
-            totals[k] += float(sums[k])
+        for k, v in sums.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
     totals = comm.sum_across_processes(totals)
-    count = max(totals["count"], 1.0)
-    return {
-        "eval/loss": totals["loss_sum"] / count,
-        "eval/accuracy": totals["correct"] / count,
-        "eval/count": int(totals["count"]),
+    count = max(totals.get("count", 0.0), 1.0)
+    out = {
+        "eval/loss": totals.get("loss_sum", 0.0) / count,
+        "eval/accuracy": totals.get("correct", 0.0) / count,
     }
+    if "correct_top5" in totals:
+        out["eval/top5_accuracy"] = totals["correct_top5"] / count
+    out["eval/count"] = int(totals.get("count", 0.0))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A model on a data source, over the job's devices (the library call and the CLI)
+
+
+def evaluate_model(
+    model_or_workdir: Any,
+    data: Any = None,
+    *,
+    batch_size: int = 256,
+    step: int | None = None,
+    loss_fn: Callable | None = None,
+    overrides: Iterable[str] = (),
+) -> dict:
+    """Eval metrics (as :func:`evaluate` returns them) of a model on ``data``.
+
+    ``model_or_workdir``: an NNX module or a run (workdir or checkpoint folder, see
+    :func:`jddp.load`; ``step`` picks a checkpoint). ``data``: what :func:`jddp.as_source`
+    takes; default, for a run, its configured eval split (``overrides`` may change
+    ``data.*``). Every example counts once; the batches are spread over every device of every
+    process (under ``jax.distributed`` every process must call it with the same arguments).
+    ``loss_fn``: ``(logits_BxK, labels_B) -> loss_B`` (default: the run's cross-entropy).
+    """
+    import jax.numpy as jnp
+    import optax
+
+    from jddp import config as config_lib
+    from jddp.comm import make_comm
+    from jddp.data.loader import batch_layout
+    from jddp.data.source import as_source
+    from jddp.distributed import current_job
+    from jddp.errors import ConfigError
+    from jddp.inference import as_model
+    from jddp.mesh import make_mesh
+    from jddp.setup import COMPUTE_DTYPES, load_data
+    from jddp.state import create_train_state
+    from jddp.step import PixelNorm, cross_entropy_loss, make_eval_step
+
+    model = as_model(model_or_workdir, step)
+    cfg = None
+    if model is not model_or_workdir:  # a run: its config (optional when data is given)
+        try:
+            cfg = run_config(Path(model_or_workdir), overrides)
+        except ConfigError:
+            if data is None:
+                raise
+    if data is not None:
+        source = as_source(data, None, "eval", label="data")
+    elif cfg is not None:
+        source = load_data(cfg).eval
+    else:
+        raise TypeError("evaluate: pass data= to evaluate a model (a run has its eval split)")
+    smoothing = cfg.train.label_smoothing if cfg is not None else 0.0
+    dtype = COMPUTE_DTYPES[cfg.train.precision] if cfg is not None else jnp.float32
+    comm = make_comm(current_job(config_lib.DistConfig()), "xla")
+    mesh = make_mesh()
+    devices = mesh.devices.size
+    global_batch = -(-batch_size // devices) * devices
+    layout = batch_layout(mesh, global_batch, comm.process_index, comm.process_count)
+    model_def, state = create_train_state(model, optax.identity(), mesh)
+    eval_step = make_eval_step(
+        model_def,
+        mesh,
+        loss_fn=loss_fn or cross_entropy_loss(smoothing),
+        compute_dtype=dtype,
+        pixel_norm=PixelNorm.of(source),
+    )
+    return evaluate(eval_step, state, source, global_batch, mesh, layout, comm)
+
+
+def run_config(path: Path, overrides: Iterable[str] = ()):
+    """The resolved config of the run at ``path`` (a workdir, or a checkpoint folder inside
+    one), with ``overrides``; its ``workdir`` is the run's folder."""
+    from jddp import config as config_lib
+    from jddp.errors import ConfigError
+    from jddp.workdir import RunFolder
+
+    root = path
+    for candidate in (path, path.parent, path.parent.parent):
+        if RunFolder(candidate).config_yaml.is_file():
+            root = candidate
+            break
+    else:
+        raise ConfigError(f"--workdir: no run in {path} (it has no config.yaml)")
+    cfg = config_lib.load(RunFolder(root).config_yaml, list(overrides))
+    cfg.workdir = str(root)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI
+
+
+def evaluate_checkpoint(cfg, directory: Path, step: int, job) -> dict:
+    """Evaluate checkpoint ``step`` in ``directory`` on ``cfg``'s eval split over the job's
+    devices and processes; process 0 prints the result and appends it to metrics.jsonl."""
+    import optax
+    from flax import nnx
+
+    from jddp.checkpoint import reader
+    from jddp.comm import make_comm
+    from jddp.inference import restore_into
+    from jddp.metrics import Console, append_metrics
+    from jddp.setup import (
+        COMPUTE_DTYPES,
+        build_mesh,
+        build_model,
+        check_same_config,
+        load_data,
+    )
+    from jddp.state import create_train_state
+    from jddp.step import PixelNorm, cross_entropy_loss, make_eval_step
+    from jddp.workdir import RunFolder
+
+    comm = make_comm(job, cfg.dist.backend, cfg.dist.grad_allreduce_dtype)
+    check_same_config(comm, cfg)
+    mesh, layout = build_mesh(cfg, comm)
+    splits = load_data(cfg)
+    model = build_model(cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1])
+    ckpts = reader(directory)
+    try:
+        restore_into(model, ckpts, step, key="--workdir")
+    finally:
+        ckpts.close()
+    model_def, state = create_train_state(model, optax.identity(), mesh)
+    del model
+    eval_step = make_eval_step(
+        model_def,
+        mesh,
+        loss_fn=cross_entropy_loss(cfg.train.label_smoothing),
+        compute_dtype=COMPUTE_DTYPES[cfg.train.precision],
+        pixel_norm=PixelNorm.of(splits.train),
+    )
+    metrics = evaluate(
+        eval_step, state, splits.eval, cfg.data.global_batch_size, mesh, layout, comm
+    )
+    if comm.process_index == 0:
+        append_metrics(RunFolder(cfg.workdir), step, {**metrics, "eval/data": cfg.data.name})
+    Console(comm.process_index == 0).say(
+        f"jddp: evaluated checkpoint {directory / str(step)} on {cfg.data.name} "
+        f"({len(splits.eval)} eval examples): {describe_eval(metrics)}\n"
+        f"jddp: eval step={step} "
+        + " ".join(
+            f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+        )
+    )
+    return metrics
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # exit 2 with one line, as for config errors
+        from jddp.errors import ConfigError
+
+        raise ConfigError(f"command line: {message} (usage: {USAGE})")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``--workdir``, ``--step`` and the ``key=value`` overrides."""
+    parser = _Parser(
+        prog="python -m jddp.evaluate",
+        usage=USAGE,
+        description="Evaluate a checkpoint of a run on its eval split (every example once): "
+        "loss, top-1 and top-5 accuracy, printed and appended to WORKDIR/metrics.jsonl.",
+    )
+    parser.add_argument("--workdir", required=True, help="the run's folder")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.*")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    from jddp import errors
+    from jddp.checkpoint import find_checkpoint
+    from jddp.errors import JddpError
+    from jddp.train import _one_line, _stop_peers
+
+    argv = sys.argv[1:] if argv is None else argv
+    job = None
+    try:
+        args = parse_args(argv)
+        cfg = run_config(Path(args.workdir), args.overrides)
+        directory, step = find_checkpoint(args.workdir, args.step, "--workdir", "--step")
+        from jddp import distributed
+
+        job = distributed.initialize(cfg.dist)
+        evaluate_checkpoint(cfg, directory, step, job)
+        return 0
+    except JddpError as e:
+        print(f"jddp: error: {_one_line(e)}", file=sys.stderr)
+        return _stop_peers(job, e.exit_code)
+    except KeyboardInterrupt:
+        print("jddp: interrupted", file=sys.stderr)
+        return _stop_peers(job, errors.INTERRUPTED)
+    except Exception as e:  # noqa: BLE001 - the CLI's contract is one line and exit 1
+        print(f"jddp: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        return _stop_peers(job, errors.FAILURE)
+
+
+class _CallableModule(types.ModuleType):
+    """``jddp.evaluate`` is this module (``python -m jddp.evaluate``) and the library call."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return evaluate_model(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -128,14 +128,14 @@ class StepReporter:
                 f"non-finite loss or gradient at step {step} (train.on_nonfinite=halt); the "
                 f"update was not applied; last checkpoint: {last}"
             )
-        if self.period.due(step) or step == self.last_step or host[NONFINITE_KEY]:
+        logged = bool(self.period.due(step) or step == self.last_step or host[NONFINITE_KEY])
+        if logged:
             host.update(self.meter.end_window(step))
             if self.ideal_img_per_s and "train/img_per_s" in host:
                 host["train/scaling_efficiency"] = host["train/img_per_s"] / self.ideal_img_per_s
             self.log.write(step, host)
-            self.progress.set_postfix(
-                loss=f"{host['train/loss']:.4f}", img_s=f"{host.get('train/img_per_s', 0):.0f}"
-            )
+        self.progress.train(step, host, logged)
+        if logged:
             self.meter.restart(step)
         return stop_requested
 
@@ -150,13 +150,18 @@ class EvalHook(Every):
         evaluate: Callable[[TrainState], dict],
         log: MetricsLog,
         meter: ThroughputMeter,
+        progress: Any = None,
     ):
         super().__init__(every)
         self.last_step, self.evaluate, self.log, self.meter = last_step, evaluate, log, meter
+        self.progress = progress
 
     def __call__(self, step: int, state: TrainState) -> None:
         if self.due(step) and step < self.last_step:
-            self.log.write(step, self.evaluate(state))
+            metrics = self.evaluate(state)
+            self.log.write(step, metrics)
+            if self.progress is not None:
+                self.progress.eval(step, metrics)
             self.meter.restart(step)  # eval time is not train throughput
 
 

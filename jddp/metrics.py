@@ -78,17 +78,106 @@ class MetricsLog:
             self._tb.close()
 
 
-def make_progress(mode: str, total: int, initial: int, writer: bool = True) -> tqdm:
-    """A tqdm bar with step, loss, img/s and ETA; ``auto`` shows it only on a terminal."""
-    enabled = writer and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
-    return tqdm(
-        total=total,
-        initial=initial,
-        disable=not enabled,
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stderr,
+def append_metrics(folder: RunFolder, step: int, values: dict[str, Any]) -> None:
+    """Append ``{"step": step, **values}`` to ``metrics.jsonl`` (``jddp.evaluate``, no run)."""
+    row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
+    with folder.metrics_jsonl.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def describe_eval(metrics: dict[str, Any]) -> str:
+    """``loss 0.1234, accuracy 0.9876, top-5 0.9990 over N examples``."""
+    top5 = metrics.get("eval/top5_accuracy")
+    return (
+        f"loss {metrics['eval/loss']:.4f}, accuracy {metrics['eval/accuracy']:.4f}"
+        + (f", top-5 {top5:.4f}" if top5 is not None else "")
+        + f" over {metrics['eval/count']} examples"
     )
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """Process 0's view of the run while it trains (``log.progress``).
+
+    On a terminal (``auto`` with stdout and stderr terminals, or ``on``): a tqdm bar on stderr
+    with loss and img/s. Elsewhere (``auto`` with stdout a log file or a pipe, e.g. under
+    SLURM, or ``lines``): plain lines on stdout — one per ``log.every_steps`` train line
+    (step, epoch, loss, lr, images/s, ETA), one per eval and one at the end of each epoch.
+    ``off``, and processes other than 0: nothing.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        total: int,
+        initial: int,
+        writer: bool = True,
+        steps_per_epoch: int = 0,
+        console: Console | None = None,
+    ):
+        terminal = sys.stdout.isatty()
+        self.lines = writer and (mode == "lines" or (mode == "auto" and not terminal))
+        bar = writer and (mode == "on" or (mode == "auto" and terminal and sys.stderr.isatty()))
+        self.bar = tqdm(
+            total=total,
+            initial=initial,
+            disable=not bar,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+        self.total, self.steps_per_epoch = total, steps_per_epoch
+        self.console = console or Console(writer)
+        self.epoch_start_s = time.perf_counter()
+        self.epoch_start_step = initial
+
+    def update(self, n: int = 1) -> None:
+        """``n`` more steps done."""
+        self.bar.update(n)
+
+    def _epoch(self, step: int) -> str:
+        return f" epoch {step / self.steps_per_epoch:.2f}" if self.steps_per_epoch else ""
+
+    def train(self, step: int, host: dict[str, float], logged: bool) -> None:
+        """Step ``step``'s metrics (read on the host); ``logged``: a train line was written."""
+        if logged:
+            loss, img_s = host["train/loss"], host.get("train/img_per_s")
+            self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{img_s or 0:.0f}")
+        if not self.lines:
+            return
+        if logged:
+            parts = [f"jddp: step {step}/{self.total}{self._epoch(step)}", f"loss {loss:.4f}"]
+            if "train/lr" in host:
+                parts.append(f"lr {host['train/lr']:.4g}")
+            if img_s:
+                parts.append(f"{img_s:.1f} img/s")
+            if "train/step_time_s" in host:
+                eta = (self.total - step) * host["train/step_time_s"]
+                parts.append(f"ETA {_duration(eta)}")
+            self.console.say(", ".join(parts))
+        if self.steps_per_epoch and step % self.steps_per_epoch == 0:
+            now = time.perf_counter()
+            steps = step - self.epoch_start_step
+            self.console.say(
+                f"jddp: epoch {step // self.steps_per_epoch} done at step {step}/{self.total}: "
+                f"loss {host['train/loss']:.4f}, {steps} steps in {now - self.epoch_start_s:.1f} s"
+            )
+            self.epoch_start_s, self.epoch_start_step = now, step
+
+    def eval(self, step: int, metrics: dict[str, Any]) -> None:
+        """One line for an eval during the run."""
+        if self.lines:
+            self.console.say(
+                f"jddp: eval at step {step}{self._epoch(step)}: {describe_eval(metrics)}"
+            )
+
+    def close(self) -> None:
+        """Close the bar."""
+        self.bar.close()
 
 
 class Console:

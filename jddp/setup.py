@@ -17,7 +17,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jddp import config as config_lib
-from jddp.checkpoint import Checkpoints
+from jddp.checkpoint import (
+    Checkpoints,
+    describe_mismatch,
+    mismatched_weights,
+    open_checkpoint,
+    short_name,
+    with_shapes,
+)
 from jddp.comm import Comm, config_fingerprint
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, TrainBatches, batch_layout
@@ -33,8 +40,8 @@ from jddp.hooks import (
     SyncCheck,
     ThroughputMeter,
 )
-from jddp.mesh import make_mesh, select_devices, to_host
-from jddp.metrics import Console, MetricsLog, make_progress
+from jddp.mesh import make_mesh, put_replicated, select_devices, to_host
+from jddp.metrics import Console, MetricsLog, Progress
 from jddp.models import get_model_factory
 from jddp.optimizer import make_optimizer
 from jddp.resume import check_resume_config
@@ -175,6 +182,11 @@ def build_steps(
     return train_step, eval_step
 
 
+def _first_copy(x: Any) -> Any:
+    """This process's first copy of a replicated array (one device, no cross-device copy)."""
+    return x.addressable_data(0) if isinstance(x, jax.Array) else x
+
+
 @dataclass
 class Run:
     """Everything the loop uses, built from the config by :func:`build_run`."""
@@ -202,6 +214,18 @@ class Run:
     profiler: Profiler
     hooks: list = field(default_factory=list)
     start_skipped_steps: int = 0  # skipped before this run resumed
+    user_model: nnx.Module | None = None  # the module jddp.fit was given: trained in place
+
+    def trained_model(self, state: TrainState) -> nnx.Module:
+        """The module holding ``state``'s parameters and model state (this process's first
+        copy of the replicated arrays): the user's module, updated in place, or a new one."""
+        params, model_state, rest = jax.tree.map(
+            _first_copy, (state.params, state.model_state, self.model_def.rest)
+        )
+        if self.user_model is not None:
+            nnx.update(self.user_model, params, model_state)
+            return self.user_model
+        return nnx.merge(self.model_def.graphdef, params, model_state, rest)
 
     @property
     def num_devices(self) -> int:
@@ -253,7 +277,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
     model_def, state = create_train_state(model, tx, mesh)
     del model
-    check_model_output(cfg, model_def, state, splits)
+    num_outputs = check_model_output(cfg, model_def, state, splits)
 
     ckpts = Checkpoints.of(
         folder,
@@ -264,6 +288,8 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         primary=writer,
     )
     state, start_step = restore(cfg, ckpts, state, comm, console, steps)
+    if start_step == 0 and cfg.checkpoint.init_from:  # a fresh run; a resume keeps its own
+        state = warm_start(cfg.checkpoint.init_from, state, tx, mesh, console, num_outputs)
     state = comm.broadcast_state(state, mesh)
     if writer:
         folder.config_yaml.write_text(config_lib.dump(cfg))
@@ -272,7 +298,9 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
     train_step, eval_step = build_steps(
         cfg, model_def, tx, mesh, comm, parts, schedule, PixelNorm.of(splits.train)
     )
-    progress = make_progress(cfg.log.progress, steps, start_step, writer)
+    progress = Progress(
+        cfg.log.progress, steps, start_step, writer, batches.steps_per_epoch, console
+    )
     meter = ThroughputMeter(cfg.data.global_batch_size, start_step)
     reporter = StepReporter(
         cfg.log.every_steps,
@@ -291,8 +319,9 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         Profiler(cfg.log.profile_steps, folder.profile, console),
     )  # fmt: skip
     run.start_skipped_steps = int(to_host(state.skipped_steps))
+    run.user_model = parts.model
     run.hooks = [
-        EvalHook(cfg.train.eval_every_steps, steps, run.evaluate, log, meter),
+        EvalHook(cfg.train.eval_every_steps, steps, run.evaluate, log, meter, progress),
         CheckpointHook(ckpts, run.config_dict),
         SyncCheck(cfg.dist.check_sync_every, comm),
     ]
@@ -309,9 +338,9 @@ def check_profile_steps(profile_steps: str | None, steps: int) -> None:
         )
 
 
-def check_model_output(cfg: Config, model_def: ModelDef, state: TrainState, splits: Splits) -> None:
+def check_model_output(cfg: Config, model_def: ModelDef, state: TrainState, splits: Splits) -> int:
     """Refuse a model whose output is not ``[B, K]`` logits with ``K`` >= the data's classes
-    (otherwise the loss fails deep inside optax, or trains on garbage)."""
+    (otherwise the loss fails deep inside optax, or trains on garbage); returns ``K``."""
     shape = (2, *splits.train.image_shape)
 
     def forward(params, model_state, images):
@@ -342,6 +371,7 @@ def check_model_output(cfg: Config, model_def: ModelDef, state: TrainState, spli
             f"{where}: the model maps images of shape {list(shape)} to {got}; expected logits "
             f"of shape [2, K] with K >= the {classes} classes of the data (model.num_classes)"
         )
+    return int(out.shape[1])
 
 
 def restore(
@@ -372,3 +402,72 @@ def restore(
     start_step = int(to_host(state.step))
     console.say(f"jddp: resumed from {ckpts.directory / str(saved_step)} at step {start_step}")
     return state, start_step
+
+
+def head_arrays(differ: list[tuple[str, tuple, tuple]], num_outputs: int) -> list[str] | None:
+    """The names of ``differ`` (``(name, saved shape, shape now)``) when they are all one
+    output layer whose class dimension changed: one module's arrays, equal but for the last
+    axis, which is now ``num_outputs`` (the model's logits). None otherwise."""
+    if not differ:
+        return None
+    parents, pairs = set(), set()
+    for name, saved, now in differ:
+        if len(saved) != len(now) or saved[:-1] != now[:-1] or now[-1] != num_outputs:
+            return None
+        parents.add(name.removesuffix(".value").rsplit("[", 1)[0])
+        pairs.add((saved[-1], now[-1]))
+    return [name for name, *_ in differ] if len(parents) == 1 and len(pairs) == 1 else None
+
+
+def warm_start(
+    path: str,
+    state: TrainState,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    console: Console,
+    num_outputs: int,
+) -> TrainState:
+    """``checkpoint.init_from``: ``state`` at step 0 with another run's params and model state
+    and a fresh optimizer state. Arrays the checkpoint lacks, or of other shapes, are refused
+    (``ConfigError`` naming them), except an output layer whose class dimension changed: that
+    one keeps its fresh initialisation (and the message says so)."""
+    key = "checkpoint.init_from"
+    ckpts, step = open_checkpoint(path, None, key)
+    where = ckpts.directory / str(step)
+    try:
+        fresh = to_host({"params": state.params, "model_state": state.model_state})
+        saved = ckpts.weight_shapes(step)
+        missing, differ = mismatched_weights(saved, fresh)
+        head = head_arrays(differ, num_outputs) or []
+        if missing or (differ and not head):
+            raise ConfigError(
+                f"{key}: checkpoint {where} does not fit this model: "
+                f"{describe_mismatch(missing, differ)} (only an output layer of another "
+                "num_classes is re-initialised)"
+            )
+        restored = ckpts.restore_weights(step, with_shapes(fresh, saved))
+    finally:
+        ckpts.close()
+    keep_fresh = set(head)
+    weights = {}
+    for top in ("params", "model_state"):
+        flat, _ = jax.tree_util.tree_flatten_with_path(fresh[top])
+        pick = [
+            new if f".{top}{jax.tree_util.keystr(path)}" in keep_fresh else old
+            for (path, new), old in zip(flat, jax.tree.leaves(restored[top]), strict=True)
+        ]
+        weights[top] = jax.tree.unflatten(jax.tree.structure(fresh[top]), pick)
+    note = ""
+    if head:
+        (_, before, now), *_ = differ
+        names = ", ".join(short_name(n) for n in head)
+        note = f"; re-initialised {names} (class dimension {before[-1]} -> {now[-1]})"
+    console.say(
+        f"jddp: {key}: starting at step 0 from the params and model state of {where} "
+        f"(optimizer state fresh){note}"
+    )
+    return state.replace(
+        params=put_replicated(weights["params"], mesh),
+        model_state=put_replicated(weights["model_state"], mesh),
+        opt_state=put_replicated(tx.init(weights["params"]), mesh),
+    )

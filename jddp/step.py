@@ -154,6 +154,8 @@ def _make_update_stage(tx: optax.GradientTransformation, schedule: optax.Schedul
             **metrics,
             NONFINITE_KEY: (~finite).astype(jnp.float32),
             "train/skipped_steps": skipped,
+            "train/grad_norm": optax.tree.norm(grads),  # of the averaged gradient
+            "train/param_norm": optax.tree.norm(params),
         }
         if schedule is not None:
             metrics["train/lr"] = schedule(state.step)
@@ -212,7 +214,8 @@ def make_train_step(
     their gradients, and the averaged gradient is applied once. Returned metrics are means
     over the whole global batch: ``train/loss``, ``train/accuracy``, ``train/nonfinite`` (1
     when the update was dropped because the loss or a gradient was not finite),
-    ``train/skipped_steps`` (and ``train/lr``). An optional ``batch["sys/stop"]`` (one flag per
+    ``train/skipped_steps``, ``train/grad_norm`` (of the averaged gradient), ``train/param_norm``
+    (after the update) (and ``train/lr``). An optional ``batch["sys/stop"]`` (one flag per
     row, each process filling its rows) comes back as ``metrics["sys/stop"] > 0`` when any
     process asked to stop, so all processes agree on the step. The model's mutable state
     (BatchNorm statistics, RNG counters, custom variables) carries through the micro-batches
@@ -272,8 +275,9 @@ def make_eval_step(
     """Build the eval step ``(state, batch) -> sums``.
 
     ``batch`` carries ``mask`` [B] (1 for real examples, 0 for padding), so a padded last batch
-    counts each real example exactly once. Returns global *sums* ``loss_sum``, ``correct`` and
-    ``count``; the caller divides after the last batch.
+    counts each real example exactly once. Returns global *sums* ``loss_sum``, ``correct``,
+    ``count`` and, when the model has more than 5 outputs, ``correct_top5`` (the label is among
+    the 5 largest logits); the caller divides after the last batch.
     """
     loss_fn = loss_fn or cross_entropy_loss()
 
@@ -289,6 +293,10 @@ def make_eval_step(
             "correct": (correct * mask).sum(),
             "count": mask.sum(),
         }
+        if logits.shape[-1] > 5:
+            top5_Bx5 = jax.lax.top_k(logits, 5)[1]
+            in_top5 = jnp.any(top5_Bx5 == batch["labels"][:, None], axis=-1)
+            sums["correct_top5"] = (in_top5.astype(jnp.float32) * mask).sum()
         return jax.lax.psum(sums, DATA_AXIS)
 
     return jax.jit(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from flax import nnx
+
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.distributed import Job, current_job
@@ -17,7 +19,7 @@ from jddp.errors import ConfigError, NonFiniteLoss, Preempted
 from jddp.hooks import StopRequest
 from jddp.loop import train_loop
 from jddp.mesh import to_host
-from jddp.metrics import Console, InputWait
+from jddp.metrics import Console, InputWait, describe_eval
 from jddp.setup import Parts, Run, build_run, check_same_config
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
@@ -28,7 +30,9 @@ __all__ = ["Parts", "RunResult", "train_and_evaluate"]
 
 @dataclass
 class RunResult:
-    """What a finished run reports: final step, final eval metrics, timing, checkpoint path.
+    """What a finished run reports: final step, final eval metrics, timing, checkpoint path,
+    and ``model``: the trained module (the one given to :func:`jddp.fit`, updated in place, or
+    the one the config built), in the mode training left it (call ``model.eval()`` to infer).
 
     ``input_wait_fraction``: the share of the timed train wall time (the first step, which
     compiles, and eval excluded) that process 0's loop spent blocked waiting for the next batch
@@ -41,6 +45,7 @@ class RunResult:
     img_per_s: float
     checkpoint_dir: str
     input_wait_fraction: float = 0.0
+    model: nnx.Module | None = None
 
 
 def train_and_evaluate(
@@ -123,6 +128,7 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
         img_per_s=run.meter.img_per_s,
         checkpoint_dir=str(ckpts.directory / str(step)),
         input_wait_fraction=run.meter.input_wait.mean_fraction,
+        model=run.trained_model(state),
     )
     _summarise(run, result)
     return result
@@ -146,8 +152,7 @@ def _summarise(run: Run, result: RunResult) -> None:
     run.console.say(
         "jddp: summary\n"
         f"  steps          {run.start_step} -> {result.step} of {run.total_steps}\n"
-        f"  eval           loss {ev['eval/loss']:.4f}, accuracy "
-        f"{ev['eval/accuracy']:.4f} over {ev['eval/count']} examples\n"
+        f"  eval           {describe_eval(ev)}\n"
         f"  throughput     {result.img_per_s:.1f} img/s on {run.num_devices} devices "
         f"({run.comm.process_count} processes)\n"
         f"  input wait     {100 * result.input_wait_fraction:.2f}% of the timed step wall time "

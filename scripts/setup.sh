@@ -4,6 +4,7 @@
 # Idempotent: a second run only checks. Usage: bash scripts/setup.sh
 # Environment: PYTHON (interpreter, default python3), JDDP_VENV (default .venv),
 #              JDDP_CUDA=1 to also install jax[cuda12] and build mpi4jax's CUDA bridge.
+#              JDDP_TENSORBOARD=1 to also install the TensorBoard viewer (pinned below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -20,6 +21,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 "$PY" -m pip install -q --no-deps -e .
 if [ "${JDDP_CUDA:-0}" = 1 ]; then
   "$PY" -m pip install -q -c requirements.lock -e ".[cuda12]"
+fi
+if [ "${JDDP_TENSORBOARD:-0}" = 1 ]; then
+  # Optional: runs write TensorBoard files without it (tensorboardX); this is the viewer.
+  "$PY" -m pip install -q -c requirements.lock "tensorboard==2.21.0"
 fi
 
 # mpi4jax builds from source against the MPICH that requirements.lock installed into the

@@ -49,7 +49,7 @@ class Recorder:
 
 
 class Bar:
-    def set_postfix(self, **kw):
+    def train(self, step, host, logged):
         pass
 
 

@@ -53,6 +53,10 @@ def test_topology_invariance(tmp_path, reference, nproc, devices):
     for step in range(1, 21):
         assert got[step] == pytest.approx(want[step], rel=1e-4), step
     assert final_accuracy(wd) == final_accuracy(reference)
+    for key in ("train/grad_norm", "train/param_norm"):  # from the step, on every topology
+        mine = [r[key] for r in rows if key in r]
+        theirs = [r[key] for r in read_metrics(reference) if key in r]
+        assert len(mine) == 20 and mine == pytest.approx(theirs, rel=1e-4), key
     done = [line for line in out.stdout.splitlines() if "jddp: done step=20" in line]
     assert len(done) == 1 and done[0].startswith("[rank 0]")
     assert sorted(int(p.name) for p in (wd / "checkpoints").iterdir()) == [20]

@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from jddp.errors import ConfigError
+
 __all__ = ["ArraySource", "RecordSource", "Source", "Splits", "as_source"]
 
 
@@ -181,19 +183,46 @@ class RecordSource:
         return f"RecordSource(name={self.name!r}, n={len(self)}, image_shape={self.image_shape})"
 
 
-def as_source(data: Any, num_classes: int | None = None, name: str = "data") -> Source:
+def _is_batch_list(data: Any) -> bool:
+    """A list/tuple of ``(images, labels)`` batches (labels ``[n]``), not of records."""
+    if not isinstance(data, list | tuple) or not data:
+        return False
+    first = data[0]
+    return isinstance(first, list | tuple) and len(first) == 2 and np.ndim(first[1]) == 1
+
+
+def class_labels(labels: Any, who: str) -> np.ndarray:
+    """``labels`` as int32 class indices; float labels with a fractional part are an error
+    (``ConfigError`` naming ``who``), not silently truncated."""
+    labels = np.asarray(labels)
+    if labels.dtype.kind == "f":
+        bad = labels[~np.isfinite(labels) | (labels != np.round(labels))]
+        if bad.size:
+            raise ConfigError(
+                f"{who}: labels must be integer class indices, got float labels such as "
+                f"{bad.flat[0]!r} ({bad.size} of {labels.size} are not whole numbers)"
+            )
+    return labels.astype(np.int32)
+
+
+def as_source(
+    data: Any, num_classes: int | None = None, name: str = "data", *, label: str | None = None
+) -> Source:
     """Turn user data into a :class:`Source`.
 
     Accepts ``(images, labels)`` numpy arrays (uint8 images are scaled to [0, 1], nothing
     else is changed), a ``Source`` (anything with ``get_batch``), a random-access record source
-    (``len`` + ``[i]``, e.g. grain's), or an iterable of ``(images, labels)`` batches, which is
-    read once into memory and then sampled like arrays.
+    (``len`` + ``[i]``, e.g. grain's), or an iterable (a list, a tuple, a generator) of
+    ``(images, labels)`` batches, which is read once into memory and then sampled like arrays.
+    Labels are class indices; float labels must be whole numbers. Errors name ``label``
+    (default ``name``), e.g. ``train_data``.
     """
+    who = label or name
     if hasattr(data, "get_batch"):
         return data
     if isinstance(data, tuple) and len(data) == 2 and hasattr(data[0], "shape"):
-        images, labels = np.asarray(data[0]), np.asarray(data[1]).astype(np.int32)
-    elif hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+        images, labels = np.asarray(data[0]), class_labels(data[1], who)
+    elif hasattr(data, "__len__") and hasattr(data, "__getitem__") and not _is_batch_list(data):
         classes = num_classes or 1 + max(
             int(data[i][1] if not isinstance(data[i], dict) else data[i]["label"])
             for i in range(len(data))
@@ -202,10 +231,10 @@ def as_source(data: Any, num_classes: int | None = None, name: str = "data") -> 
     elif isinstance(data, Iterable):
         batches = [(np.asarray(x), np.asarray(y)) for x, y in data]
         images = np.concatenate([x for x, _ in batches])
-        labels = np.concatenate([y for _, y in batches]).astype(np.int32)
+        labels = class_labels(np.concatenate([y for _, y in batches]), who)
     else:
         raise TypeError(
-            f"{name}: expected (images, labels) arrays, a Source, a random-access "
+            f"{who}: expected (images, labels) arrays, a Source, a random-access "
             f"record source or an iterable of batches, got {type(data).__name__}"
         )
     if images.ndim == 3:

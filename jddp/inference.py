@@ -1,0 +1,147 @@
+"""A trained model in hand: :func:`load` one from a run, :func:`predict` logits with it.
+
+Both work in one process on one device, without a mesh or ``jax.distributed``: the checkpoint's
+saved config says how to build the model (or a template module says it), and only the
+parameters and model state are read (the optimizer state is not).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jddp import config as config_lib
+from jddp.checkpoint import (
+    Checkpoints,
+    describe_mismatch,
+    mismatched_weights,
+    open_checkpoint,
+)
+from jddp.errors import ConfigError
+from jddp.setup import build_model
+from jddp.state import split_model
+from jddp.step import PixelNorm
+
+PathLike = str | Path
+
+
+def restore_into(model: nnx.Module, ckpts: Checkpoints, step: int, key: str) -> nnx.Module:
+    """Set ``model``'s parameters and model state to checkpoint ``step``'s (in place)."""
+    _, params, model_state = split_model(model)
+    weights = {"params": params, "model_state": model_state}
+    missing, differ = mismatched_weights(ckpts.weight_shapes(step), weights)
+    if missing or differ:
+        raise ConfigError(
+            f"{key}: checkpoint {ckpts.directory / str(step)} does not fit this model: "
+            f"{describe_mismatch(missing, differ)}"
+        )
+    restored = jax.tree.map(jnp.asarray, ckpts.restore_weights(step, weights))
+    nnx.update(model, restored["params"], restored["model_state"])
+    return model
+
+
+def _in_channels(shapes: dict[str, tuple[int, ...]]) -> int:
+    """Input channels of a built-in ResNet, from its first convolution's kernel [h, w, C, out]."""
+    kernel = shapes.get(".params['conv1']['kernel'].value")
+    return kernel[2] if kernel and len(kernel) == 4 else 3
+
+
+def model_config(saved: dict[str, Any]) -> config_lib.Config:
+    """The parts of a checkpoint's saved config that say how to build its model."""
+    train = saved.get("train", {})
+    precision = {"precision": train["precision"]} if "precision" in train else {}
+    return config_lib.from_dict({"model": saved.get("model", {}), "train": precision})
+
+
+def load(path: PathLike, step: int | None = None, *, model: nnx.Module | None = None):
+    """The trained model of a run, in eval mode, on the default device.
+
+    ``path``: a workdir (its newest checkpoint, or ``step``) or one checkpoint folder
+    (``workdir/checkpoints/<step>``). The model is built as the checkpoint's config says
+    (``model.name``, ``model.num_classes``, ...); for a model passed to :func:`jddp.fit` that the
+    config cannot build, pass a freshly built ``model`` of the same architecture as a template:
+    its arrays are replaced in place and it is returned. Raises :class:`ConfigError` when there
+    is no such checkpoint or the model does not fit it (naming the arrays).
+    """
+    ckpts, step = open_checkpoint(path, step, key="path")
+    try:
+        if model is not None:
+            restore_into(model, ckpts, step, key="path")
+        else:
+            cfg = model_config(ckpts.saved_config(step))
+            channels = _in_channels(ckpts.weight_shapes(step))
+            model = build_model(cfg, nnx.Rngs(0), in_channels=channels)
+            try:
+                restore_into(model, ckpts, step, key="path")
+            except ConfigError as e:
+                raise ConfigError(
+                    f"{e}; the config names model.name={cfg.model.name}: for a model that was "
+                    "passed to jddp.fit, pass a freshly built one as jddp.load(..., model=...)"
+                ) from None
+    finally:
+        ckpts.close()
+    model.eval()
+    return model
+
+
+def as_model(model_or_workdir: nnx.Module | PathLike, step: int | None = None) -> nnx.Module:
+    """``model_or_workdir`` itself if it is a module, else :func:`load` of it."""
+    if isinstance(model_or_workdir, nnx.Module):
+        return model_or_workdir
+    return load(model_or_workdir, step)
+
+
+def predict(
+    model_or_workdir: nnx.Module | PathLike,
+    images: Any,
+    batch_size: int = 256,
+    *,
+    mean: Any = None,
+    std: Any = None,
+    step: int | None = None,
+) -> np.ndarray:
+    """Logits ``[N, K]`` of ``images`` in input order (``logits.argmax(-1)``: the labels).
+
+    ``images``: ``[N, H, W, C]`` (or ``[N, H, W]``) float images, normalised as in training,
+    or uint8 pixels, scaled to [0, 1] and standardised with ``mean``/``std`` per channel (on
+    the [0, 1] scale) like the train step does; or a data source (:func:`jddp.as_source`),
+    whose own normalisation is used. Runs in eval mode on the default device, ``batch_size``
+    images at a time (the last batch is padded, so one program serves every batch). The model
+    passed is not changed.
+    """
+    model = as_model(model_or_workdir, step)
+    if hasattr(images, "get_batch"):
+        source = images
+        norm = PixelNorm.of(source)
+        n = len(source)
+        fetch = lambda idx: source.get_batch(idx)[0]  # noqa: E731
+    else:
+        array = np.asarray(images)
+        if array.ndim == 3:
+            array = array[..., None]
+        if array.ndim != 4:
+            raise ConfigError(f"images: expected [N, H, W, C], got shape {list(array.shape)}")
+        norm = PixelNorm() if mean is None or std is None else PixelNorm(tuple(mean), tuple(std))
+        n = len(array)
+        fetch = lambda idx: array[idx]  # noqa: E731
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, images_BxHxWxC):
+        module = nnx.merge(graphdef, state)
+        module.eval()
+        return module(norm(images_BxHxWxC, jnp.float32))
+
+    size = max(1, min(batch_size, n))
+    out = []
+    for start in range(0, n, size):
+        idx = np.arange(start, start + size)
+        real = idx < n
+        batch = np.asarray(fetch(np.where(real, idx, 0)))
+        out.append(np.asarray(forward(state, batch))[real])
+    return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
