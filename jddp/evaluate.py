@@ -165,13 +165,8 @@ def evaluate_checkpoint(cfg, directory: Path, step: int, job) -> dict:
     from jddp.comm import make_comm
     from jddp.inference import restore_into
     from jddp.metrics import Console, append_metrics
-    from jddp.setup import (
-        COMPUTE_DTYPES,
-        build_mesh,
-        build_model,
-        check_same_config,
-        load_data,
-    )
+    from jddp.preflight import check_same_config
+    from jddp.setup import COMPUTE_DTYPES, build_mesh, build_model, load_data
     from jddp.state import create_train_state
     from jddp.step import PixelNorm, cross_entropy_loss, make_eval_step
     from jddp.workdir import RunFolder

@@ -19,13 +19,8 @@ from jax.sharding import Mesh
 from jddp import config as config_lib
 from jddp.checkpoint import (
     Checkpoints,
-    describe_mismatch,
-    mismatched_weights,
-    open_checkpoint,
-    short_name,
-    with_shapes,
 )
-from jddp.comm import Comm, config_fingerprint
+from jddp.comm import Comm
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, TrainBatches, batch_layout
 from jddp.data.registry import load_splits
@@ -40,11 +35,12 @@ from jddp.hooks import (
     SyncCheck,
     ThroughputMeter,
 )
-from jddp.mesh import make_mesh, put_replicated, select_devices, to_host
+from jddp.mesh import make_mesh, select_devices, to_host
 from jddp.metrics import Console, MetricsLog, Progress
 from jddp.models import get_model_factory
 from jddp.optimizer import make_optimizer
-from jddp.resume import check_resume_config
+from jddp.preflight import check_model_output, check_profile_steps
+from jddp.start import restore, warm_start
 from jddp.state import ModelDef, TrainState, create_train_state
 from jddp.step import PixelNorm, TrainStep, cross_entropy_loss, make_eval_step, make_train_step
 from jddp.workdir import RunFolder
@@ -115,19 +111,6 @@ def load_data(cfg: Config) -> Splits:
             f"{splits.train.num_classes} classes of data.name={cfg.data.name}"
         )
     return splits
-
-
-def check_same_config(comm: Comm, cfg: Config) -> None:
-    """Refuse to start when processes were given different configs (e.g. different seeds)."""
-    config = config_lib.to_dict(cfg)
-    shared = {**config, "dist": {k: v for k, v in config["dist"].items() if k != "process_id"}}
-    prints = comm.allgather_int(config_fingerprint(shared))
-    differ = [rank for rank, p in enumerate(prints) if p != prints[0]]
-    if differ:
-        raise ConfigError(
-            f"the config of rank {differ[0]} differs from rank 0's: every process must be "
-            "started with the same config file and overrides"
-        )
 
 
 def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
@@ -326,148 +309,3 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         SyncCheck(cfg.dist.check_sync_every, comm),
     ]
     return run
-
-
-def check_profile_steps(profile_steps: str | None, steps: int) -> None:
-    """``log.profile_steps='a:b'`` must end within the run (else it would silently trace
-    nothing)."""
-    if profile_steps and int(profile_steps.split(":")[1]) > steps:
-        raise ConfigError(
-            f"log.profile_steps={profile_steps!r} ends after the run's last step {steps}: "
-            f"choose 'a:b' with b <= {steps}"
-        )
-
-
-def check_model_output(cfg: Config, model_def: ModelDef, state: TrainState, splits: Splits) -> int:
-    """Refuse a model whose output is not ``[B, K]`` logits with ``K`` >= the data's classes
-    (otherwise the loss fails deep inside optax, or trains on garbage); returns ``K``."""
-    shape = (2, *splits.train.image_shape)
-
-    def forward(params, model_state, images):
-        model = model_def.merge(params, model_state)
-        model.eval()
-        return model(images)
-
-    where = f"model.name={cfg.model.name}"
-    try:
-        out = jax.eval_shape(
-            forward, state.params, state.model_state, jax.ShapeDtypeStruct(shape, jnp.float32)
-        )
-    except Exception as e:  # noqa: BLE001 - any failure here means "cannot take these images"
-        error = " ".join(str(e).split())[:300]
-        raise ConfigError(
-            f"{where}: the model cannot be applied to images of shape {list(shape)} "
-            f"({type(e).__name__}: {error})"
-        ) from None
-    classes = splits.train.num_classes
-    if (
-        not hasattr(out, "shape")
-        or len(out.shape) != 2
-        or out.shape[0] != 2
-        or out.shape[1] < classes
-    ):
-        got = list(out.shape) if hasattr(out, "shape") else type(out).__name__
-        raise ConfigError(
-            f"{where}: the model maps images of shape {list(shape)} to {got}; expected logits "
-            f"of shape [2, K] with K >= the {classes} classes of the data (model.num_classes)"
-        )
-    return int(out.shape[1])
-
-
-def restore(
-    cfg: Config,
-    ckpts: Checkpoints,
-    state: TrainState,
-    comm: Comm,
-    console: Console,
-    total_steps: int,
-) -> tuple[TrainState, int]:
-    """The newest good checkpoint's state and step under ``checkpoint.resume``, else
-    ``(state, 0)``; refuses a checkpoint whose config differs in what changes training."""
-    if not cfg.checkpoint.resume:
-        return state, 0
-    now = config_lib.to_dict(cfg)
-
-    def check_config(step: int, saved: dict[str, Any]) -> None:
-        check_resume_config(saved, now, step, total_steps, str(ckpts.directory / str(step)))
-
-    try:
-        restored = ckpts.restore_newest_good(state, comm.agree, check_config)
-    except BaseException:
-        ckpts.close()  # orbax's background threads must stop before the interpreter does
-        raise
-    if restored is None:
-        return state, 0
-    state, saved_step = restored
-    start_step = int(to_host(state.step))
-    console.say(f"jddp: resumed from {ckpts.directory / str(saved_step)} at step {start_step}")
-    return state, start_step
-
-
-def head_arrays(differ: list[tuple[str, tuple, tuple]], num_outputs: int) -> list[str] | None:
-    """The names of ``differ`` (``(name, saved shape, shape now)``) when they are all one
-    output layer whose class dimension changed: one module's arrays, equal but for the last
-    axis, which is now ``num_outputs`` (the model's logits). None otherwise."""
-    if not differ:
-        return None
-    parents, pairs = set(), set()
-    for name, saved, now in differ:
-        if len(saved) != len(now) or saved[:-1] != now[:-1] or now[-1] != num_outputs:
-            return None
-        parents.add(name.removesuffix(".value").rsplit("[", 1)[0])
-        pairs.add((saved[-1], now[-1]))
-    return [name for name, *_ in differ] if len(parents) == 1 and len(pairs) == 1 else None
-
-
-def warm_start(
-    path: str,
-    state: TrainState,
-    tx: optax.GradientTransformation,
-    mesh: Mesh,
-    console: Console,
-    num_outputs: int,
-) -> TrainState:
-    """``checkpoint.init_from``: ``state`` at step 0 with another run's params and model state
-    and a fresh optimizer state. Arrays the checkpoint lacks, or of other shapes, are refused
-    (``ConfigError`` naming them), except an output layer whose class dimension changed: that
-    one keeps its fresh initialisation (and the message says so)."""
-    key = "checkpoint.init_from"
-    ckpts, step = open_checkpoint(path, None, key)
-    where = ckpts.directory / str(step)
-    try:
-        fresh = to_host({"params": state.params, "model_state": state.model_state})
-        saved = ckpts.weight_shapes(step)
-        missing, differ = mismatched_weights(saved, fresh)
-        head = head_arrays(differ, num_outputs) or []
-        if missing or (differ and not head):
-            raise ConfigError(
-                f"{key}: checkpoint {where} does not fit this model: "
-                f"{describe_mismatch(missing, differ)} (only an output layer of another "
-                "num_classes is re-initialised)"
-            )
-        restored = ckpts.restore_weights(step, with_shapes(fresh, saved))
-    finally:
-        ckpts.close()
-    keep_fresh = set(head)
-    weights = {}
-    for top in ("params", "model_state"):
-        flat, _ = jax.tree_util.tree_flatten_with_path(fresh[top])
-        pick = [
-            new if f".{top}{jax.tree_util.keystr(path)}" in keep_fresh else old
-            for (path, new), old in zip(flat, jax.tree.leaves(restored[top]), strict=True)
-        ]
-        weights[top] = jax.tree.unflatten(jax.tree.structure(fresh[top]), pick)
-    note = ""
-    if head:
-        (_, before, now), *_ = differ
-        names = ", ".join(short_name(n) for n in head)
-        note = f"; re-initialised {names} (class dimension {before[-1]} -> {now[-1]})"
-    console.say(
-        f"jddp: {key}: starting at step 0 from the params and model state of {where} "
-        f"(optimizer state fresh){note}"
-    )
-    return state.replace(
-        params=put_replicated(weights["params"], mesh),
-        model_state=put_replicated(weights["model_state"], mesh),
-        opt_state=put_replicated(tx.init(weights["params"]), mesh),
-    )

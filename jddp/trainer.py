@@ -20,7 +20,8 @@ from jddp.hooks import StopRequest
 from jddp.loop import train_loop
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, describe_eval
-from jddp.setup import Parts, Run, build_run, check_same_config
+from jddp.preflight import check_same_config
+from jddp.setup import Parts, Run, build_run
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
 from jddp.xla_setup import enable_compilation_cache

@@ -1,0 +1,74 @@
+"""Checks before the first step, so a mistake costs seconds and one clear line, not a crash
+deep inside a compiled step: the same config on every process, a model output that fits the
+data, a profile range inside the run."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jddp import config as config_lib
+from jddp.comm import Comm, config_fingerprint
+from jddp.config import Config
+from jddp.data.source import Splits
+from jddp.errors import ConfigError
+from jddp.state import ModelDef, TrainState
+
+
+def check_same_config(comm: Comm, cfg: Config) -> None:
+    """Refuse to start when processes were given different configs (e.g. different seeds)."""
+    config = config_lib.to_dict(cfg)
+    shared = {**config, "dist": {k: v for k, v in config["dist"].items() if k != "process_id"}}
+    prints = comm.allgather_int(config_fingerprint(shared))
+    differ = [rank for rank, p in enumerate(prints) if p != prints[0]]
+    if differ:
+        raise ConfigError(
+            f"the config of rank {differ[0]} differs from rank 0's: every process must be "
+            "started with the same config file and overrides"
+        )
+
+
+def check_profile_steps(profile_steps: str | None, steps: int) -> None:
+    """``log.profile_steps='a:b'`` must end within the run (else it would silently trace
+    nothing)."""
+    if profile_steps and int(profile_steps.split(":")[1]) > steps:
+        raise ConfigError(
+            f"log.profile_steps={profile_steps!r} ends after the run's last step {steps}: "
+            f"choose 'a:b' with b <= {steps}"
+        )
+
+
+def check_model_output(cfg: Config, model_def: ModelDef, state: TrainState, splits: Splits) -> int:
+    """Refuse a model whose output is not ``[B, K]`` logits with ``K`` >= the data's classes
+    (otherwise the loss fails deep inside optax, or trains on garbage); returns ``K``."""
+    shape = (2, *splits.train.image_shape)
+
+    def forward(params, model_state, images):
+        model = model_def.merge(params, model_state)
+        model.eval()
+        return model(images)
+
+    where = f"model.name={cfg.model.name}"
+    try:
+        out = jax.eval_shape(
+            forward, state.params, state.model_state, jax.ShapeDtypeStruct(shape, jnp.float32)
+        )
+    except Exception as e:  # noqa: BLE001 - any failure here means "cannot take these images"
+        error = " ".join(str(e).split())[:300]
+        raise ConfigError(
+            f"{where}: the model cannot be applied to images of shape {list(shape)} "
+            f"({type(e).__name__}: {error})"
+        ) from None
+    classes = splits.train.num_classes
+    if (
+        not hasattr(out, "shape")
+        or len(out.shape) != 2
+        or out.shape[0] != 2
+        or out.shape[1] < classes
+    ):
+        got = list(out.shape) if hasattr(out, "shape") else type(out).__name__
+        raise ConfigError(
+            f"{where}: the model maps images of shape {list(shape)} to {got}; expected logits "
+            f"of shape [2, K] with K >= the {classes} classes of the data (model.num_classes)"
+        )
+    return int(out.shape[1])
