@@ -97,10 +97,11 @@ def evaluate(
     mesh,
     layout: BatchLayout,
     comm: XlaComm,
+    pipeline: dict[str, Any] | None = None,
 ) -> dict:
     """``eval/loss`` and ``eval/accuracy`` over every eval example exactly once."""
     totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
-    for batch in eval_batches(splits.eval, batch_size, mesh, layout):
+    for batch in eval_batches(splits.eval, batch_size, mesh, layout, **(pipeline or {})):
         sums = to_host(eval_step(state, batch))
         for k in totals:
             totals[k] += float(sums[k])
@@ -257,9 +258,10 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
         )
 
     splits = parts.splits or load_data(cfg)
+    pipeline = {k: getattr(cfg.data, k) for k in ("augment", "workers", "worker_kind")}
     try:
         batches = TrainBatches(
-            splits.train, cfg.data.global_batch_size, cfg.train.seed, mesh, layout
+            splits.train, cfg.data.global_batch_size, cfg.train.seed, mesh, layout, **pipeline
         )
     except ValueError as e:  # the batch is larger than the data set
         raise ConfigError(str(e)) from None
@@ -319,7 +321,9 @@ def _train(cfg: Config, comm: XlaComm, stop: StopRequest, parts: Parts) -> RunRe
     )
 
     def run_eval(state: TrainState) -> dict:
-        return evaluate(eval_step, state, splits, cfg.data.global_batch_size, mesh, layout, comm)
+        return evaluate(
+            eval_step, state, splits, cfg.data.global_batch_size, mesh, layout, comm, pipeline
+        )
 
     global_batch = cfg.data.global_batch_size
     progress = make_progress(cfg.log.progress, steps, start_step)
