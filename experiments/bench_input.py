@@ -172,7 +172,7 @@ def run_case(case: str, args, tmp: Path) -> list[dict]:
     source = make_source(case, spec, tmp)
     rows = []
     base = {"case": case, **spec}
-    steps = args.steps if case != "jpeg" else max(4, args.steps // 3)
+    steps = args.steps if case != "jpeg" else max(4, args.steps // 2)
     for kind in args.kinds:
         for w in args.workers:
             if w == 0 and kind != args.kinds[0]:
@@ -243,9 +243,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="mem224,cifar,jpeg")
     p.add_argument("--workers", default="0,1,2,4", help="pipeline-alone worker counts")
-    p.add_argument("--e2e-workers", default="0,2", help="end-to-end worker counts")
+    p.add_argument("--e2e-workers", default="0,1,2", help="end-to-end worker counts")
     p.add_argument("--kinds", default="thread,process")
-    p.add_argument("--steps", type=int, default=20, help="timed steps (jpeg: a third)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (jpeg: half)")
     p.add_argument("--machine", default=None, help="machine name in the file name")
     p.add_argument("--out", default=None)
     args = p.parse_args()
