@@ -165,67 +165,48 @@ def load1() -> float:
     return os.getloadavg()[0]
 
 
+def settle() -> None:
+    """Wait (up to 20 s) until worker processes of the last run are gone: a closing grain
+    process pool still decoding would otherwise steal the cores from the next measurement."""
+    import multiprocessing
+
+    deadline = time.time() + 20
+    while multiprocessing.active_children() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+
+
 def run_case(case: str, args, tmp: Path) -> list[dict]:
+    """Step alone first; then per worker kind (threads first): pipeline alone, end to end."""
     from jddp.data.loader import TrainBatches
 
     spec = CASES[case]
     source = make_source(case, spec, tmp)
-    rows = []
     base = {"case": case, **spec}
     steps = args.steps if case != "jpeg" else max(4, args.steps // 2)
-    for kind in args.kinds:
-        for w in args.workers:
-            if w == 0 and kind != args.kinds[0]:
-                continue
-            load = load1()
-            r = pipeline_alone(source, spec, w, kind, steps)
-            rows.append(
-                {
-                    **base,
-                    "what": "pipeline",
-                    "workers": w,
-                    "kind": kind,
-                    **r,
-                    "load1_before": load,
-                    "load1_after": load1(),
-                }
-            )
-            print_row(rows[-1])
     mesh, state, step = make_step(source, spec)
     host = TrainBatches(source, spec["batch"], 0, mesh, augment=spec["augment"])
     load = load1()
     alone, state = step_alone(step, state, host.place(host.host_batch(0)), args.steps)
-    rows.append(
-        {
-            **base,
-            "what": "step alone",
-            "workers": None,
-            "kind": None,
-            **alone,
-            "load1_before": load,
-            "load1_after": load1(),
-        }
-    )
+    rows = [{**base, "what": "step alone", "workers": None, "kind": None, **alone}]
+    rows[-1].update(load1_before=load, load1_after=load1())
     print_row(rows[-1])
     for kind in args.kinds:
-        for w in args.e2e_workers:
-            if w == 0 and kind != args.kinds[0]:
-                continue
-            load = load1()
-            r, state = end_to_end(source, spec, mesh, step, state, w, kind, steps)
-            r["input_efficiency"] = r["img_per_s"] / alone["img_per_s"]
-            rows.append(
-                {
-                    **base,
-                    "what": "end to end",
-                    "workers": w,
-                    "kind": kind,
-                    **r,
-                    "load1_before": load,
-                    "load1_after": load1(),
-                }
-            )
-            print_row(rows[-1])
+        for what, counts in (("pipeline", args.workers), ("end to end", args.e2e_workers)):
+            for w in counts:
+                if w == 0 and kind != args.kinds[0]:
+                    continue
+                load = load1()
+                if what == "pipeline":
+                    r = pipeline_alone(source, spec, w, kind, steps)
+                else:
+                    r, state = end_to_end(source, spec, mesh, step, state, w, kind, steps)
+                    r["input_efficiency"] = r["img_per_s"] / alone["img_per_s"]
+                rows.append({**base, "what": what, "workers": w, "kind": kind, **r})
+                rows[-1].update(load1_before=load, load1_after=load1())
+                print_row(rows[-1])
+                if kind == "process":
+                    settle()
     return rows
 
 
