@@ -80,6 +80,8 @@ CASES = [
     ("unknown data", ["data.name=imagenet"], 2, ["data.name", "imagefolder"]),
     ("unknown stem", ["model.stem=tiny"], 2, ["model.stem", "cifar, imagenet"]),
     ("bad progress", ["log.progress=maybe"], 2, ["log.progress", "auto, on, off"]),
+    ("negative workers", ["data.workers=-1"], 2, ["data.workers=-1", ">= 0"]),
+    ("unknown augment", ["data.augment=autoaug"], 2, ["data.augment", "none, cifar, imagenet"]),
     ("steps and epochs", ["train.steps=3", "train.epochs=2"], 2, ["train.steps", "train.epochs"]),
     ("accum not dividing", ["train.grad_accum_steps=3"], 2, ["grad_accum_steps=3", "16"]),
     ("batch > data", ["data.global_batch_size=4096"], 2, ["global_batch_size=4096", "1024"]),

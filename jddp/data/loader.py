@@ -109,6 +109,8 @@ class TrainBatches:
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.mesh = mesh
+        if workers is not None and workers < 0:
+            raise ValueError(f"data.workers={workers} must be >= 0 (null: one per core)")
         self.workers = default_workers() if workers is None else workers
         self.worker_kind = worker_kind
         if len(source) // global_batch_size == 0:
