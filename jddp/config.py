@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
+from jddp.data.augment import AUGMENTS
+from jddp.data.pipeline import WORKER_KINDS
 from jddp.data.registry import DATA_NAMES
 from jddp.errors import ConfigError
 
@@ -50,7 +52,20 @@ class DataConfig:
     path: str | None = _f(None, "file or folder of the data set (cifar10, mnist, npz, imagefolder)")
     global_batch_size: int = _f(128, "examples per optimizer step over all devices and processes")
     image_size: int | None = _f(None, "resize images to this side length (null: native size)")
-    prefetch_batches: int = _f(2, "global batches prepared ahead in a background thread")
+    prefetch_batches: int = _f(2, "batches placed on the devices ahead of the running step")
+    augment: Literal[AUGMENTS] = _f(
+        "none",
+        "training augmentation: none | cifar (4-pixel zero pad, random crop, flip) | imagenet "
+        "(random-resized crop 8-100%, aspect 3/4-4/3, + flip; eval: 1.14x resize, centre crop)",
+    )
+    workers: int | None = _f(
+        None,
+        "host workers decoding/augmenting batches ahead (null: the cores available divided "
+        "among this machine's processes; 0: none, the placement thread does it)",
+    )
+    worker_kind: Literal[WORKER_KINDS] = _f(
+        "thread", "thread (numpy/Pillow release the GIL) | process (grain mp_prefetch)"
+    )
 
 
 @dataclass

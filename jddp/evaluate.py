@@ -42,12 +42,14 @@ def evaluate(
     mesh: Mesh,
     layout: BatchLayout,
     comm: Comm,
+    pipeline: dict[str, Any] | None = None,
 ) -> dict:
     """``eval/loss``, ``eval/accuracy``, ``eval/top5_accuracy`` (models with more than 5
     outputs) and ``eval/count`` over every example of ``source`` exactly once (the last batch
-    is padded and masked), summed over every process."""
+    is padded and masked), summed over every process. ``pipeline``: the input pipeline's
+    options (``augment`` picks the eval transform, e.g. imagenet's centre crop; ``workers``)."""
     totals: dict[str, float] = {}
-    for batch in eval_batches(source, global_batch_size, mesh, layout):
+    for batch in eval_batches(source, global_batch_size, mesh, layout, **(pipeline or {})):
         sums = to_host(eval_step(state, batch))
         for k, v in sums.items():
             totals[k] = totals.get(k, 0.0) + float(v)
@@ -96,7 +98,7 @@ def evaluate_model(
     from jddp.errors import ConfigError
     from jddp.inference import as_model
     from jddp.mesh import make_mesh
-    from jddp.setup import COMPUTE_DTYPES, load_data
+    from jddp.setup import COMPUTE_DTYPES, load_data, pipeline_options
     from jddp.state import create_train_state
     from jddp.step import PixelNorm, cross_entropy_loss, make_eval_step
 
@@ -129,7 +131,8 @@ def evaluate_model(
         compute_dtype=dtype,
         pixel_norm=PixelNorm.of(source),
     )
-    return evaluate(eval_step, state, source, global_batch, mesh, layout, comm)
+    pipeline = pipeline_options(cfg) if cfg is not None and data is None else None
+    return evaluate(eval_step, state, source, global_batch, mesh, layout, comm, pipeline)
 
 
 def run_config(path: Path, overrides: Iterable[str] = ()):
@@ -166,7 +169,7 @@ def evaluate_checkpoint(cfg, directory: Path, step: int, job) -> dict:
     from jddp.inference import restore_into
     from jddp.metrics import Console, append_metrics
     from jddp.preflight import check_same_config
-    from jddp.setup import COMPUTE_DTYPES, build_mesh, build_model, load_data
+    from jddp.setup import COMPUTE_DTYPES, build_mesh, build_model, load_data, pipeline_options
     from jddp.state import create_train_state
     from jddp.step import PixelNorm, cross_entropy_loss, make_eval_step
     from jddp.workdir import RunFolder
@@ -191,7 +194,14 @@ def evaluate_checkpoint(cfg, directory: Path, step: int, job) -> dict:
         pixel_norm=PixelNorm.of(splits.train),
     )
     metrics = evaluate(
-        eval_step, state, splits.eval, cfg.data.global_batch_size, mesh, layout, comm
+        eval_step,
+        state,
+        splits.eval,
+        cfg.data.global_batch_size,
+        mesh,
+        layout,
+        comm,
+        pipeline_options(cfg),
     )
     if comm.process_index == 0:
         append_metrics(RunFolder(cfg.workdir), step, {**metrics, "eval/data": cfg.data.name})

@@ -19,6 +19,7 @@ FREE_KEYS = (
     "workdir",
     "data.prefetch_batches",
     "data.workers",
+    "data.worker_kind",
     "train.eval_every_steps",
     "train.on_nonfinite",
     "train.compilation_cache_dir",

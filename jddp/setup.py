@@ -113,6 +113,12 @@ def load_data(cfg: Config) -> Splits:
     return splits
 
 
+def pipeline_options(cfg: Config) -> dict[str, Any]:
+    """The input pipeline's keys of ``cfg.data`` (augmentation, host workers), as
+    :class:`~jddp.data.loader.TrainBatches` and ``eval_batches`` take them."""
+    return {k: getattr(cfg.data, k) for k in ("augment", "workers", "worker_kind")}
+
+
 def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
     """The mesh of ``dist.num_local_devices`` per process and this process's batch rows."""
     try:
@@ -232,6 +238,7 @@ class Run:
             self.mesh,
             self.layout,
             self.comm,
+            pipeline_options(self.cfg),
         )
 
 
@@ -244,7 +251,12 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
     splits = parts.splits or load_data(cfg)
     try:
         batches = TrainBatches(
-            splits.train, cfg.data.global_batch_size, cfg.train.seed, mesh, layout
+            splits.train,
+            cfg.data.global_batch_size,
+            cfg.train.seed,
+            mesh,
+            layout,
+            **pipeline_options(cfg),
         )
     except ValueError as e:  # the batch is larger than the data set
         raise ConfigError(str(e)) from None

@@ -18,7 +18,9 @@ TINY = [
     "log.progress=off",
 ]
 # Global-batch BatchNorm: results independent of the topology.
-TINY_SYNC = [*TINY, "model.sync_batchnorm=true"]
+# Augmentation and host workers on: batch k must still be the same pixels on every topology and
+# after a resume.
+TINY_SYNC = [*TINY, "model.sync_batchnorm=true", "data.augment=cifar", "data.workers=2"]
 
 
 def with_overrides(base, *overrides) -> list[str]:

@@ -86,6 +86,8 @@ CASES = [
     ("unknown data", ["data.name=imagenet"], 2, ["data.name", "imagefolder"]),
     ("unknown stem", ["model.stem=tiny"], 2, ["model.stem", "cifar, imagenet"]),
     ("bad progress", ["log.progress=maybe"], 2, ["log.progress", "auto, on, off"]),
+    ("negative workers", ["data.workers=-1"], 2, ["data.workers=-1", ">= 0"]),
+    ("unknown augment", ["data.augment=autoaug"], 2, ["data.augment", "none, cifar, imagenet"]),
     ("steps and epochs", ["train.steps=3", "train.epochs=2"], 2, ["train.steps", "train.epochs"]),
     ("accum not dividing", ["train.grad_accum_steps=3"], 2, ["grad_accum_steps=3", "16"]),
     ("batch > data", ["data.global_batch_size=4096"], 2, ["global_batch_size=4096", "1024"]),
@@ -283,3 +285,48 @@ def test_coordinator_address_that_is_not_a_coordinator(files, not_a_coordinator)
     assert len(lines) == 1, out.stderr
     assert "dist.coordinator_address" in lines[0] and address in lines[0], lines[0]
     assert snapshot(wd) == before
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Live processes whose environment holds ``marker`` (the run and anything it started)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_corrupt_jpeg_in_worker_processes_stops_the_run(tmp_path):
+    """A corrupt JPEG decoded in a worker process: exit 1, one line naming the file, and no
+    worker process left behind."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 16), ("val", 2)):
+        for i in range(n):
+            folder = tmp_path / "imf" / split / f"c{i % 2}"
+            folder.mkdir(parents=True, exist_ok=True)
+            pixels = rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(folder / f"{i}.jpg", quality=90)
+    bad = tmp_path / "imf" / "train" / "c1" / "5.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    marker = f"JDDP_TEST_MARK={os.getpid()}-{tmp_path.name}"
+    env = {**os.environ, "JDDP_TEST_MARK": marker.split("=", 1)[1]}
+    out = train(
+        f"workdir={tmp_path / 'run'}",
+        *TINY,
+        "data.name=imagefolder",
+        f"data.path={tmp_path / 'imf'}",
+        "data.workers=2",
+        "data.worker_kind=process",
+        "data.augment=imagenet",
+        "train.steps=2",
+        env=env,
+    )
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert len(lines) == 1 and "5.jpg" in lines[0], out.stderr[-2000:]
+    assert _processes_with(marker) == []

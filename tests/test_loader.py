@@ -131,3 +131,31 @@ def test_same_global_batch_on_one_and_four_devices():
         "data.global_batch_size=6 is not divisible by the 4 devices (1 processes x 4" in out.stdout
     )
     assert jax.device_count() >= 1
+
+
+def test_uint8_batches_give_the_float_path_loss():
+    """uint8 rows normalised on the device == the old host float32 normalisation (f32 rounding)."""
+    import optax
+    from flax import nnx
+
+    from jddp.models import resnet18
+    from jddp.state import create_train_state
+    from jddp.step import PixelNorm, make_eval_step
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (16, 8, 8, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, 16)
+    mean, std = np.array([0.4, 0.5, 0.6]), np.array([0.2, 0.25, 0.3])
+    u8 = ArraySource(images, labels, 10, mean, std, "u8")
+    host_float = ((images / np.float32(255.0) - mean) / std).astype(np.float32)
+    f32 = ArraySource(host_float, labels, 10, np.zeros(3), np.ones(3), "f32")
+    mesh = make_mesh()
+    model = resnet18(num_classes=10, width=4, rngs=nnx.Rngs(0))
+    model_def, state = create_train_state(model, optax.sgd(0.1), mesh)
+    losses = {}
+    for src in (u8, f32):
+        step = make_eval_step(model_def, mesh, pixel_norm=PixelNorm.of(src))
+        (batch,) = eval_batches(src, 16, mesh)
+        assert batch["images"].dtype == src.images.dtype
+        losses[src.name] = float(step(state, batch)["loss_sum"])
+    assert losses["u8"] == pytest.approx(losses["f32"], rel=1e-5)

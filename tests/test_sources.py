@@ -19,6 +19,17 @@ from jddp.data.registry import DATA_NAMES, load_splits
 from jddp.data.source import ArraySource, Source, Splits
 from jddp.errors import DataError
 
+# ----------------------------------------------------------------------------- helpers
+
+
+def _normalized(source, indices):
+    """``get_batch`` as the model sees it: uint8 normalised as PixelNorm does on the device."""
+    x, y = source.get_batch(np.asarray(indices))
+    if x.dtype == np.uint8:
+        x = (x / np.float32(255.0) - source.mean) / source.std
+    return x, y
+
+
 # ----------------------------------------------------------------------------- writers
 
 
@@ -150,7 +161,7 @@ def test_synthetic_deterministic_and_in_range():
     np.testing.assert_array_equal(xa, xb)
     np.testing.assert_array_equal(ya, yb)
     assert not np.array_equal(xa, xc)
-    assert xa.dtype == np.float32 and ya.dtype == np.int32
+    assert xa.dtype == np.uint8 and ya.dtype == np.int32  # normalised on the device
     assert ya.min() >= 0 and ya.max() < 10
     assert len(np.unique(ya)) == 10  # every class occurs
     small = load_splits("synthetic", None, 8, num_classes=3)
@@ -162,8 +173,8 @@ def test_synthetic_labels_are_learnable():
     from sklearn.linear_model import LogisticRegression
 
     splits = load_splits("synthetic", None, 16, seed=0)
-    x_tr, y_tr = splits.train.get_batch(np.arange(len(splits.train)))
-    x_ev, y_ev = splits.eval.get_batch(np.arange(len(splits.eval)))
+    x_tr, y_tr = _normalized(splits.train, np.arange(len(splits.train)))
+    x_ev, y_ev = _normalized(splits.eval, np.arange(len(splits.eval)))
     model = LogisticRegression(max_iter=300, C=0.01).fit(x_tr.reshape(len(x_tr), -1), y_tr)
     accuracy = model.score(x_ev.reshape(len(x_ev), -1), y_ev)
     assert accuracy > 0.6, accuracy  # chance is about 0.1
@@ -420,7 +431,8 @@ def test_imagefolder(tmp_path, eval_name):
     assert isinstance(s.train, ImageFolderSource) and s.train.classes == ["cat", "dog"]
     assert len(s.train) == 7 and len(s.eval) == 4 and s.train.num_classes == 2
     assert s.train.image_shape == (8, 8, 3) and s.eval.split == eval_name
-    x, y = s.train.get_batch(np.arange(len(s.train)))
+    assert s.train.get_batch(np.arange(2))[0].dtype == np.uint8  # normalised on the device
+    x, y = _normalized(s.train, np.arange(len(s.train)))
     assert x.shape == (7, 8, 8, 3) and x.dtype == np.float32 and y.tolist() == [0] * 3 + [1] * 4
     mean, std = np.asarray(IMAGENET_MEAN), np.asarray(IMAGENET_STD)
     np.testing.assert_allclose(x[0, 4, 4], (np.array([250, 10, 10]) / 255 - mean) / std, atol=1e-5)
@@ -462,14 +474,14 @@ def test_normalization_uses_train_stats(tmp_path):
     f = tmp_path / "n.npz"
     np.savez(f, x_train=x_train, y_train=np.zeros(50, int), x_test=x_test, y_test=np.zeros(4))
     s = load_splits("npz", str(f), None)
-    x, _ = s.train.get_batch(np.arange(50))
+    x, _ = _normalized(s.train, np.arange(50))
     np.testing.assert_allclose(x.mean(axis=(0, 1, 2)), 0.0, atol=1e-5)
     np.testing.assert_allclose(x.std(axis=(0, 1, 2)), 1.0, atol=1e-4)
     train_f = x_train.astype(np.float64) / 255
     mean, std = train_f.mean(axis=(0, 1, 2)), train_f.std(axis=(0, 1, 2))
     np.testing.assert_allclose(s.eval.mean, mean, rtol=1e-5)
     np.testing.assert_allclose(s.eval.std, std, rtol=1e-5)
-    xe, _ = s.eval.get_batch(np.array([0, 3]))
+    xe, _ = _normalized(s.eval, np.array([0, 3]))
     np.testing.assert_allclose(xe[0, 0, 0], (200 / 255 - mean) / std, rtol=1e-5)
     m, sd = channel_stats(x_train)
     np.testing.assert_allclose(m, mean, rtol=1e-5)
@@ -479,7 +491,7 @@ def test_normalization_uses_train_stats(tmp_path):
 def test_array_source_direct():
     images = np.arange(2 * 2 * 2 * 1, dtype=np.uint8).reshape(2, 2, 2, 1) * 30
     src = ArraySource(images, np.array([1, 0]), 2, [0.5], [0.25], "toy")
-    x, y = src.get_batch(np.array([1, 1, 0]))
+    x, y = _normalized(src, np.array([1, 1, 0]))
     assert y.tolist() == [0, 0, 1] and y.dtype == np.int32
     np.testing.assert_allclose(x[2, 0, 1, 0], (30 / 255 - 0.5) / 0.25, rtol=1e-6)
     with pytest.raises(IndexError):

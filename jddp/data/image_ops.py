@@ -1,10 +1,10 @@
-"""Array image operations shared by the sources: per-channel statistics and bilinear resize."""
+"""Array image operations shared by the sources: channel statistics, bilinear resize, crops."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["channel_stats", "resize_images"]
+__all__ = ["channel_stats", "crop_resize", "resize_images"]
 
 
 def channel_stats(images: np.ndarray, chunk: int = 4096) -> tuple[np.ndarray, np.ndarray]:
@@ -74,3 +74,21 @@ def resize_images(images: np.ndarray, size: int, chunk_bytes: int = 1 << 26) -> 
             block = np.clip(np.rint(block), 0, 255)
         out[start : start + step] = block
     return out
+
+
+def crop_resize(
+    image: np.ndarray, box: tuple[int, int, int, int], size: tuple[int, int]
+) -> np.ndarray:
+    """The ``box`` (left, top, right, bottom) of ``image`` ``[H,W,C]`` resized to ``size`` (h, w).
+
+    uint8 images with 1 or 3 channels go through Pillow (bilinear, antialiased, the GIL
+    released); anything else through :func:`resize_images` (square ``size`` only).
+    """
+    left, top, right, bottom = box
+    if image.dtype == np.uint8 and image.shape[-1] in (1, 3):
+        from PIL import Image
+
+        pil = Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
+        out = np.asarray(pil.resize((size[1], size[0]), Image.Resampling.BILINEAR, box=box))
+        return out.reshape(size[0], size[1], image.shape[-1])
+    return resize_images(image[None, top:bottom, left:right], size[0])[0]

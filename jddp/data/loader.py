@@ -1,14 +1,14 @@
-"""Global batches: which examples form batch *k*, which slice this process reads, prefetch.
+"""Global batches on the mesh: which rows this process reads, placement ahead of the step.
 
-The composition of global batch *k* depends only on ``(seed, k)``: epoch ``e = k // steps_per
-_epoch`` shuffles the examples with a permutation drawn from ``(seed, e)`` and batch *k* is the
-next ``global_batch_size`` of them (the incomplete tail of an epoch is dropped). The number of
-devices or processes only decides who reads which rows: process *p* reads the contiguous slice
-that its devices hold in the mesh, and the global array is assembled from the local slices.
+The composition of global batch *k* depends only on ``(seed, k)`` and its augmentation only on
+``(seed, epoch, example)`` (:mod:`jddp.data.pipeline`). The number of devices or processes only
+decides who reads which rows: process *p* reads the contiguous slice that its devices hold in
+the mesh, and the global array is assembled from the local slices.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Iterator
@@ -18,15 +18,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jddp.data.pipeline import (  # noqa: F401 - epoch_permutation: public here too
+    HostBatches,
+    default_workers,
+    epoch_permutation,
+    eval_rows,
+    host_iterator,
+)
 from jddp.data.source import Source
 from jddp.mesh import batch_sharded
 
 Batch = dict[str, jax.Array]
-
-
-def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
-    """The example order of ``epoch``: a permutation that depends only on (seed, epoch)."""
-    return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,13 @@ def place_batch(local: dict[str, np.ndarray], mesh: Mesh, layout: BatchLayout) -
 
 
 class TrainBatches:
-    """Global train batches of ``source`` for steps ``k = 0, 1, ...``, placed on ``mesh``."""
+    """Global train batches of ``source`` for steps ``k = 0, 1, ...``, placed on ``mesh``.
+
+    ``augment``: ``none|cifar|imagenet`` (:mod:`jddp.data.augment`). ``workers``: host workers
+    building batches ahead (0: the placement thread builds them; None: the cores available,
+    see :func:`~jddp.data.pipeline.default_workers`); ``worker_kind``: ``thread|process``.
+    Batch *k* is the same pixels whatever the workers, processes or devices.
+    """
 
     def __init__(
         self,
@@ -91,64 +99,97 @@ class TrainBatches:
         seed: int,
         mesh: Mesh,
         layout: BatchLayout | None = None,
+        *,
+        augment: str = "none",
+        workers: int | None = 0,
+        worker_kind: str = "thread",
     ):
         self.layout = layout or batch_layout(mesh, global_batch_size)
         self.source = source
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.mesh = mesh
-        self.steps_per_epoch = len(source) // global_batch_size
-        if self.steps_per_epoch == 0:
+        if workers is not None and workers < 0:
+            raise ValueError(f"data.workers={workers} must be >= 0 (null: one per core)")
+        self.workers = default_workers() if workers is None else workers
+        self.worker_kind = worker_kind
+        if len(source) // global_batch_size == 0:
             raise ValueError(
                 f"data.global_batch_size={global_batch_size} is larger than the "
                 f"{len(source)} train examples of {source!r}"
             )
-        self._perm_cache: tuple[int, np.ndarray] | None = None
+        self.host = HostBatches(source, global_batch_size, seed, self.layout.rows, augment)
+        self.steps_per_epoch = self.host.steps_per_epoch
 
     def global_indices(self, step: int) -> np.ndarray:
         """Example indices of global batch ``step`` (the same on every process and topology)."""
-        epoch, offset = divmod(step, self.steps_per_epoch)
-        if self._perm_cache is None or self._perm_cache[0] != epoch:
-            self._perm_cache = (epoch, epoch_permutation(self.seed, epoch, len(self.source)))
-        start = offset * self.global_batch_size
-        return self._perm_cache[1][start : start + self.global_batch_size]
+        return self.host.global_indices(step)
 
     def host_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch ``step`` as numpy arrays."""
-        images, labels = self.source.get_batch(self.global_indices(step)[self.layout.rows])
-        return {"images": images, "labels": labels}
+        return self.host(step)
 
     def place(self, local: dict[str, np.ndarray]) -> Batch:
         """This process's rows as arrays sharded over ``data``."""
         return place_batch(local, self.mesh, self.layout)
 
     def iterate(self, start_step: int, end_step: int, prefetch: int = 2) -> Iterator[Batch]:
-        """Batches for steps ``start_step .. end_step-1``, loaded ``prefetch`` ahead."""
-        steps = range(start_step, end_step)
-        if prefetch <= 0:
-            return (self.place(self.host_batch(k)) for k in steps)
-        return prefetch_iterator(
-            (lambda k=k: self.place(self.host_batch(k)) for k in steps), prefetch
+        """Batches for steps ``start_step .. end_step-1``.
+
+        The host workers build up to ``workers + prefetch`` batches ahead; a background
+        thread places them on the devices (asynchronously, never waiting for the running
+        step), keeping ``prefetch`` placed batches in flight.
+        """
+        host = host_iterator(
+            self.host, range(start_step, end_step), self.workers, self.worker_kind, prefetch
         )
+        return _placed(host, self.place, prefetch)
+
+
+def _placed(host: Iterator, place, prefetch: int) -> Iterator[Batch]:
+    """``place(b)`` for the host batches, ``prefetch`` ahead; stops the host workers at the end."""
+    try:
+        if prefetch <= 0:
+            yield from (place(b) for b in host)
+        else:
+            yield from prefetch_iterator((functools.partial(place, b) for b in host), prefetch)
+    finally:
+        close = getattr(host, "close", None)
+        if close is not None:
+            close()
 
 
 def eval_batches(
-    source: Source, global_batch_size: int, mesh: Mesh, layout: BatchLayout | None = None
+    source: Source,
+    global_batch_size: int,
+    mesh: Mesh,
+    layout: BatchLayout | None = None,
+    *,
+    augment: str = "none",
+    workers: int | None = 0,
+    worker_kind: str = "thread",
 ) -> Iterator[Batch]:
     """Every example of ``source`` exactly once, in order; the last batch is padded and masked.
 
     Each batch has ``images``, ``labels`` and ``mask`` (1.0 for real rows, 0.0 for padding).
+    ``augment="imagenet"`` evaluates the centre crop (:func:`~jddp.data.pipeline.eval_rows`).
     """
     layout = layout or batch_layout(mesh, global_batch_size)
-    rows = layout.rows
+    starts = range(0, len(source), global_batch_size)
+    workers = default_workers() if workers is None else workers
+    fn = functools.partial(_eval_rows, source, global_batch_size, layout.rows, augment)
+    host = host_iterator(fn, starts, workers, worker_kind)
+    return _placed(host, functools.partial(place_batch, mesh=mesh, layout=layout), 1)
+
+
+def _eval_rows(
+    source: Source, global_batch_size: int, rows: slice, augment: str, start: int
+) -> dict[str, np.ndarray]:
     n = len(source)
-    for start in range(0, n, global_batch_size):
-        idx = np.arange(start, start + global_batch_size)
-        mask = (idx < n).astype(np.float32)
-        idx = np.where(idx < n, idx, 0)[rows]
-        images, labels = source.get_batch(idx)
-        local = {"images": images, "labels": labels, "mask": mask[rows]}
-        yield place_batch(local, mesh, layout)
+    idx = np.arange(start, start + global_batch_size)
+    mask = (idx < n).astype(np.float32)
+    images, labels = eval_rows(source, np.where(idx < n, idx, 0)[rows], augment)
+    return {"images": images, "labels": labels, "mask": mask[rows]}
 
 
 _DONE = object()

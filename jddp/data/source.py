@@ -9,7 +9,7 @@ record sources such as grain's, iterables of batches).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,7 +32,8 @@ class Source(Protocol):
         ...
 
     def get_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """images float32 [n,H,W,C] already normalized, labels int32 [n]."""
+        """images [n,H,W,C] (uint8 pixels, normalised on the device with the source's optional
+        ``mean``/``std``; or float32 already normalised) and labels int32 [n]."""
         ...
 
     def __repr__(self) -> str:
@@ -86,8 +87,10 @@ class ArraySource:
       std: per-channel std (``[C]``), same scale as ``mean``.
       name: short stable name used in ``repr`` (e.g. ``"cifar10/train"``).
 
-    ``get_batch`` gathers with one numpy fancy-indexing op, converts to float32
-    (dividing uint8 by 255) and standardizes: ``(x - mean) / std``.
+    ``get_batch`` gathers with one numpy fancy-indexing op. uint8 rows are handed out as
+    they are stored (the step normalises them on the device with ``mean``/``std``: a quarter
+    of the float bytes cross to the device); float32 rows are standardised on the host,
+    ``(x - mean) / std``, since the step passes float images through.
     """
 
     def __init__(
@@ -137,12 +140,27 @@ class ArraySource:
         return int(self.images.shape[0])
 
     def get_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Return normalized float32 images ``[n,H,W,C]`` and int32 labels ``[n]``."""
+        """uint8 images ``[n,H,W,C]`` as stored (float32 ones normalised) and int32 labels."""
         idx = as_index_array(indices, len(self), "ArraySource")
-        images = self.images[idx].astype(np.float32)
-        images *= self._scale
-        images += self._shift
+        images = self.images[idx]
+        if images.dtype != np.uint8:
+            images *= self._scale
+            images += self._shift
         return images, self.labels[idx]
+
+    def get_crops(
+        self, indices: np.ndarray, boxes: Callable[[int, int, int], tuple[int, int, int, int]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`get_batch`, but row ``k`` is the crop ``boxes(k, H, W)`` (left, top,
+        right, bottom) resized bilinearly back to ``[H, W]``."""
+        from jddp.data.image_ops import crop_resize
+
+        images, labels = self.get_batch(indices)
+        h, w = self.image_shape[:2]
+        out = np.empty_like(images)
+        for k in range(images.shape[0]):
+            out[k] = crop_resize(images[k], boxes(k, h, w), (h, w))
+        return out, labels
 
     def __repr__(self) -> str:
         """Stable description (no memory addresses)."""

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from jddp.data.augment import Box, square_box
 from jddp.data.formats.common import require_path
-from jddp.data.source import Splits, as_index_array, one_line, scale_shift
+from jddp.data.source import Splits, as_index_array, one_line
 from jddp.errors import DataConfigError, DataError
 
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
@@ -61,9 +64,10 @@ class ImageFolderSource:
       num_classes: if given, must be at least the number of classes.
 
     Classes are the sub-folder names sorted; files are found recursively and sorted.
-    ``get_batch`` opens each image with Pillow, converts it to RGB, center-crops it to a
-    square, resizes it (bilinear) to ``image_size`` and standardizes it with the
-    ImageNet mean/std.
+    ``get_batch`` opens each image with Pillow (libjpeg-turbo), converts it to RGB,
+    center-crops it to a square and resizes it (bilinear) to ``image_size``: uint8 pixels,
+    normalised on the device with the ImageNet ``mean``/``std``. ``get_crops`` takes other
+    crops (augmentation).
     """
 
     def __init__(
@@ -111,28 +115,37 @@ class ImageFolderSource:
         self.image_shape: tuple[int, int, int] = (self.image_size, self.image_size, 3)
         self.mean = np.asarray(IMAGENET_MEAN, np.float32)
         self.std = np.asarray(IMAGENET_STD, np.float32)
-        self._scale, self._shift = scale_shift(np.dtype(np.uint8), self.mean, self.std)
 
     def __len__(self) -> int:
         """Number of image files in the split."""
         return len(self.files)
 
-    def _decode(self, path: Path) -> np.ndarray:
-        """Decode one file to a uint8 ``[S,S,3]`` array (RGB, center crop, resize)."""
+    def _decode(self, path: Path, box_of: Callable[[int, int], Box]) -> np.ndarray:
+        """Decode one file to uint8 ``[S,S,3]``: the crop ``box_of(height, width)`` resized.
+
+        The crop is taken on the full image and then resized (bilinear, antialiased). JPEGs
+        are decoded at the smallest DCT scale (1/1, 1/2, 1/4, 1/8; Pillow's ``draft``) at
+        which the crop still has at least ``S`` pixels each way: far less decoding work
+        when the image is much larger than the crop's output.
+        """
         from PIL import Image
 
         size = self.image_size
         try:
             with Image.open(path) as img:
-                img.draft("RGB", (size, size))  # JPEG: decode at a reduced scale >= size
+                width, height = img.size
+                left, top, right, bottom = box_of(height, width)
+                want = (
+                    math.ceil(width * size / (right - left)),
+                    math.ceil(height * size / (bottom - top)),
+                )
+                img.draft("RGB", want)
+                sx, sy = img.size[0] / width, img.size[1] / height
                 img = img.convert("RGB")
-                w, h = img.size
-                side = min(w, h)
-                left, top = (w - side) // 2, (h - side) // 2
                 img = img.resize(
                     (size, size),
                     Image.Resampling.BILINEAR,
-                    box=(left, top, left + side, top + side),
+                    box=(left * sx, top * sy, right * sx, bottom * sy),
                 )
                 return np.asarray(img, np.uint8)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
@@ -141,13 +154,17 @@ class ImageFolderSource:
             ) from err
 
     def get_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Decode the indexed files; return float32 ``[n,S,S,3]`` images and int32 labels."""
+        """Decode the indexed files (centre square); uint8 ``[n,S,S,3]`` and int32 labels."""
+        return self.get_crops(indices, lambda k, height, width: square_box(height, width))
+
+    def get_crops(
+        self, indices: np.ndarray, boxes: Callable[[int, int, int], Box]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Decode the indexed files; row ``k`` is the crop ``boxes(k, height, width)``."""
         idx = as_index_array(indices, len(self), "ImageFolderSource")
-        out = np.empty((idx.shape[0], *self.image_shape), np.float32)
+        out = np.empty((idx.shape[0], *self.image_shape), np.uint8)
         for k, i in enumerate(idx):
-            out[k] = self._decode(self.files[i])
-        out *= self._scale
-        out += self._shift
+            out[k] = self._decode(self.files[i], functools.partial(boxes, k))
         return out, self.labels[idx]
 
     def __repr__(self) -> str:

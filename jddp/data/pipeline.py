@@ -1,0 +1,163 @@
+"""Host side of the input pipeline: this process's rows of global batch *k*, built in workers.
+
+:class:`HostBatches` is a pure function ``step -> {"images", "labels"}`` (numpy): which
+examples (``(seed, k)``), which rows this process reads, and their augmentation (``(seed,
+epoch, example)``, see :mod:`jddp.data.augment`). It holds no JAX object, so it pickles into
+worker processes. :func:`host_iterator` runs it over a range of steps with grain: in the
+calling thread (``workers=0``), in a grain thread pool (``ReadOptions``), or in grain worker
+processes (``mp_prefetch``, shared-memory transfer). Results come back in step order
+whatever the number or kind of workers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jddp.data import augment as aug
+from jddp.data.image_ops import crop_resize
+from jddp.data.source import Source
+
+__all__ = ["WORKER_KINDS", "HostBatches", "default_workers", "eval_rows", "host_iterator"]
+
+WORKER_KINDS: tuple[str, ...] = ("thread", "process")
+
+_QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
+_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+def local_process_count() -> int:
+    """Processes of this job on this machine, as far as the launcher tells (else 1)."""
+    if os.environ.get("JDDP_LOCAL_RANK") is not None:  # jddp.launch: one machine
+        return max(1, int(os.environ.get("JDDP_NUM_PROCESSES", "1")))
+    for var in _LOCAL_SIZE_VARS:
+        text = os.environ.get(var, "").split("(")[0]  # SLURM writes e.g. "4(x2)"
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return 1
+
+
+def default_workers() -> int:
+    """The cores this process may use, divided among the job's processes on this machine."""
+    return max(1, len(os.sched_getaffinity(0)) // local_process_count())
+
+
+def crops(source: Source, indices: np.ndarray, boxes: aug.BoxFn) -> tuple[np.ndarray, np.ndarray]:
+    """``source``'s rows at ``indices``, row ``k`` cropped to ``boxes(k, H, W)`` and resized back.
+
+    Sources with a ``get_crops`` method crop while decoding (image files: crop on the full
+    image, then resize); for any other source the decoded rows are cropped here.
+    """
+    if hasattr(source, "get_crops"):
+        return source.get_crops(indices, boxes)
+    images, labels = source.get_batch(indices)
+    h, w = images.shape[1:3]
+    out = np.stack([crop_resize(img, boxes(k, h, w), (h, w)) for k, img in enumerate(images)])
+    return out, labels
+
+
+def train_rows(
+    source: Source, indices: np.ndarray, keys: np.ndarray, augment: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """The training rows at ``indices`` with the ``augment`` policy; ``keys`` drive it."""
+    if augment == "none":
+        return source.get_batch(indices)
+    if augment == "cifar":
+        images, labels = source.get_batch(indices)
+        return aug.cifar_crop_flip(images, keys), labels
+    if augment == "imagenet":
+        images, labels = crops(source, indices, aug.train_boxes(keys))
+        return aug.flip_rows(images, keys), labels
+    raise ValueError(f"data.augment={augment!r}: expected one of {', '.join(aug.AUGMENTS)}")
+
+
+def eval_rows(source: Source, indices: np.ndarray, augment: str) -> tuple[np.ndarray, np.ndarray]:
+    """The eval rows at ``indices``: ``imagenet`` takes the 1/1.14 centre crop, else as is."""
+    if augment == "imagenet":
+        return crops(source, indices, aug.eval_boxes(source.image_shape[0]))
+    return source.get_batch(indices)
+
+
+def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
+    """The example order of ``epoch``: a permutation that depends only on (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+class HostBatches:
+    """``step -> this process's rows of global batch step``, a pure function of (seed, step).
+
+    Epoch ``e = step // steps_per_epoch`` shuffles the examples with a permutation drawn from
+    ``(seed, e)``; the batch is the next ``global_batch_size`` of them (an epoch's incomplete
+    tail is dropped). ``rows`` picks this process's block of the global batch.
+    """
+
+    def __init__(
+        self, source: Source, global_batch_size: int, seed: int, rows: slice, augment: str
+    ):
+        if augment not in aug.AUGMENTS:
+            raise ValueError(f"data.augment={augment!r}: expected one of {', '.join(aug.AUGMENTS)}")
+        self.source = source
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.rows = rows
+        self.augment = augment
+        self.steps_per_epoch = len(source) // global_batch_size
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """Example indices of global batch ``step`` (the same on every process and topology)."""
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        cached = self._perm  # one read: threads may replace it concurrently
+        if cached is None or cached[0] != epoch:
+            cached = (epoch, epoch_permutation(self.seed, epoch, len(self.source)))
+            self._perm = cached
+        start = offset * self.global_batch_size
+        return cached[1][start : start + self.global_batch_size]
+
+    def __call__(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of global batch ``step`` as numpy arrays."""
+        step = int(step)
+        indices = self.global_indices(step)[self.rows]
+        keys = aug.example_keys(self.seed, step // self.steps_per_epoch, indices)
+        images, labels = train_rows(self.source, indices, keys, self.augment)
+        return {"images": images, "labels": labels}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_perm": None}
+
+
+def host_iterator(
+    fn: Any, items: range, workers: int, kind: str = "thread", buffer: int = 2
+) -> Iterator:
+    """``fn(i)`` for ``i`` in ``items``, in order, computed ahead by ``workers`` workers.
+
+    ``workers=0``: lazily in the consuming thread. ``thread``: a grain thread pool (numpy
+    gathers, Pillow decode and resize release the GIL). ``process``: grain worker processes
+    (spawned; results through shared memory; a worker that dies stops the iterator with an
+    error). Call ``close()`` on the result to stop the workers early.
+    """
+    if workers <= 0:
+        return (fn(i) for i in items)
+    import grain
+
+    ds = grain.MapDataset.range(items.start, items.stop, items.step).map(fn)
+    if kind == "thread":
+        read = grain.ReadOptions(num_threads=workers, prefetch_buffer_size=workers + buffer)
+        return iter(ds.to_iter_dataset(read))
+    if kind == "process":
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # grain's process prefetch reads its absl flags
+            flags.FLAGS.mark_as_parsed()
+        # The resource tracker (started with this list) frees the workers' semaphores and
+        # shared memory when the run ends, also after an error exit that skips finalisers
+        # (os._exit); its warning about freeing them would only add lines to the one-line error.
+        if _QUIET_TRACKER not in sys.warnoptions:
+            sys.warnoptions.append(_QUIET_TRACKER)
+        options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=buffer)
+        return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0)).mp_prefetch(options))
+    raise ValueError(f"data.worker_kind={kind!r}: expected one of {', '.join(WORKER_KINDS)}")
