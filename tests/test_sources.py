@@ -6,7 +6,6 @@ import gzip
 import pickle
 import struct
 import tarfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +17,12 @@ from jddp.data.image_ops import channel_stats, resize_images
 from jddp.data.registry import DATA_NAMES, load_splits
 from jddp.data.source import ArraySource, Source, Splits
 from jddp.errors import DataError
+from tests.datafiles import (
+    idx_bytes,
+    write_cifar_folder,
+    write_imagefolder,
+    write_mnist,
+)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -28,78 +33,6 @@ def _normalized(source, indices):
     if x.dtype == np.uint8:
         x = (x / np.float32(255.0) - source.mean) / source.std
     return x, y
-
-
-# ----------------------------------------------------------------------------- writers
-
-
-def _write_cifar_folder(folder: Path, per_batch: int = 4, seed: int = 0) -> dict[str, dict]:
-    """Write data_batch_1..5 and test_batch pickles (CIFAR-10 python layout)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    batches = {}
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
-        labels = [int(v) for v in rng.integers(0, 10, per_batch)]
-        batch = {
-            b"batch_label": name.encode(),
-            b"labels": labels,
-            b"data": data,
-            b"filenames": [f"img{i}.png".encode() for i in range(per_batch)],
-        }
-        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
-        batches[name] = batch
-    return batches
-
-
-def _idx_bytes(array: np.ndarray, magic: int | None = None) -> bytes:
-    """IDX encoding of a uint8 array (magic 0x000008DD unless given)."""
-    if magic is None:
-        magic = 0x0800 | array.ndim
-    header = struct.pack(">I", magic) + struct.pack(f">{array.ndim}I", *array.shape)
-    return header + array.astype(np.uint8).tobytes()
-
-
-_MNIST_NAMES = {
-    "xtr": "train-images-idx3-ubyte",
-    "ytr": "train-labels-idx1-ubyte",
-    "xte": "t10k-images-idx3-ubyte",
-    "yte": "t10k-labels-idx1-ubyte",
-}
-
-
-def _write_mnist(
-    folder: Path, compress: bool, n_train: int = 12, n_test: int = 5
-) -> dict[str, np.ndarray]:
-    """Write the four MNIST IDX files (gzipped or plain); return the arrays."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(1)
-    arrays = {
-        "xtr": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
-        "ytr": rng.integers(0, 10, n_train).astype(np.uint8),
-        "xte": rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
-        "yte": rng.integers(0, 10, n_test).astype(np.uint8),
-    }
-    for key, base in _MNIST_NAMES.items():
-        raw = _idx_bytes(arrays[key])
-        if compress:
-            (folder / f"{base}.gz").write_bytes(gzip.compress(raw))
-        else:
-            (folder / base).write_bytes(raw)
-    return arrays
-
-
-def _write_imagefolder(root: Path, eval_name: str = "val") -> None:
-    """Two classes of small PNGs (plus one JPEG) with distinct, checkable colors."""
-    colors = {"cat": (250, 10, 10), "dog": (10, 10, 250)}
-    for split, count in (("train", 3), (eval_name, 2)):
-        for cls, color in colors.items():
-            d = root / split / cls
-            d.mkdir(parents=True)
-            for i in range(count):
-                img = Image.new("RGB", (20 + i * 4, 16), color)  # non-square sizes
-                img.save(d / f"{i}.png")
-    Image.new("L", (40, 30), 128).save(root / "train" / "dog" / "z_gray.jpg")
 
 
 # ----------------------------------------------------------------------------- basics
@@ -221,7 +154,7 @@ def _check_cifar(splits: Splits, batches: dict[str, dict]) -> None:
 
 def test_cifar_folder_parent_and_tarball(tmp_path):
     folder = tmp_path / "cifar-10-batches-py"
-    batches = _write_cifar_folder(folder)
+    batches = write_cifar_folder(folder)
     _check_cifar(load_splits("cifar10", str(folder), None), batches)
     _check_cifar(load_splits("cifar10", str(tmp_path), None), batches)  # parent folder
 
@@ -237,18 +170,18 @@ def test_cifar_folder_parent_and_tarball(tmp_path):
 
 def test_cifar_errors(tmp_path):
     folder = tmp_path / "c"
-    _write_cifar_folder(folder)
+    write_cifar_folder(folder)
     (folder / "data_batch_3").unlink()
     with pytest.raises(DataError, match="data_batch_3"):
         load_splits("cifar10", str(folder), None)
 
-    _write_cifar_folder(folder)
+    write_cifar_folder(folder)
     (folder / "test_batch").write_bytes(b"not a pickle at all")
     with pytest.raises(DataError) as err:
         load_splits("cifar10", str(folder), None)
     assert "test_batch" in str(err.value)
 
-    _write_cifar_folder(folder)
+    write_cifar_folder(folder)
     batch = {b"data": np.zeros((2, 3072), np.uint8), b"labels": [1, 12]}
     (folder / "data_batch_4").write_bytes(pickle.dumps(batch))
     with pytest.raises(DataError) as err:
@@ -273,7 +206,7 @@ def test_cifar_errors(tmp_path):
 
 def test_cifar_num_classes_too_small(tmp_path):
     folder = tmp_path / "c"
-    batches = _write_cifar_folder(folder)
+    batches = write_cifar_folder(folder)
     highest = max(max(b[b"labels"]) for b in batches.values())
     with pytest.raises(DataError) as err:
         load_splits("cifar10", str(folder), None, num_classes=2)
@@ -286,7 +219,7 @@ def test_cifar_num_classes_too_small(tmp_path):
 
 @pytest.mark.parametrize("compress", [True, False])
 def test_mnist_gz_and_plain(tmp_path, compress):
-    arrays = _write_mnist(tmp_path, compress)
+    arrays = write_mnist(tmp_path, compress)
     s = load_splits("mnist", str(tmp_path), None)
     assert len(s.train) == 12 and len(s.eval) == 5
     assert s.train.image_shape == (28, 28, 1) and s.train.images.dtype == np.uint8
@@ -297,7 +230,7 @@ def test_mnist_gz_and_plain(tmp_path, compress):
 
 
 def test_mnist_truncated_idx(tmp_path):
-    _write_mnist(tmp_path, compress=False)
+    write_mnist(tmp_path, compress=False)
     images = np.zeros((12, 28, 28), np.uint8)
     raw = struct.pack(">IIII", 0x803, 60000, 28, 28) + images.tobytes()
     bad = tmp_path / "train-images-idx3-ubyte"
@@ -313,8 +246,8 @@ def test_mnist_truncated_idx(tmp_path):
 
 
 def test_mnist_wrong_magic(tmp_path):
-    _write_mnist(tmp_path, compress=True)
-    labels_as_images = gzip.compress(_idx_bytes(np.zeros(12, np.uint8)))
+    write_mnist(tmp_path, compress=True)
+    labels_as_images = gzip.compress(idx_bytes(np.zeros(12, np.uint8)))
     (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(labels_as_images)
     with pytest.raises(DataError) as err:
         load_splits("mnist", str(tmp_path), None)
@@ -329,14 +262,14 @@ def test_mnist_wrong_magic(tmp_path):
 
 
 def test_mnist_other_errors(tmp_path):
-    _write_mnist(tmp_path, compress=False)
+    write_mnist(tmp_path, compress=False)
     (tmp_path / "t10k-labels-idx1-ubyte").unlink()
     with pytest.raises(DataError, match="t10k-labels-idx1-ubyte"):
         load_splits("mnist", str(tmp_path), None)
-    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(_idx_bytes(np.zeros(4, np.uint8)))
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(idx_bytes(np.zeros(4, np.uint8)))
     with pytest.raises(DataError, match="5 images .* 4 labels"):
         load_splits("mnist", str(tmp_path), None)
-    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(_idx_bytes(np.full(5, 11, np.uint8)))
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(idx_bytes(np.full(5, 11, np.uint8)))
     with pytest.raises(DataError) as err:
         load_splits("mnist", str(tmp_path), None)
     assert "t10k-labels-idx1-ubyte" in str(err.value) and "label 11" in str(err.value)
@@ -426,7 +359,7 @@ def test_npz_errors(tmp_path):
 
 @pytest.mark.parametrize("eval_name", ["val", "test"])
 def test_imagefolder(tmp_path, eval_name):
-    _write_imagefolder(tmp_path, eval_name)
+    write_imagefolder(tmp_path, eval_name)
     s = load_splits("imagefolder", str(tmp_path), 8)
     assert isinstance(s.train, ImageFolderSource) and s.train.classes == ["cat", "dog"]
     assert len(s.train) == 7 and len(s.eval) == 4 and s.train.num_classes == 2
@@ -441,7 +374,7 @@ def test_imagefolder(tmp_path, eval_name):
 
 
 def test_imagefolder_class_mismatch_and_bad_image(tmp_path):
-    _write_imagefolder(tmp_path)
+    write_imagefolder(tmp_path)
     (tmp_path / "val" / "dog").rename(tmp_path / "val" / "wolf")
     with pytest.raises(DataError) as err:
         load_splits("imagefolder", str(tmp_path), 8)
@@ -519,7 +452,7 @@ def test_resize_matches_pillow_and_keeps_dtype():
 
 
 def test_resize_via_image_size(tmp_path):
-    _write_mnist(tmp_path, compress=True)
+    write_mnist(tmp_path, compress=True)
     s = load_splits("mnist", str(tmp_path), 14)
     assert s.train.image_shape == (14, 14, 1) and s.eval.image_shape == (14, 14, 1)
     assert s.train.images.dtype == np.uint8
@@ -531,7 +464,7 @@ def test_resize_via_image_size(tmp_path):
 
 
 def test_repr_is_stable_without_addresses(tmp_path):
-    _write_imagefolder(tmp_path / "imf")
+    write_imagefolder(tmp_path / "imf")
     sources = [
         *vars(load_splits("synthetic", None, 8)).values(),
         *vars(load_splits("digits", None, None)).values(),

@@ -1,0 +1,173 @@
+"""The config's schema: one dataclass per YAML section, every key with its default and a
+one-line meaning (``python -m jddp.train --help`` prints them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from jddp.data.augment import AUGMENTS
+from jddp.data.pipeline import WORKER_KINDS
+from jddp.data.registry import DATA_NAMES
+
+
+def _f(default: Any, help: str, **choices: Any) -> Any:
+    return field(default=default, metadata={"help": help, **choices})
+
+
+@dataclass
+class ModelConfig:
+    name: str = _f(
+        "resnet18",
+        "resnet18|resnet34|resnet50|resnet101|resnet152, or 'pkg.module:factory' "
+        "(called as fn(config=<model section>, dtype=<compute dtype>, rngs=nnx.Rngs))",
+    )
+    num_classes: int = _f(10, "number of output classes")
+    stem: Literal["cifar", "imagenet"] = _f(
+        "cifar", "cifar: 3x3 conv, no max-pool (small images); imagenet: 7x7/2 conv + max-pool"
+    )
+    width: int = _f(64, "base channel width of the first stage (64 is the standard ResNet)")
+    sync_batchnorm: bool = _f(
+        False, "average BatchNorm batch statistics across all devices (global-batch BN)"
+    )
+
+
+@dataclass
+class DataConfig:
+    name: Literal[DATA_NAMES] = _f("digits", "data set: " + "|".join(DATA_NAMES))
+    path: str | None = _f(None, "file or folder of the data set (cifar10, mnist, npz, imagefolder)")
+    global_batch_size: int = _f(128, "examples per optimizer step over all devices and processes")
+    image_size: int | None = _f(None, "resize images to this side length (null: native size)")
+    prefetch_batches: int = _f(2, "batches placed on the devices ahead of the running step")
+    augment: Literal[AUGMENTS] = _f(
+        "none",
+        "training augmentation: none | cifar (4-pixel zero pad, random crop, flip) | imagenet "
+        "(random-resized crop 8-100%, aspect 3/4-4/3, + flip; eval: 1.14x resize, centre crop)",
+    )
+    workers: int | None = _f(
+        None,
+        "host workers decoding/augmenting batches ahead (null: the cores available divided "
+        "among this machine's processes; 0: none, the placement thread does it)",
+    )
+    worker_kind: Literal[WORKER_KINDS] = _f(
+        "thread", "thread (numpy/Pillow release the GIL) | process (grain mp_prefetch)"
+    )
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["sgd", "adamw"] = _f("sgd", "sgd (with momentum, decoupled L2) | adamw")
+    lr: float = _f(0.1, "peak learning rate (before linear scaling, see lr_scaling)")
+    momentum: float = _f(0.9, "SGD momentum (nesterov off); unused by adamw")
+    nesterov: bool = _f(False, "use Nesterov momentum with sgd")
+    weight_decay: float = _f(
+        5e-4, "weight decay (L2 added to the gradient for sgd, decoupled for adamw)"
+    )
+    b1: float = _f(0.9, "adamw beta1")
+    b2: float = _f(0.999, "adamw beta2")
+    schedule: Literal["constant", "cosine"] = _f(
+        "cosine", "constant|cosine (decays to 0 at the last step)"
+    )
+    warmup_steps: int = _f(0, "linear warmup from 0 to the peak lr over this many steps")
+    lr_scaling: Literal["none", "linear"] = _f(
+        "none", "linear: peak lr = lr * global_batch_size / base_batch_size (Goyal et al. 2017)"
+    )
+    base_batch_size: int = _f(256, "reference batch size of the linear lr-scaling rule")
+
+
+@dataclass
+class TrainConfig:
+    steps: int | None = _f(None, "optimizer steps to run (exclusive with epochs; default 1 epoch)")
+    epochs: float | None = _f(None, "epochs to run, converted to steps (exclusive with steps)")
+    seed: int = _f(0, "seed of parameter init and of the data order")
+    eval_every_steps: int = _f(0, "evaluate every k steps (0: only at the end)")
+    grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step")
+    precision: Literal["float32", "bfloat16"] = _f(
+        "float32", "compute dtype; parameters and BatchNorm statistics stay float32"
+    )
+    label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss")
+    compilation_cache_dir: str | None = _f(
+        "~/.cache/jddp/jax",
+        "JAX's persistent compilation cache: a restarted run loads its compiled step instead "
+        "of compiling it again (null: off)",
+    )
+    on_nonfinite: Literal["halt", "skip"] = _f(
+        "halt",
+        "a step with a non-finite loss/gradient: halt (error, exit 1, last checkpoint kept) or "
+        "skip (drop that update on every replica; counted in train/skipped_steps)",
+    )
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["xla", "mpi"] = _f(
+        "xla",
+        "xla: XLA collectives over all devices; mpi: pmean locally + mpi4jax across processes",
+    )
+    num_local_devices: int | None = _f(None, "devices of each process to use (null: all)")
+    coordinator_address: str | None = _f(
+        None, "host:port of process 0 for jax.distributed (null: from the launcher/cluster)"
+    )
+    num_processes: int | None = _f(None, "processes in the job (null: from the launcher/cluster)")
+    process_id: int | None = _f(None, "this process's index (null: from the launcher/cluster)")
+    grad_allreduce_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", "dtype in which gradients are sent for averaging (bfloat16 halves the bytes)"
+    )
+    check_sync_every: int = _f(
+        0, "every k steps verify (checksum) that all replicas hold the same parameters (0: off)"
+    )
+    init_timeout_s: int = _f(300, "seconds to wait for all processes to join at start")
+    heartbeat_timeout_s: int = _f(
+        100, "seconds without a heartbeat after which a peer counts as dead and the job stops"
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = _f(
+        0, "save every k steps (0: only at the end); the final step is always saved"
+    )
+    keep: int = _f(3, "newest checkpoints kept")
+    resume: bool = _f(True, "continue from the newest checkpoint in workdir/checkpoints")
+    async_save: bool = _f(True, "write checkpoints in the background while training goes on")
+    allow_config_change: bool = _f(
+        False,
+        "resume even if model/data/optim/train keys differ from the checkpoint's config "
+        "(refused otherwise, naming the keys); also --allow-config-change",
+    )
+    init_from: str | None = _f(
+        None,
+        "start a new run (step 0, fresh optimizer) from the params and model state of another "
+        "run: its workdir or one checkpoint folder; a head of another num_classes is "
+        "re-initialised; ignored when workdir holds a checkpoint to resume",
+    )
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = _f(10, "write a train line to metrics.jsonl every k steps")
+    progress: Literal["auto", "on", "off", "lines"] = _f(
+        "auto",
+        "auto: a progress bar on a terminal, else plain lines on stdout (step, epoch, loss, lr, "
+        "img/s, ETA every log.every_steps; evals; epoch ends)|on (bar)|off|lines",
+    )
+    profile_steps: str | None = _f(
+        None, "'a:b': write a jax.profiler trace of steps a..b-1 to workdir/profile (TensorBoard)"
+    )
+    baseline_img_per_s: float | None = _f(
+        None,
+        "measured img/s of ONE device at the same per-device batch; when set, train lines "
+        "report train/scaling_efficiency = img_per_s / (devices x baseline)",
+    )
+
+
+@dataclass
+class Config:
+    workdir: str | None = _f(None, "run folder (default runs/<config file name>)")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
