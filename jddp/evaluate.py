@@ -25,6 +25,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from jddp.cli import OneLineParser, Session, run
 from jddp.comm import Comm
 from jddp.data.loader import BatchLayout, eval_batches
 from jddp.mesh import to_host
@@ -216,16 +217,9 @@ def evaluate_checkpoint(cfg, directory: Path, step: int, job) -> dict:
     return metrics
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # exit 2 with one line, as for config errors
-        from jddp.errors import ConfigError
-
-        raise ConfigError(f"command line: {message} (usage: {USAGE})")
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """``--workdir``, ``--step`` and the ``key=value`` overrides."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog="python -m jddp.evaluate",
         usage=USAGE,
         description="Evaluate a checkpoint of a run on its eval split (every example once): "
@@ -239,31 +233,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
-    from jddp import errors
     from jddp.checkpoint import find_checkpoint
-    from jddp.errors import JddpError
-    from jddp.train import _one_line, _stop_peers
 
     argv = sys.argv[1:] if argv is None else argv
-    job = None
-    try:
+
+    def body(session: Session) -> int:
         args = parse_args(argv)
         cfg = run_config(Path(args.workdir), args.overrides)
         directory, step = find_checkpoint(args.workdir, args.step, "--workdir", "--step")
-        from jddp import distributed
-
-        job = distributed.initialize(cfg.dist)
-        evaluate_checkpoint(cfg, directory, step, job)
+        evaluate_checkpoint(cfg, directory, step, session.start_jax(cfg.dist))
         return 0
-    except JddpError as e:
-        print(f"jddp: error: {_one_line(e)}", file=sys.stderr)
-        return _stop_peers(job, e.exit_code)
-    except KeyboardInterrupt:
-        print("jddp: interrupted", file=sys.stderr)
-        return _stop_peers(job, errors.INTERRUPTED)
-    except Exception as e:  # noqa: BLE001 - the CLI's contract is one line and exit 1
-        print(f"jddp: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
-        return _stop_peers(job, errors.FAILURE)
+
+    return run(body)
 
 
 class _CallableModule(types.ModuleType):

@@ -21,6 +21,7 @@ toggle ``use_running_average`` on every ``nnx.BatchNorm``. The model only holds
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,20 +50,21 @@ _PAD3 = ((3, 3), (3, 3))
 _STEMS = ("imagenet", "cifar")
 
 
-class BasicBlock(nnx.Module):
-    """Two 3x3 convolutions with a residual connection (ResNet-18/34).
+class _ResidualBlock(nnx.Module):
+    """A residual block: a branch of convolutions and BatchNorms plus the identity, or a
+    projection when the shape changes; ReLU after the sum.
 
     Args:
       in_features: input channels.
-      features: output channels of both convolutions (expansion 1).
-      strides: stride of the first 3x3 conv.
+      features: the block's width; it outputs ``expansion * features`` channels.
+      strides: stride of the block's strided 3x3 conv.
       conv: partial ``nnx.Conv`` constructor (no bias, dtype and rngs bound).
       norm: partial ``nnx.BatchNorm`` constructor (momentum, epsilon, axis_name, rngs bound).
-      zero_init_residual: initialise the last BatchNorm scale to zero.
+      zero_init_residual: initialise the branch's last BatchNorm scale to zero.
       dtype: compute dtype of the block output.
     """
 
-    expansion: int = 1
+    expansion: int
 
     def __init__(
         self,
@@ -77,67 +79,59 @@ class BasicBlock(nnx.Module):
     ) -> None:
         out_features = features * self.expansion
         self.dtype = dtype
-        self.conv1 = conv(in_features, features, (3, 3), strides, padding=_PAD1)
-        self.bn1 = norm(features)
-        self.conv2 = conv(features, out_features, (3, 3), 1, padding=_PAD1)
-        self.bn2 = norm(out_features, scale_init=_last_scale_init(zero_init_residual))
+        last_scale = _last_scale_init(zero_init_residual)
+        self._build_branch(in_features, features, out_features, strides, conv, norm, last_scale)
         self.downsample = _make_shortcut(in_features, out_features, strides, conv, norm)
+
+    def _build_branch(self, in_features, features, out_features, strides, conv, norm, last_scale):
+        raise NotImplementedError
+
+    def branch(self, x: jax.Array) -> jax.Array:
+        """The convolutions of the block (without the shortcut)."""
+        raise NotImplementedError
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Apply the block to an NHWC batch."""
-        residual = x
-        y = nnx.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
-        if self.downsample is not None:
-            residual = self.downsample(x)
-        return nnx.relu(residual + y).astype(self.dtype)
+        residual = x if self.downsample is None else self.downsample(x)
+        return nnx.relu(residual + self.branch(x)).astype(self.dtype)
 
 
-class Bottleneck(nnx.Module):
-    """1x1 -> 3x3 -> 1x1 bottleneck block, expansion 4, stride on the 3x3 conv (v1.5).
+class BasicBlock(_ResidualBlock):
+    """Two 3x3 convolutions with a residual connection (ResNet-18/34); expansion 1, stride on
+    the first conv."""
 
-    Args:
-      in_features: input channels.
-      features: bottleneck width; the block outputs ``4 * features`` channels.
-      strides: stride of the 3x3 conv.
-      conv: partial ``nnx.Conv`` constructor (no bias, dtype and rngs bound).
-      norm: partial ``nnx.BatchNorm`` constructor (momentum, epsilon, axis_name, rngs bound).
-      zero_init_residual: initialise the last BatchNorm scale to zero.
-      dtype: compute dtype of the block output.
-    """
+    expansion: int = 1
+
+    def _build_branch(self, in_features, features, out_features, strides, conv, norm, last_scale):
+        self.conv1 = conv(in_features, features, (3, 3), strides, padding=_PAD1)
+        self.bn1 = norm(features)
+        self.conv2 = conv(features, out_features, (3, 3), 1, padding=_PAD1)
+        self.bn2 = norm(out_features, scale_init=last_scale)
+
+    def branch(self, x: jax.Array) -> jax.Array:
+        """conv-BN-ReLU, conv-BN."""
+        return self.bn2(self.conv2(nnx.relu(self.bn1(self.conv1(x)))))
+
+
+class Bottleneck(_ResidualBlock):
+    """1x1 -> 3x3 -> 1x1 bottleneck block (ResNet-50/101/152), expansion 4, stride on the 3x3
+    conv (v1.5)."""
 
     expansion: int = 4
 
-    def __init__(
-        self,
-        in_features: int,
-        features: int,
-        strides: int,
-        *,
-        conv: ModuleDef,
-        norm: ModuleDef,
-        zero_init_residual: bool,
-        dtype: Dtype,
-    ) -> None:
-        out_features = features * self.expansion
-        self.dtype = dtype
+    def _build_branch(self, in_features, features, out_features, strides, conv, norm, last_scale):
         self.conv1 = conv(in_features, features, (1, 1), 1, padding="VALID")
         self.bn1 = norm(features)
         self.conv2 = conv(features, features, (3, 3), strides, padding=_PAD1)
         self.bn2 = norm(features)
         self.conv3 = conv(features, out_features, (1, 1), 1, padding="VALID")
-        self.bn3 = norm(out_features, scale_init=_last_scale_init(zero_init_residual))
-        self.downsample = _make_shortcut(in_features, out_features, strides, conv, norm)
+        self.bn3 = norm(out_features, scale_init=last_scale)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Apply the block to an NHWC batch."""
-        residual = x
+    def branch(self, x: jax.Array) -> jax.Array:
+        """1x1 conv-BN-ReLU, 3x3 conv-BN-ReLU, 1x1 conv-BN."""
         y = nnx.relu(self.bn1(self.conv1(x)))
         y = nnx.relu(self.bn2(self.conv2(y)))
-        y = self.bn3(self.conv3(y))
-        if self.downsample is not None:
-            residual = self.downsample(x)
-        return nnx.relu(residual + y).astype(self.dtype)
+        return self.bn3(self.conv3(y))
 
 
 class Downsample(nnx.Module):
@@ -287,34 +281,12 @@ class ResNet(nnx.Module):
 def _factory(name: str, description: str) -> Callable[..., ResNet]:
     block_cls, stage_sizes = RESNET_CONFIGS[name]
 
-    def factory(
-        *,
-        num_classes: int = 1000,
-        stem: str = "imagenet",
-        width: int = 64,
-        sync_batchnorm: bool = False,
-        axis_name: str = "data",
-        zero_init_residual: bool = True,
-        in_channels: int = 3,
-        dtype: Dtype = jnp.float32,
-        param_dtype: Dtype = jnp.float32,
-        rngs: nnx.Rngs,
-    ) -> ResNet:
-        return ResNet(
-            block_cls,
-            stage_sizes,
-            num_classes=num_classes,
-            stem=stem,
-            width=width,
-            sync_batchnorm=sync_batchnorm,
-            axis_name=axis_name,
-            zero_init_residual=zero_init_residual,
-            in_channels=in_channels,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=rngs,
-        )
+    def factory(**kwargs: Any) -> ResNet:
+        return ResNet(block_cls, stage_sizes, **kwargs)
 
+    # The keyword arguments of ResNet after block_cls and stage_sizes, for help() and IDEs.
+    params = list(inspect.signature(ResNet.__init__).parameters.values())[3:]
+    factory.__signature__ = inspect.Signature(params, return_annotation=ResNet)  # type: ignore[attr-defined]
     factory.__name__ = factory.__qualname__ = name
     factory.__doc__ = f"{description} See :class:`ResNet` for the arguments."
     return factory

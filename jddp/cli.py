@@ -1,0 +1,76 @@
+"""What the command-line entry points share: one-line usage errors (exit 2), the start of JAX
+(jddp's XLA flags, then the distributed job), and the mapping of every failure to one line on
+stderr and its exit code (:mod:`jddp.errors`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from jddp import errors
+from jddp.errors import ConfigError, JddpError, Preempted
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are a :class:`ConfigError` (one line, exit 2)."""
+
+    def error(self, message: str) -> None:
+        raise ConfigError(f"command line: {message} (usage: {self.usage})")
+
+
+class Session:
+    """One CLI invocation: holds the job once JAX has started, so a failure can stop peers."""
+
+    def __init__(self) -> None:
+        self.job: Any = None
+
+    def start_jax(self, dist_cfg: Any) -> Any:
+        """jddp's XLA flags (read when XLA's backends start), then join the job."""
+        from jddp.xla_setup import apply_cpu_flags
+
+        apply_cpu_flags()
+        from jddp import distributed
+
+        self.job = distributed.initialize(dist_cfg)
+        return self.job
+
+
+def run(body: Callable[[Session], int]) -> int:
+    """``body(session)``'s exit code, or the exit code of what it raised, after one line on
+    stderr (``Preempted``: every process saved and stops by itself, nothing to print)."""
+    session = Session()
+    try:
+        return body(session)
+    except Preempted:
+        return errors.PREEMPTED
+    except JddpError as e:
+        print(f"jddp: error: {one_line(e)}", file=sys.stderr)
+        return stop_peers(session.job, e.exit_code)
+    except KeyboardInterrupt:
+        print("jddp: interrupted", file=sys.stderr)
+        return stop_peers(session.job, errors.INTERRUPTED)
+    except Exception as e:  # noqa: BLE001 - the CLI's contract is one line and exit 1
+        print(f"jddp: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
+        return stop_peers(session.job, errors.FAILURE)
+
+
+def one_line(e: BaseException) -> str:
+    """``e``'s message on one line."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def stop_peers(job: Any, exit_code: int) -> int:
+    """Take the job's other processes down where they would otherwise wait (MPI), then return
+    ``exit_code``; after a runtime failure, skip the interpreter's teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if job is not None:
+        sys.modules["jddp.distributed"].abort_job(job, exit_code)
+    if exit_code == errors.FAILURE and "jax" in sys.modules:
+        # Background checkpoint threads would print tracebacks after our one line, and
+        # jax.distributed's shutdown would wait for peers that may be gone.
+        os._exit(exit_code)
+    return exit_code
