@@ -6,22 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import jddp
+from tests.helpers import data
 from tests.user_models import TinyMLP
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def data(n=64, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 8, 8, 3)).astype(np.float32)
-    y = (x.mean(axis=(1, 2, 3)) > 0).astype(np.int32)  # linear in the pixels: learnable
-    return x, y
 
 
 def test_public_names_are_documented():

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import with_overrides
+from tests.helpers import run, with_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -26,13 +26,7 @@ TINY = [
 
 
 def train(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "jddp.train", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    return run([sys.executable, "-m", "jddp.train", *args], env=env, timeout=300)
 
 
 def snapshot(workdir: Path) -> dict[str, str]:
@@ -317,8 +311,7 @@ def test_corrupt_jpeg_in_worker_processes_stops_the_run(tmp_path):
     env = {**os.environ, "JDDP_TEST_MARK": marker.split("=", 1)[1]}
     out = train(
         f"workdir={tmp_path / 'run'}",
-        *TINY,
-        "data.name=imagefolder",
+        *with_overrides(TINY, "data.name=imagefolder"),
         f"data.path={tmp_path / 'imf'}",
         "data.workers=2",
         "data.worker_kind=process",

@@ -7,22 +7,15 @@ fraction of a real run is in ``experiments/bench_overhead.py`` and ``experiments
 
 import time
 
-import numpy as np
 import optax
 from flax import nnx
 
 import jddp
 from jddp.metrics import InputWait
-from tests.helpers import read_metrics
+from tests.helpers import data, read_metrics
 from tests.user_models import TinyMLP
 
 KEY = "perf/input_wait_fraction"
-
-
-def data(n=64, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 8, 8, 3)).astype(np.float32)
-    return x, (x.mean(axis=(1, 2, 3)) > 0).astype(np.int32)
 
 
 class SlowRecords:

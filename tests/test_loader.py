@@ -17,18 +17,7 @@ from jddp.data.loader import (
 )
 from jddp.data.source import ArraySource
 from jddp.mesh import make_mesh
-
-
-def source(n=50, classes=7):
-    images = np.arange(n, dtype=np.float32).reshape(n, 1, 1, 1) * np.ones((1, 2, 2, 1), np.float32)
-    return ArraySource(
-        images,
-        np.arange(n, dtype=np.int32) % classes,
-        classes,
-        mean=np.zeros(1, np.float32),
-        std=np.ones(1, np.float32),
-        name="toy",
-    )
+from tests.helpers import toy_source as source
 
 
 def test_batch_depends_only_on_seed_and_step():
@@ -104,7 +93,7 @@ MULTI = """
 import numpy as np, jax
 from jddp.data.loader import TrainBatches, batch_layout
 from jddp.mesh import make_mesh
-from tests.test_loader import source
+from tests.helpers import toy_source as source
 src = source(n=64)
 one = TrainBatches(src, 16, seed=5, mesh=make_mesh(jax.devices()[:1]))
 four = TrainBatches(src, 16, seed=5, mesh=make_mesh())

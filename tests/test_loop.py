@@ -121,27 +121,28 @@ from jddp.loop import train_loop
 from jddp.setup import Parts, build_run
 from jddp.workdir import RunFolder
 
-cfg = config_lib.load(None, sys.argv[1:])
-with StopRequest() as stop:
-    run = build_run(cfg, XlaComm(), RunFolder(cfg.workdir), stop, Parts())
-    leaves, treedef = jax.tree.flatten(run.state.params)
-    shards = [s.data for s in leaves[0].addressable_shards]
-    shards[1] = shards[1] + 1.0  # device 1's copy of the first parameter drifts
-    leaves[0] = jax.make_array_from_single_device_arrays(
-        leaves[0].shape, leaves[0].sharding, shards
-    )
-    run.state = run.state.replace(params=jax.tree.unflatten(treedef, leaves))
-    try:
-        _, step, _ = train_loop(run)
-        print(f"finished step={step}")
-    except ReplicasDiverged as e:
-        print(f"caught: {e}")
-    run.checkpoints.close()
+for check_every in (2, 0):  # with the check, then the same drift without it
+    cfg = config_lib.load(None, [*sys.argv[2:], f"workdir={sys.argv[1]}/{check_every}",
+                                 f"dist.check_sync_every={check_every}"])
+    with StopRequest() as stop:
+        run = build_run(cfg, XlaComm(), RunFolder(cfg.workdir), stop, Parts())
+        leaves, treedef = jax.tree.flatten(run.state.params)
+        shards = [s.data for s in leaves[0].addressable_shards]
+        shards[1] = shards[1] + 1.0  # device 1's copy of the first parameter drifts
+        leaves[0] = jax.make_array_from_single_device_arrays(
+            leaves[0].shape, leaves[0].sharding, shards
+        )
+        run.state = run.state.replace(params=jax.tree.unflatten(treedef, leaves))
+        try:
+            _, step, _ = train_loop(run)
+            print(f"check={check_every}: finished step={step}")
+        except ReplicasDiverged as e:
+            print(f"check={check_every}: caught: {e}")
+        run.checkpoints.close()
 """
 
 
-@pytest.mark.parametrize("check_every", [2, 0])
-def test_sync_check_stops_a_loop_whose_replicas_diverged(tmp_path, check_every):
+def test_sync_check_stops_a_loop_whose_replicas_diverged(tmp_path):
     """With dist.check_sync_every=2 the loop stops at step 2; without it the same drifted run
     goes to the end unnoticed (so the check, not something else, catches it)."""
     env = {
@@ -149,13 +150,11 @@ def test_sync_check_stops_a_loop_whose_replicas_diverged(tmp_path, check_every):
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
         "JAX_PLATFORMS": "cpu",
     }
-    args = [f"workdir={tmp_path}", *TINY, "train.steps=4", f"dist.check_sync_every={check_every}"]
+    args = [str(tmp_path), *TINY, "train.steps=4"]
     out = subprocess.run(
         [sys.executable, "-c", DIVERGE, *args], capture_output=True, text=True, env=env,
         timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    if check_every:
-        assert "caught: replicas diverged at step 2" in out.stdout
-    else:
-        assert "finished step=4" in out.stdout
+    assert "check=2: caught: replicas diverged at step 2" in out.stdout
+    assert "check=0: finished step=4" in out.stdout

@@ -12,8 +12,7 @@ import pytest
 from flax import nnx
 
 import jddp
-from tests.helpers import read_losses
-from tests.test_api import data
+from tests.helpers import data, read_losses
 from tests.user_models import DropoutMLP
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,21 +1,23 @@
 """The MPI backend under real ``mpirun`` (MPICH from PyPI): equivalence, resume, compression,
 replica checks and bad launches."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.helpers import (
     MPIRUN,
+    assert_losses_match,
     assert_resumed_bitwise,
     mpirun_cmd,
+    read_losses,
+    run,
     run_pids,
     steps_saved,
+    train,
     wait_for,
 )
 
@@ -49,19 +51,15 @@ ENV2 = {
 
 
 def mpirun(np_, workdir, *overrides, env=ENV2):
-    cmd = mpirun_cmd(np_, workdir, "dist.backend=mpi", *overrides, base=TINY)
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return run(mpirun_cmd(np_, workdir, "dist.backend=mpi", *overrides, base=TINY), env=env)
 
 
 def single(workdir, devices, *overrides):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    cmd = [sys.executable, "-m", "jddp.train", f"workdir={workdir}", *TINY, *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return train(workdir, *overrides, base=TINY, env=env)
 
 
-def losses(workdir):
-    rows = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+losses = read_losses
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +85,7 @@ def test_mpi_matches_xla_and_single_process(tmp_path, reference, mpi_straight):
     wd = mpi_straight
     got, want = losses(wd), losses(reference)
     assert sorted(got) == list(range(1, 21))
-    for step in range(1, 21):
-        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+    assert_losses_match(got, want, range(1, 21))
     xla = tmp_path / "xla"
     out = subprocess.run(
         [
@@ -112,8 +109,7 @@ def test_mpi_matches_xla_and_single_process(tmp_path, reference, mpi_straight):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    for step in range(1, 21):
-        assert losses(xla)[step] == pytest.approx(got[step], rel=1e-4), step
+    assert_losses_match(losses(xla), got, range(1, 21))
 
 
 def test_mpi_resume_from_rank0_checkpoint(tmp_path, reference):
@@ -126,8 +122,7 @@ def test_mpi_resume_from_rank0_checkpoint(tmp_path, reference):
     assert again.stdout.count("at step 4") == 1
     got, want = losses(wd), losses(reference)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
-    for step in (5, 6):
-        assert got[step] == pytest.approx(want[step], rel=1e-4)
+    assert_losses_match(got, want, (5, 6))
 
 
 def test_bfloat16_allreduce_stays_within_bf16_tolerance(tmp_path, reference):

@@ -10,18 +10,21 @@ import time
 
 import pytest
 
-from tests.helpers import TINY_SYNC, launch_cmd, mpirun_cmd, read_losses, read_metrics
+from tests.helpers import (
+    TINY_SYNC,
+    assert_losses_match,
+    launch_cmd,
+    mpirun_cmd,
+    read_losses,
+    read_metrics,
+    run,
+)
 
 pytestmark = pytest.mark.slow
 
 
 def launch(nproc, devices, workdir, *overrides, timeout=600):
-    return subprocess.run(
-        launch_cmd(nproc, devices, workdir, *overrides),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run(launch_cmd(nproc, devices, workdir, *overrides), timeout=timeout)
 
 
 def losses(workdir):
@@ -42,7 +45,9 @@ def reference(tmp_path_factory):
     return wd
 
 
-@pytest.mark.parametrize("nproc, devices", [(2, 2), (4, 1)])
+# 2 x 2 against 1 x 4: processes and devices both change. (4 x 1 was dropped to keep CI
+# under 20 minutes on 2 cores; test_fault_tolerance resumes 2 x 2 checkpoints as 1 x 4, 1 x 1.)
+@pytest.mark.parametrize("nproc, devices", [(2, 2)])
 def test_topology_invariance(tmp_path, reference, nproc, devices):
     wd = tmp_path / "run"
     out = launch(nproc, devices, wd, "train.steps=20")
@@ -50,8 +55,7 @@ def test_topology_invariance(tmp_path, reference, nproc, devices):
     rows, got = losses(wd)
     _, want = losses(reference)
     assert sorted(got) == list(range(1, 21))  # only process 0 writes: one line per step
-    for step in range(1, 21):
-        assert got[step] == pytest.approx(want[step], rel=1e-4), step
+    assert_losses_match(got, want, range(1, 21))
     assert final_accuracy(wd) == final_accuracy(reference)
     for key in ("train/grad_norm", "train/param_norm"):  # from the step, on every topology
         mine = [r[key] for r in rows if key in r]
@@ -72,8 +76,7 @@ def test_two_process_resume(tmp_path, reference):
     _, got = losses(wd)
     _, want = losses(reference)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
-    for step in (5, 6):
-        assert got[step] == pytest.approx(want[step], rel=1e-4)
+    assert_losses_match(got, want, (5, 6))
 
 
 def test_mpirun_as_launcher_with_xla_backend(tmp_path, reference):
@@ -93,8 +96,7 @@ def test_mpirun_as_launcher_with_xla_backend(tmp_path, reference):
     assert out.returncode == 0, out.stderr[-3000:]
     _, got = losses(wd)
     _, want = losses(reference)
-    for step in range(1, 5):
-        assert got[step] == pytest.approx(want[step], rel=1e-4)
+    assert_losses_match(got, want, range(1, 5))
     assert out.stdout.count("jddp: done step=4") == 1
 
 

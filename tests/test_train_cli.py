@@ -1,18 +1,14 @@
 """The CLI end to end on a tiny model: outputs, metrics, checkpoints, resume, exit codes."""
 
-import subprocess
-
 import pytest
 import yaml
 
-from tests.helpers import TINY, read_losses, read_metrics, train_cmd
+from tests.helpers import TINY, assert_losses_match, read_losses, read_metrics
+from tests.helpers import train as train_run
 
 
 def train(workdir, *overrides):
-    return subprocess.run(train_cmd(workdir, *overrides, base=TINY), capture_output=True, text=True)
-
-
-train_losses = read_losses
+    return train_run(workdir, *overrides, base=TINY)
 
 
 @pytest.mark.slow
@@ -58,10 +54,9 @@ def test_resume_continues_the_same_trajectory(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stdout and "at step 4" in again.stdout
     assert again.stdout.strip().splitlines()[-1].startswith("jddp: done step=6")
-    a, b = train_losses(straight), train_losses(interrupted)
+    a, b = read_losses(straight), read_losses(interrupted)
     assert sorted(b) == [1, 2, 3, 4, 5, 6]  # no duplicated or lost lines
-    for step in (5, 6):
-        assert b[step] == pytest.approx(a[step], rel=1e-6)
+    assert_losses_match(b, a, (5, 6), rel=1e-6)
     # The same command once more: nothing left to do, same final step, exit 0.
     done = train(interrupted, "train.steps=6", "checkpoint.every_steps=2")
     assert done.returncode == 0 and "done step=6" in done.stdout

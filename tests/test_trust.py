@@ -4,24 +4,16 @@ run, changed configs on resume, every step skipped, Ctrl-C."""
 import json
 import os
 import signal
-import subprocess
 import time
 
-import numpy as np
 import pytest
 from flax import nnx
 
 import jddp
 from jddp.errors import ConfigError, NonFiniteLoss
-from jddp.hooks import StopRequest
-from tests.helpers import read_losses, steps_saved, train_cmd, wait_for
+from jddp.hooks import STOP_SIGNALS, StopRequest
+from tests.helpers import data, read_losses, start_training, steps_saved, train_cmd
 from tests.user_models import NanModel, TinyMLP
-
-
-def data(n=64, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 8, 8, 3)).astype(np.float32)
-    return x, (x.mean(axis=(1, 2, 3)) > 0).astype(np.int32)
 
 
 def fit(workdir, *overrides, model=None, seed=0):
@@ -90,16 +82,21 @@ def test_a_run_that_skipped_every_step_fails(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_saves_like_sigterm(tmp_path):
     wd = tmp_path / "run"
-    job = subprocess.Popen(
-        train_cmd(wd, "train.steps=100000"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    assert wait_for(lambda: (wd / "metrics.jsonl").exists() and len(read_losses(wd)) >= 3, 300)
+    job = start_training(train_cmd(wd, "train.steps=100000"), wd, steps=3)
     job.send_signal(signal.SIGINT)
     out, err = job.communicate(timeout=60)
     assert job.returncode == 75, err[-2000:]
     stopped = int(out.split("preempted at step ")[1].split()[0])
     assert steps_saved(wd)[-1] == stopped and not (wd / ".jddp.lock").exists()
+
+
+@pytest.mark.parametrize("sig", STOP_SIGNALS)
+def test_every_stop_signal_is_recorded(sig):
+    with StopRequest() as stop:
+        os.kill(os.getpid(), sig)
+        time.sleep(0.01)  # the handler runs in this thread between bytecodes
+        assert stop.signal_name == signal.Signals(sig).name
+        assert stop.flags(2)["sys/stop"].tolist() == [1.0, 1.0]
 
 
 def test_a_second_ctrl_c_interrupts_at_once():

@@ -7,14 +7,8 @@ import pytest
 from flax import nnx
 
 import jddp
+from tests.helpers import data
 from tests.user_models import TinyMLP
-
-
-def data(n, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 8, 8, 3)).astype(np.float32)
-    y = (x.mean(axis=(1, 2, 3)) > 0).astype(np.int32)
-    return x, y
 
 
 @pytest.fixture(scope="module")
