@@ -2,7 +2,7 @@
 
 An uninterrupted run of ``python -m jddp.launch --nproc 2`` gives the reference per-step losses.
 The same command is then started again and again in a fresh workdir; each time, after a random
-delay, one ``kill -9`` hits either a random rank or the launcher itself. After every kill the
+delay, one ``kill -9`` hits a random rank or the launcher itself (alternately). After every kill the
 script checks that no process of the job is left within 15 s (ranks die with their launcher),
 then reruns the same command, which resumes from the newest checkpoint. After ``--kills`` kills
 the last rerun goes to the end. Pass: every step's loss is bitwise the reference's, every step
@@ -72,7 +72,7 @@ def wait_gone(workdir: Path, timeout_s: float) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--machine", default="vm")
     args = parser.parse_args()
@@ -100,7 +100,7 @@ def main() -> int:
             ranks = [p for p in job_pids(wd) if p != job.pid]
             if job.poll() is not None:
                 victim, who = None, "none (the run had finished)"
-            elif ranks and rng.random() < 0.5:
+            elif ranks and k % 2 == 0:  # alternate: a rank, then the launcher
                 victim = rng.choice(ranks)
                 who = f"rank pid {victim}"
             else:
