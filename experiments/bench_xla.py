@@ -111,11 +111,7 @@ def main() -> int:
         "rows": rows,
         "runs": runs,
     }
-    path = benchlib.unused_path(
-        benchlib.RESULTS_DIR, f"xla-{time.strftime('%Y-%m-%d')}-{args.machine}"
-    )
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    benchlib.save_result("xla", args.machine, result)
     return 0
 
 

@@ -157,3 +157,15 @@ def machine_info(name: str | None = None, extra: dict[str, Any] | None = None) -
     }
     info.update(extra or {})
     return info
+
+
+def save_result(kind: str, machine: str, result: dict[str, Any]) -> Path:
+    """Write ``result`` as ``results/<kind>-<date>-<machine>.json`` (``-runN`` if taken) and say
+    where."""
+    import json
+    import time
+
+    path = unused_path(RESULTS_DIR, f"{kind}-{time.strftime('%Y-%m-%d')}-{machine}")
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path

@@ -134,11 +134,7 @@ def main() -> int:
         "no_leftover_process": clean,
         "verdict": verdict,
     }
-    path = benchlib.unused_path(
-        benchlib.RESULTS_DIR, f"soak-{time.strftime('%Y-%m-%d')}-{args.machine}"
-    )
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    benchlib.save_result("soak", args.machine, result)
     return 0 if verdict == "PASS" else 1
 
 
