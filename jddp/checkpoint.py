@@ -318,7 +318,7 @@ def find_checkpoint(
         if step is not None and step != named:
             raise ConfigError(f"{step_key}: {path} is the checkpoint of step {named}, not {step}")
         step = named
-    elif (p / "checkpoints").is_dir() or (p / "config.yaml").is_file():
+    elif RunFolder(p).checkpoints.is_dir() or RunFolder(p).config_yaml.is_file():
         directory = RunFolder(p).checkpoints
     elif p.is_dir() and any(c.name.isdigit() for c in p.iterdir()):
         directory = p

@@ -24,7 +24,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-METRICS_FILE = "metrics.jsonl"
+from jddp.workdir import RunFolder
 
 # (file name, y-axis label, metric keys drawn in it)
 PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -60,7 +60,7 @@ def load_metrics(workdir: str | Path) -> list[dict]:
     workdir = Path(workdir)
     if not workdir.is_dir():
         raise MetricsError(f"{workdir}: no such run folder")
-    path = workdir / METRICS_FILE
+    path = RunFolder(workdir).metrics_jsonl
     if not path.is_file():
         raise MetricsError(f"{path}: no such file")
     rows = []
