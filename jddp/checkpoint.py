@@ -12,6 +12,7 @@ is used; a damaged one is named in a warning and skipped. A checkpoint written f
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import time
@@ -99,6 +100,9 @@ class Checkpoints:
         self.damaged_directory = Path(damaged_directory)
         self.every_steps = every_steps
         self.writes = writes
+        self._saving: int | None = None  # the step of the save in flight
+        self._failed: CheckpointError | None = None
+        _quiet_orbax_errors()
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -123,14 +127,13 @@ class Checkpoints:
         """
         if not self.writes or step in self._manager.all_steps():
             return
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                manifest=ocp.args.JsonSave({"leaves": manifest(state)}),
-                config=ocp.args.JsonSave(config),
-            ),
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            manifest=ocp.args.JsonSave({"leaves": manifest(state)}),
+            config=ocp.args.JsonSave(config),
         )
+        self._guard(lambda: self._manager.save(step, args=args), step)  # raises an earlier failure
+        self._saving = step
 
     def restore_newest_good(
         self,
@@ -236,13 +239,37 @@ class Checkpoints:
         )["state"]
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is on disk."""
-        self._manager.wait_until_finished()
+        """Block until the save in flight (if any) is on disk; ``CheckpointError`` if it failed."""
+        self._guard(self._manager.wait_until_finished, self._saving)
 
     def close(self) -> None:
-        """Finish pending saves and release the manager."""
-        self._manager.wait_until_finished()
+        """Finish pending saves and release the manager; ``CheckpointError`` if a save failed
+        (reported once: closing again after a failure only releases)."""
+        if self._failed is not None:
+            try:
+                self._manager.close()
+            except Exception:  # noqa: BLE001 - the failure was reported already
+                pass
+            return
+        self.wait()
         self._manager.close()
+
+    def _guard(self, action: Callable[[], Any], step: int | None) -> Any:
+        """Run ``action``; a failure of a save becomes one :class:`CheckpointError` line naming
+        the checkpoint, the cause, and the checkpoints that are intact."""
+        try:
+            return action()
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+            done = self.all_steps()
+            if self._saving is not None and self._saving not in done:
+                step = self._saving  # a save in the background failed; it surfaces now
+            where = self.directory / (str(step) if step is not None else "?")
+            intact = [s for s in done if s != step]
+            self._failed = CheckpointError(
+                f"checkpoint {where} could not be written ({_cause(e)}); the checkpoints "
+                f"before it are intact: {intact or 'none'}"
+            )
+            raise self._failed from None
 
 
 WEIGHT_PREFIXES = (".params", ".model_state")
@@ -358,6 +385,30 @@ def reader(directory: Path) -> Checkpoints:
         primary=False,
         damaged_directory=directory.parent / "checkpoints-damaged",
     )
+
+
+def _cause(e: BaseException) -> str:
+    """The operating-system cause of a failed write if one is named (disk full, permission),
+    else the error's first 200 characters."""
+    text = " ".join(str(e).split())
+    for cause in ("No space left on device", "Permission denied", "Disk quota exceeded"):
+        if cause in text:
+            return cause
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+class _DropOrbaxErrors(logging.Filter):
+    """Orbax logs a failed background save with its traceback (hundreds of lines) before the
+    error reaches the caller; jddp reports that failure itself, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+def _quiet_orbax_errors() -> None:
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, _DropOrbaxErrors) for f in logger.filters):
+        logger.addFilter(_DropOrbaxErrors())
 
 
 def _silence_late_read_callbacks() -> None:

@@ -12,7 +12,16 @@ from flax import nnx
 import jddp
 from jddp.errors import ConfigError, NonFiniteLoss
 from jddp.hooks import STOP_SIGNALS, StopRequest
-from tests.helpers import data, read_losses, start_training, steps_saved, train_cmd
+from tests.helpers import (
+    TINY,
+    data,
+    read_losses,
+    run,
+    start_training,
+    steps_saved,
+    train,
+    train_cmd,
+)
 from tests.user_models import NanModel, TinyMLP
 
 
@@ -107,3 +116,30 @@ def test_a_second_ctrl_c_interrupts_at_once():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs (root with mount rights only; skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(mount)])
+    if made.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
+    try:
+        yield mount
+    finally:
+        run(["umount", "-l", str(mount)])
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_older_ones(small_disk):
+    """Room for one checkpoint (~0.6 MB) and its metrics, not two: the second save fails."""
+    stat = os.statvfs(small_disk)
+    (small_disk / "fill").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 900 * 1024))
+    wd = small_disk / "run"
+    out = train(wd, "train.steps=6", "checkpoint.every_steps=2", base=TINY)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
+    assert "checkpoints/4 could not be written (No space left on device)" in lines[0]
+    assert "intact: [2]" in lines[0] and steps_saved(wd) == [2]
