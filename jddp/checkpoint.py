@@ -217,7 +217,7 @@ class Checkpoints:
 
     def weight_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
         """``{name: shape}`` of the parameters and model state saved at ``step`` (from its
-        manifest; names as :func:`weight_leaves` spells them)."""
+        manifest; names as :func:`jddp.weights.weight_leaves` spells them)."""
         saved = self._manager.restore(
             step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
         )["manifest"]["leaves"]
@@ -273,118 +273,6 @@ class Checkpoints:
 
 
 WEIGHT_PREFIXES = (".params", ".model_state")
-
-
-def weight_leaves(weights: dict[str, Any]) -> list[tuple[str, Any]]:
-    """``(manifest name, leaf)`` of every leaf of ``{"params": ..., "model_state": ...}``."""
-    out = []
-    for top in ("params", "model_state"):
-        flat, _ = jax.tree_util.tree_flatten_with_path(weights[top])
-        out += [(f".{top}{jax.tree_util.keystr(path)}", leaf) for path, leaf in flat]
-    return out
-
-
-def short_name(name: str) -> str:
-    """A manifest name as users read it: ``params['out']['kernel']``."""
-    return name.removeprefix(".").removesuffix(".value")
-
-
-def mismatched_weights(
-    saved: dict[str, tuple[int, ...]], weights: dict[str, Any]
-) -> tuple[list[str], list[tuple[str, tuple, tuple]]]:
-    """Arrays of ``weights`` the checkpoint lacks, and ``(name, saved, now)`` for every array
-    whose shape differs (names as in the checkpoint's manifest)."""
-    missing, differ = [], []
-    for name, leaf in weight_leaves(weights):
-        shape = tuple(leaf.shape)
-        if name not in saved:
-            missing.append(name)
-        elif saved[name] != shape:
-            differ.append((name, saved[name], shape))
-    return missing, differ
-
-
-def describe_mismatch(missing: list[str], differ: list[tuple[str, tuple, tuple]]) -> str:
-    """One line naming (up to 5 of) each kind of mismatch."""
-    parts = []
-    if missing:
-        names = ", ".join(short_name(n) for n in missing[:5])
-        parts.append(f"{len(missing)} arrays are not in the checkpoint ({names})")
-    if differ:
-        names = ", ".join(
-            f"{short_name(n)} {list(a)} there vs {list(b)} now" for n, a, b in differ[:5]
-        )
-        parts.append(f"{len(differ)} arrays have other shapes ({names})")
-    return "; ".join(parts)
-
-
-def with_shapes(weights: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """``weights`` as shape/dtype structs, with the shape of each array named in ``shapes``."""
-    out = {}
-    for top in ("params", "model_state"):
-        flat, treedef = jax.tree_util.tree_flatten_with_path(weights[top])
-        leaves = [
-            jax.ShapeDtypeStruct(shapes.get(f".{top}{jax.tree_util.keystr(p)}", x.shape), x.dtype)
-            for p, x in flat
-        ]
-        out[top] = jax.tree_util.tree_unflatten(treedef, leaves)
-    return out
-
-
-def find_checkpoint(
-    path: str | Path, step: int | None, key: str, step_key: str | None = None
-) -> tuple[Path, int]:
-    """The checkpoints folder and the step that ``path`` names: a workdir (its newest
-    checkpoint, or ``step``), its ``checkpoints`` folder, or one checkpoint folder
-    ``.../checkpoints/<step>``. Reads only the file system. ``ConfigError`` naming ``key`` (or
-    ``step_key`` for a step that does not exist) when there is none."""
-    step_key = step_key or key
-    p = Path(path).absolute()
-    if p.name.isdigit() and (p / "state").is_dir():
-        directory, named = p.parent, int(p.name)
-        if step is not None and step != named:
-            raise ConfigError(f"{step_key}: {path} is the checkpoint of step {named}, not {step}")
-        step = named
-    elif RunFolder(p).checkpoints.is_dir() or RunFolder(p).config_yaml.is_file():
-        directory = RunFolder(p).checkpoints
-    elif p.is_dir() and any(c.name.isdigit() for c in p.iterdir()):
-        directory = p
-    else:
-        raise ConfigError(f"{key}: {path} is neither a run's workdir nor a checkpoint folder")
-    steps = (
-        sorted(int(c.name) for c in directory.iterdir() if c.name.isdigit() and c.is_dir())
-        if directory.is_dir()
-        else []
-    )
-    if not steps:
-        raise ConfigError(f"{key}: no checkpoint in {directory}")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise ConfigError(
-            f"{step_key}: no checkpoint of step {step} in {directory} (there are: "
-            f"{', '.join(map(str, steps))})"
-        )
-    return directory, step
-
-
-def open_checkpoint(path: str | Path, step: int | None, key: str) -> tuple[Checkpoints, int]:
-    """:func:`find_checkpoint`, opened for reading (close it after use)."""
-    directory, step = find_checkpoint(path, step, key)
-    return reader(directory), step
-
-
-def reader(directory: Path) -> Checkpoints:
-    """The checkpoints in ``directory``, for reading only."""
-    return Checkpoints(
-        directory,
-        every_steps=0,
-        keep=1,
-        async_save=False,
-        writes=False,
-        primary=False,
-        damaged_directory=directory.parent / "checkpoints-damaged",
-    )
 
 
 def _cause(e: BaseException) -> str:

@@ -165,7 +165,6 @@ def evaluate_checkpoint(cfg, directory: Path, step: int, job) -> dict:
     import optax
     from flax import nnx
 
-    from jddp.checkpoint import reader
     from jddp.comm import make_comm
     from jddp.inference import restore_into
     from jddp.metrics import Console, append_metrics
@@ -173,6 +172,7 @@ def evaluate_checkpoint(cfg, directory: Path, step: int, job) -> dict:
     from jddp.setup import COMPUTE_DTYPES, build_mesh, build_model, load_data, pipeline_options
     from jddp.state import create_train_state
     from jddp.step import PixelNorm, cross_entropy_loss, make_eval_step
+    from jddp.weights import reader
     from jddp.workdir import RunFolder
 
     comm = make_comm(job, cfg.dist.backend, cfg.dist.grad_allreduce_dtype)
@@ -233,7 +233,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
-    from jddp.checkpoint import find_checkpoint
+    from jddp.weights import find_checkpoint
 
     argv = sys.argv[1:] if argv is None else argv
 

@@ -17,9 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jddp import config as config_lib
-from jddp.checkpoint import (
-    Checkpoints,
-)
+from jddp.checkpoint import Checkpoints
 from jddp.comm import Comm
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, TrainBatches, batch_layout

@@ -11,14 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from jddp import config as config_lib
-from jddp.checkpoint import (
-    Checkpoints,
-    describe_mismatch,
-    mismatched_weights,
-    open_checkpoint,
-    short_name,
-    with_shapes,
-)
+from jddp.checkpoint import Checkpoints
 from jddp.comm import Comm
 from jddp.config import Config
 from jddp.errors import ConfigError
@@ -26,6 +19,13 @@ from jddp.mesh import put_replicated, to_host
 from jddp.metrics import Console
 from jddp.resume import check_resume_config
 from jddp.state import TrainState
+from jddp.weights import (
+    describe_mismatch,
+    mismatched_weights,
+    open_checkpoint,
+    short_name,
+    with_shapes,
+)
 
 
 def restore(
