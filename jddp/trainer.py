@@ -56,7 +56,7 @@ def train_and_evaluate(
 
     ``parts`` replaces the model, optimizer, data or loss that ``cfg`` names; ``job`` is what
     :func:`jddp.distributed.initialize` returned (default: the processes as they run now).
-    Raises :class:`~jddp.errors.Preempted` after saving when SIGTERM/SIGUSR1 arrives,
+    Raises :class:`~jddp.errors.Preempted` after saving when SIGTERM/SIGUSR1/SIGINT arrives,
     :class:`~jddp.errors.NonFiniteLoss` for a non-finite step under ``train.on_nonfinite=halt``,
     :class:`~jddp.errors.ConfigError` for bad input.
     """
