@@ -23,6 +23,11 @@ def _plain(v: Any) -> Any:
     return v
 
 
+def _row(step: int, values: dict[str, Any]) -> dict[str, Any]:
+    """One ``metrics.jsonl`` line: the step, then the values as plain JSON numbers."""
+    return {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
+
+
 class MetricsLog:
     """Appends one JSON object per line to ``workdir/metrics.jsonl`` (process 0 only).
 
@@ -64,7 +69,7 @@ class MetricsLog:
         """Write ``{"step": step, **values}`` as one line (and as TensorBoard scalars)."""
         if self._file is not None:
             self._keys_at.setdefault(int(step), set()).update(values)
-            row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
+            row = _row(step, values)
             self._file.write(json.dumps(row) + "\n")
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -80,9 +85,8 @@ class MetricsLog:
 
 def append_metrics(folder: RunFolder, step: int, values: dict[str, Any]) -> None:
     """Append ``{"step": step, **values}`` to ``metrics.jsonl`` (``jddp.evaluate``, no run)."""
-    row = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
     with folder.metrics_jsonl.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(json.dumps(_row(step, values)) + "\n")
 
 
 def describe_eval(metrics: dict[str, Any]) -> str:
