@@ -66,8 +66,11 @@ def test_input_wait_fraction_is_logged_and_summarised(tmp_path, capsys):
 def test_a_slow_loader_shows_up_as_input_wait(tmp_path):
     x, y = data()
     # 16 records x 10 ms = at least 0.16 s to load a batch; a TinyMLP step takes milliseconds,
-    # so once the 2 prefetched batches are used up the loop mostly waits.
-    result = fit(tmp_path / "run", SlowRecords(x, y, 0.01), 8, "data.prefetch_batches=1")
+    # so once the prefetched batch is used up the loop mostly waits. data.workers=0: one loading
+    # lane (host workers would load several batches at once and hide part of the wait).
+    result = fit(
+        tmp_path / "run", SlowRecords(x, y, 0.01), 8, "data.prefetch_batches=1", "data.workers=0"
+    )
     rows = [r for r in read_metrics(tmp_path / "run") if KEY in r]
     assert rows[-1][KEY] > 0.5
     assert 0.2 < result.input_wait_fraction <= 1.0
