@@ -94,8 +94,12 @@ class Checkpoints:
         writes: bool = True,
         primary: bool = True,
         damaged_directory: str | Path,
+        pixel_norm: dict[str, Any] | None = None,
     ):
         self.directory = Path(directory).absolute()
+        # How the run turns integer pixels into model input (PixelNorm.to_json): recorded with
+        # every checkpoint so that jddp.predict/evaluate of the run can do the same.
+        self.pixel_norm = pixel_norm
         self.primary = primary  # process 0: moves damaged checkpoints aside
         self.damaged_directory = Path(damaged_directory)
         self.every_steps = every_steps
@@ -129,7 +133,10 @@ class Checkpoints:
             return
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
-            manifest=ocp.args.JsonSave({"leaves": manifest(state)}),
+            manifest=ocp.args.JsonSave(
+                {"leaves": manifest(state)}
+                | ({} if self.pixel_norm is None else {"pixel_norm": self.pixel_norm})
+            ),
             config=ocp.args.JsonSave(config),
         )
         self._guard(lambda: self._manager.save(step, args=args), step)  # raises an earlier failure
@@ -215,13 +222,21 @@ class Checkpoints:
             "config"
         ]
 
+    def _manifest(self, step: int) -> dict[str, Any]:
+        return self._manager.restore(
+            step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
+        )["manifest"]
+
     def weight_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
         """``{name: shape}`` of the parameters and model state saved at ``step`` (from its
         manifest; names as :func:`jddp.weights.weight_leaves` spells them)."""
-        saved = self._manager.restore(
-            step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
-        )["manifest"]["leaves"]
+        saved = self._manifest(step)["leaves"]
         return {p: tuple(shape) for p, shape, *_ in saved if p.startswith(WEIGHT_PREFIXES)}
+
+    def saved_pixel_norm(self, step: int) -> dict[str, Any] | None:
+        """The pixel normalisation checkpoint ``step`` was trained with (``PixelNorm.to_json``);
+        None for checkpoints written before jddp recorded it."""
+        return self._manifest(step).get("pixel_norm")
 
     def restore_weights(self, step: int, like: dict[str, Any]) -> dict[str, Any]:
         """Only ``params`` and ``model_state`` of checkpoint ``step`` (the optimizer state is

@@ -103,7 +103,7 @@ def evaluate_model(
     from jddp.state import create_train_state
     from jddp.step import PixelNorm, cross_entropy_loss, make_eval_step
 
-    model = as_model(model_or_workdir, step)
+    model, run_norm = as_model(model_or_workdir, step)
     cfg = None
     if model is not model_or_workdir:  # a run: its config (optional when data is given)
         try:
@@ -130,7 +130,13 @@ def evaluate_model(
         mesh,
         loss_fn=loss_fn or cross_entropy_loss(smoothing),
         compute_dtype=dtype,
-        pixel_norm=PixelNorm.of(source),
+        # Raw arrays or records of a run are fed as the run was trained (its recorded
+        # normalisation); a Source (or the run's own eval split) brings its own.
+        pixel_norm=(
+            run_norm
+            if run_norm is not None and data is not None and not hasattr(data, "get_batch")
+            else PixelNorm.of(source)
+        ),
     )
     pipeline = pipeline_options(cfg) if cfg is not None and data is None else None
     return evaluate(eval_step, state, source, global_batch, mesh, layout, comm, pipeline)

@@ -64,8 +64,17 @@ def load(path: PathLike, step: int | None = None, *, model: nnx.Module | None = 
     its arrays are replaced in place and it is returned. Raises :class:`ConfigError` when there
     is no such checkpoint or the model does not fit it (naming the arrays).
     """
+    return load_run(path, step, model=model)[0]
+
+
+def load_run(
+    path: PathLike, step: int | None = None, *, model: nnx.Module | None = None
+) -> tuple[nnx.Module, PixelNorm | None]:
+    """:func:`load`, and the pixel normalisation the run trained with (None for checkpoints
+    that predate its recording)."""
     ckpts, step = open_checkpoint(path, step, key="path")
     try:
+        saved_norm = ckpts.saved_pixel_norm(step)
         if model is not None:
             restore_into(model, ckpts, step, key="path")
         else:
@@ -82,14 +91,17 @@ def load(path: PathLike, step: int | None = None, *, model: nnx.Module | None = 
     finally:
         ckpts.close()
     model.eval()
-    return model
+    return model, None if saved_norm is None else PixelNorm.from_json(saved_norm)
 
 
-def as_model(model_or_workdir: nnx.Module | PathLike, step: int | None = None) -> nnx.Module:
-    """``model_or_workdir`` itself if it is a module, else :func:`load` of it."""
+def as_model(
+    model_or_workdir: nnx.Module | PathLike, step: int | None = None
+) -> tuple[nnx.Module, PixelNorm | None]:
+    """``model_or_workdir`` itself if it is a module (no known normalisation), else
+    :func:`load_run` of it."""
     if isinstance(model_or_workdir, nnx.Module):
-        return model_or_workdir
-    return load(model_or_workdir, step)
+        return model_or_workdir, None
+    return load_run(model_or_workdir, step)
 
 
 def predict(
@@ -104,13 +116,14 @@ def predict(
     """Logits ``[N, K]`` of ``images`` in input order (``logits.argmax(-1)``: the labels).
 
     ``images``: ``[N, H, W, C]`` (or ``[N, H, W]``) float images, normalised as in training,
-    or uint8 pixels, scaled to [0, 1] and standardised with ``mean``/``std`` per channel (on
-    the [0, 1] scale) like the train step does; or a data source (:func:`jddp.as_source`),
-    whose own normalisation is used. Runs in eval mode on the default device, ``batch_size``
-    images at a time (the last batch is padded, so one program serves every batch). The model
-    passed is not changed.
+    or uint8 pixels, scaled to [0, 1] and standardised per channel like the train step does:
+    with ``mean``/``std`` (on the [0, 1] scale) when given, else, for a run, with the
+    normalisation it trained with (recorded in its checkpoints), else scaled only; or a data
+    source (:func:`jddp.as_source`), whose own normalisation is used. Runs in eval mode on the
+    default device, ``batch_size`` images at a time (the last batch is padded, so one program
+    serves every batch). The model passed is not changed.
     """
-    model = as_model(model_or_workdir, step)
+    model, run_norm = as_model(model_or_workdir, step)
     if hasattr(images, "get_batch"):
         source = images
         norm = PixelNorm.of(source)
@@ -122,7 +135,10 @@ def predict(
             array = array[..., None]
         if array.ndim != 4:
             raise ConfigError(f"images: expected [N, H, W, C], got shape {list(array.shape)}")
-        norm = PixelNorm() if mean is None or std is None else PixelNorm(tuple(mean), tuple(std))
+        if mean is not None and std is not None:
+            norm = PixelNorm(tuple(mean), tuple(std))
+        else:
+            norm = run_norm or PixelNorm()
         n = len(array)
         fetch = lambda idx: array[idx]  # noqa: E731
     graphdef, state = nnx.split(model)

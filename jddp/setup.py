@@ -272,8 +272,10 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
     del model
     num_outputs = check_model_output(cfg, model_def, state, splits)
 
+    pixel_norm = PixelNorm.of(splits.train)
     ckpts = Checkpoints.of(
         folder,
+        pixel_norm=pixel_norm.to_json(),
         every_steps=cfg.checkpoint.every_steps,
         keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_save,
@@ -289,7 +291,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
     log = MetricsLog(folder, resume_step=start_step, writer=writer)
 
     train_step, eval_step = build_steps(
-        cfg, model_def, tx, mesh, comm, parts, schedule, PixelNorm.of(splits.train)
+        cfg, model_def, tx, mesh, comm, parts, schedule, pixel_norm
     )
     progress = Progress(
         cfg.log.progress, steps, start_step, writer, batches.steps_per_epoch, console

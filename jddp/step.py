@@ -71,6 +71,21 @@ class PixelNorm:
             return cls()
         return cls(tuple(float(m) for m in mean), tuple(float(s) for s in std))
 
+    def to_json(self) -> dict[str, list[float] | None]:
+        """``{"mean": [...] | None, "std": [...] | None}``: how checkpoints record it."""
+        return {
+            "mean": None if self.mean is None else list(self.mean),
+            "std": None if self.std is None else list(self.std),
+        }
+
+    @classmethod
+    def from_json(cls, saved: dict[str, Any]) -> PixelNorm:
+        """The inverse of :meth:`to_json`."""
+        mean, std = saved.get("mean"), saved.get("std")
+        if mean is None or std is None:
+            return cls()
+        return cls(tuple(float(m) for m in mean), tuple(float(s) for s in std))
+
     def __call__(self, images: jax.Array, dtype: Any) -> jax.Array:
         if not jnp.issubdtype(images.dtype, jnp.integer):
             return images.astype(dtype)

@@ -73,6 +73,26 @@ def test_load_builds_the_model_the_checkpoint_config_names(tmp_path):
     result.model.eval()
     np.testing.assert_allclose(np.asarray(loaded(x)), np.asarray(result.model(x)), rtol=1e-6)
 
+    # Raw uint8 pixels given with the run are normalised as the run trained (its checkpoint
+    # records the train split's mean/std), not merely scaled to [0, 1].
+    from jddp.setup import load_data
+
+    splits = load_data(cfg)
+    raw, labels = splits.eval.images[:24], splits.eval.labels[:24]
+    assert raw.dtype == np.uint8 and not np.allclose(splits.train.std, 1.0)
+    by_run = jddp.predict(tmp_path / "run", raw)
+    stats = {"mean": splits.train.mean, "std": splits.train.std}
+    np.testing.assert_allclose(by_run, jddp.predict(loaded, raw, **stats), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(by_run, jddp.predict(loaded, raw), atol=1e-3)
+    by_arrays = jddp.evaluate(tmp_path / "run", (raw, labels))
+    by_source = jddp.evaluate(tmp_path / "run", jddp.as_source((raw, labels)))  # scale only
+    from jddp.data.source import ArraySource
+
+    sub = ArraySource(raw, labels, splits.eval.num_classes, stats["mean"], stats["std"], "sub")
+    want = jddp.evaluate(tmp_path / "run", sub)
+    assert by_arrays["eval/loss"] == pytest.approx(want["eval/loss"], rel=1e-5)
+    assert by_source["eval/loss"] != pytest.approx(want["eval/loss"], rel=1e-3)
+
 
 def test_predict_keeps_input_order_and_pads_the_last_batch(fitted):
     model, _, _, (x, _) = fitted
