@@ -290,9 +290,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         folder.config_yaml.write_text(config_lib.dump(cfg))
     log = MetricsLog(folder, resume_step=start_step, writer=writer)
 
-    train_step, eval_step = build_steps(
-        cfg, model_def, tx, mesh, comm, parts, schedule, pixel_norm
-    )
+    train_step, eval_step = build_steps(cfg, model_def, tx, mesh, comm, parts, schedule, pixel_norm)
     progress = Progress(
         cfg.log.progress, steps, start_step, writer, batches.steps_per_epoch, console
     )
