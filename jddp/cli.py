@@ -5,6 +5,7 @@ stderr and its exit code (:mod:`jddp.errors`)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 from collections.abc import Callable
@@ -41,6 +42,9 @@ class Session:
 def run(body: Callable[[Session], int]) -> int:
     """``body(session)``'s exit code, or the exit code of what it raised, after one line on
     stderr (``Preempted``: every process saved and stops by itself, nothing to print)."""
+    # A crash in native code (XLA, a data-loading extension) then leaves the Python stacks of
+    # every thread on stderr instead of a bare "killed by SIGSEGV".
+    faulthandler.enable(all_threads=True)
     session = Session()
     try:
         return body(session)
