@@ -24,6 +24,8 @@ TINY = [
 # Augmentation and host workers on: batch k must still be the same pixels on every topology and
 # after a resume.
 TINY_SYNC = [*TINY, "model.sync_batchnorm=true", "data.augment=cifar", "data.workers=2"]
+# The shared 2 x 2 run's length and checkpoints (tests/conftest.py ``two_by_two``).
+TWO_BY_TWO = ("train.steps=20", "checkpoint.every_steps=4", "checkpoint.keep=5")
 
 
 def with_overrides(base, *overrides) -> list[str]:

@@ -224,8 +224,9 @@ def test_all_checkpoints_damaged_is_a_runtime_error(files, tmp_path):
 def test_workdir_tilde_is_the_home_folder(tmp_path):
     """``workdir=~/x`` trains in ``$HOME/x`` (no folder named ``~``), and config.yaml says so."""
     env = {**os.environ, "HOME": str(tmp_path / "home")}
+    cache = f"train.compilation_cache_dir={os.path.expanduser('~/.cache/jddp/jax')}"  # warm
     out = subprocess.run(
-        [sys.executable, "-m", "jddp.train", "workdir=~/x", *TINY, "train.steps=1"],
+        [sys.executable, "-m", "jddp.train", "workdir=~/x", *TINY, "train.steps=1", cache],
         capture_output=True,
         text=True,
         env=env,

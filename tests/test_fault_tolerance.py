@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    TWO_BY_TWO,
     assert_losses_match,
     assert_resumed_bitwise,
     launch_cmd,
@@ -27,18 +28,15 @@ pytestmark = pytest.mark.slow
 cmd_train, cmd_launch = train_cmd, launch_cmd
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """2 processes x 2 devices, 16 steps, uninterrupted."""
-    wd = tmp_path_factory.mktemp("straight") / "run"
-    out = run(cmd_launch(2, 2, wd, "train.steps=16", "checkpoint.every_steps=4"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return wd
+@pytest.fixture
+def straight(two_by_two):
+    """2 processes x 2 devices, 20 steps, uninterrupted (shared with test_multiprocess)."""
+    return two_by_two[0]
 
 
 def test_exact_resume_after_sigkill(tmp_path, straight):
     wd = tmp_path / "run"
-    args = cmd_launch(2, 2, wd, "train.steps=16", "checkpoint.every_steps=4")
+    args = cmd_launch(2, 2, wd, *TWO_BY_TWO)
     job = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
@@ -49,7 +47,7 @@ def test_exact_resume_after_sigkill(tmp_path, straight):
         os.kill(pid, signal.SIGKILL)
     job.wait()
     resumed_from = steps_saved(wd)[-1]
-    assert_resumed_bitwise(run(args), wd, straight, resumed_from, 16)
+    assert_resumed_bitwise(run(args), wd, straight, resumed_from, 20)
 
 
 @pytest.mark.parametrize("nproc, devices", [(1, 4), (1, 1)])
@@ -82,8 +80,8 @@ def test_preemption_saves_and_exits(tmp_path, sig):
     assert saved and "preempted at step" in out
     stopped = int(out.split("preempted at step ")[1].split()[0])
     assert saved[-1] == stopped
-    if sig == signal.SIGTERM:  # the rerun continues from there
-        again = run(cmd_launch(2, 1, wd, f"train.steps={stopped + 2}"))
+    if sig == signal.SIGTERM:  # the rerun (one process: cheaper) continues from there
+        again = run(cmd_train(wd, f"train.steps={stopped + 2}"))
         assert again.returncode == 0 and f"at step {stopped}" in again.stdout
 
 

@@ -43,10 +43,16 @@ def one_device_x32(tmp_path_factory):
     return run_worker(tmp_path_factory.mktemp("x32"), 1)
 
 
+@pytest.fixture(scope="module")
+def two_devices_x32(tmp_path_factory):
+    """Shared by the float32 parity and the bf16 all-reduce tests (one run, not two)."""
+    return run_worker(tmp_path_factory.mktemp("x32-2"), 2)
+
+
 @pytest.mark.parametrize("n", [2, 8])
-def test_parity_float32(tmp_path, one_device_x32, n):
+def test_parity_float32(tmp_path, one_device_x32, two_devices_x32, n):
     """Per-step losses within 1e-4 relative in float32 (measured: about 1e-7)."""
-    multi = run_worker(tmp_path, n)
+    multi = two_devices_x32 if n == 2 else run_worker(tmp_path, n)
     assert rel(multi["losses"], one_device_x32["losses"]) < 1e-4
 
 
@@ -73,12 +79,12 @@ def test_grad_accumulation_matches_the_larger_batch(tmp_path, cnn_one_device_x64
     assert int(got["collectives_total"]) == int(cnn_one_device_x64["collectives_total"]) > 0
 
 
-def test_bfloat16_gradient_allreduce(tmp_path, one_device_x32):
+def test_bfloat16_gradient_allreduce(tmp_path, two_devices_x32):
     """dist.grad_allreduce_dtype=bfloat16: every gradient all-reduce in the compiled step is
     bf16 (half the bytes of f32), and the losses move only within bf16 rounding."""
     from jddp.comm import allreduce_bytes
 
-    f32 = run_worker(tmp_path, 2)
+    f32 = two_devices_x32
     bf16 = run_worker(tmp_path, 2, "--grad-dtype=bfloat16")
     n_leaves = int(bf16["num_param_leaves"])
     assert list(f32["reduce_types"]).count("bf16") == 0
