@@ -16,11 +16,14 @@
 # and one <part>-logs.tar.gz of run logs per part (the tool brings back 8 files at most).
 # JDDP_GPU_DEADLINE_S (default 540): seconds after start by which the call must be done; the
 # suite and the benchmarks are cut (SIGINT, partial results kept) to stay inside it.
+# JDDP_GPU_SMOKE_INSTALL=1 (with --smoke): rehearse the GPU prologue (wheels into
+# JDDP_GPU_SITE, default /tmp/site; MPICH into python3's prefix; mpi4jax built) with the
+# python3 on PATH, e.g. a Python 3.12 venv holding the image's jax.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SMOKE=${JDDP_GPU_SMOKE:-0}
 if [ "${1:-}" = --smoke ]; then SMOKE=1; shift; fi
-[ $# -ge 1 ] || { sed -n '2,20p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,23p' "$0"; exit 2; }
 PARTS=("$@")
 [ "${PARTS[0]}" = all ] && PARTS=(mpi suite bench bench2)
 for p in "${PARTS[@]}"; do
@@ -36,28 +39,49 @@ declare -A RC
 note() { echo "gpu_session: $*"; }
 left() { echo $((DEADLINE - SECONDS)); }  # seconds left of this call
 
+probe_trainer() {  # $1: label. One tiny training step on the CPU; its log kept in $WORK.
+  local t0=$SECONDS log=$WORK/probe-$1.log
+  JAX_PLATFORMS=cpu $PY -m jddp.train workdir="$WORK/probe-$1" model.width=4 data.name=synthetic \
+    data.image_size=8 data.global_batch_size=8 train.steps=1 log.progress=off \
+    checkpoint.async_save=false train.compilation_cache_dir=null > "$log" 2>&1
+  local rc=$?
+  [ $rc = 0 ] || tail -3 "$log"
+  note "probe ($1 libraries): one training step on the CPU $([ $rc = 0 ] && echo ok || echo FAILED) in $((SECONDS - t0)) s"
+  return $rc
+}
+
 # ---------------------------------------------------------------- prologue: interpreter, wheels
-if [ "$SMOKE" = 1 ]; then
+# On the GPU: python3 (the image's), the carried wheels installed into $SITE. In smoke mode: the
+# repo's venv, nothing installed, unless JDDP_GPU_SMOKE_INSTALL=1: then the GPU prologue itself
+# is rehearsed with the python3 on PATH (a Python 3.12 venv standing in for the image).
+SITE=${JDDP_GPU_SITE:-/tmp/site}
+INSTALL=1
+[ "$SMOKE" = 1 ] && [ "${JDDP_GPU_SMOKE_INSTALL:-0}" != 1 ] && INSTALL=0
+if [ $INSTALL = 0 ]; then
   PY=${PY:-$([ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || echo python3)}
-  export JAX_PLATFORMS=cpu PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   MPI_BIN=$(dirname "$PY")
-  note "smoke mode: $PY on the CPU; the carried wheels are not installed (the venv has them)"
+  note "smoke mode: $PY; the carried wheels are not installed (the venv has them)"
 else
   PY=python3
   ls .whl/*.whl > /dev/null 2>&1 || { note "no .whl/: run 'bash scripts/gpu_wheels.sh' on the CPU machine and carry .whl"; exit 1; }
   # shellcheck disable=SC2046
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site $(ls .whl/*.whl | grep -v '/mpich-') || { note "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
-  # The lock's flax/optax/orbax were tested with the lock's jax (0.10.2), not the image's: if
-  # jddp does not import with them, fall back to the image's own (recorded in env.json).
-  check='import flax, optax, orbax.checkpoint, grain, tensorboardX, jddp.train'
-  if ! $PY -c "$check" > "$WORK/import-check.log" 2>&1; then
-    tail -5 "$WORK/import-check.log"
-    note "jddp does not import with the lock's flax/optax/orbax on this jax: using the image's"
-    rm -rf /tmp/site/flax /tmp/site/flax-* /tmp/site/optax /tmp/site/optax-* \
-      /tmp/site/orbax /tmp/site/orbax_checkpoint-*
-    $PY -c "$check" || { note "jddp does not import at all"; exit 1; }
+    --target "$SITE" $(ls .whl/*.whl | grep -v '/mpich-') || { note "wheel install failed"; exit 1; }
+  export PYTHONPATH=$SITE:$PWD
+  # The lock's flax/optax/orbax were tested with the lock's jax (0.10.2), not the image's, and
+  # an import alone does not show a mismatch (flax 0.12.8 fails only when a model is built on
+  # jax 0.11.2: jax.experimental.hijax.HiPrimitive). So: one tiny training step on the CPU
+  # (model, optimizer, eval, orbax checkpoint); if it fails, drop the lock's flax for the
+  # image's, then optax and orbax too (env.json records which versions ran).
+  if ! probe_trainer lock; then
+    note "jddp does not train with the lock's flax on this jax: trying the image's flax"
+    rm -rf "$SITE"/flax "$SITE"/flax-*
+    if ! probe_trainer image-flax; then
+      note "... nor with it: trying the image's optax and orbax-checkpoint too"
+      rm -rf "$SITE"/optax "$SITE"/optax-* "$SITE"/orbax "$SITE"/orbax_checkpoint-*
+      probe_trainer image-all || { note "jddp does not train here at all"; exit 1; }
+    fi
   fi
   # MPICH's libmpi and mpirun must sit in the interpreter's prefix (lib/, bin/): mpi4py looks
   # for libmpi there, tests/helpers.py and bench.py for mpirun next to sys.executable; pip
@@ -71,6 +95,11 @@ else
     export PATH=/tmp/mpich/bin:$PATH LD_LIBRARY_PATH=/tmp/mpich/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export MPI4PY_LIBMPI=/tmp/mpich/lib/libmpi.so.12
   fi
+  note "python3 $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])'); wheels in $SITE; MPICH in $MPI_BIN"
+fi
+if [ "$SMOKE" = 1 ]; then
+  export JAX_PLATFORMS=cpu
+  note "smoke mode: the CPU, tiny sizes; nothing here is a GPU measurement"
 fi
 unset MPI4JAX_USE_CUDA_MPI  # mpi4jax stages GPU buffers through the host (recorded in env.json)
 MACHINE=gpu
@@ -82,17 +111,18 @@ esac
 # mpi4jax from the carried sdist, with its CUDA bridge (scripts/setup.sh's recipe: the MPICH
 # mpicc, CUDA_PATH = the toolkit root that has include/cuda_runtime.h, no build isolation).
 build_mpi4jax() {
-  local sdist cuda="" nvcc root target=/tmp/site
+  local sdist cuda="" nvcc root target=$SITE
   sdist=$(ls .whl/mpi4jax-*.tar.gz 2> /dev/null | head -1)
+  if [ $INSTALL = 1 ] && $PY -c 'import mpi4jax' 2> /dev/null; then
+    note "mpi4jax already importable"
+    return 0
+  fi
+  [ -n "$sdist" ] || { note "no .whl/mpi4jax-*.tar.gz: the MPI tests and the mpi part will fail"; return 1; }
+  # The venv's own mpi4jax stays the one imported in a plain smoke run: build into scratch.
+  [ $INSTALL = 0 ] && target=$WORK/mpi4jax-build
   if [ "$SMOKE" = 1 ]; then
-    # Exercise the build (CPU bridge only: an empty CUDA_PATH) into a scratch folder; the
-    # venv's own mpi4jax stays the one imported.
-    target=$WORK/mpi4jax-build
-    cuda=$(mktemp -d)
-    [ -n "$sdist" ] || { note "smoke: no .whl/mpi4jax sdist, build not exercised"; return 0; }
+    cuda=$(mktemp -d)  # an empty CUDA_PATH: the CPU bridge only
   else
-    if $PY -c 'import mpi4jax' 2> /dev/null; then note "mpi4jax already importable"; return 0; fi
-    [ -n "$sdist" ] || { note "no .whl/mpi4jax-*.tar.gz: the MPI tests and the mpi part will fail"; return 1; }
     nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2> /dev/null | head -1)
     for root in "${CUDA_PATH:-}" "${CUDA_HOME:-}" ${nvcc:+"$(dirname "$(dirname "$(readlink -f "$nvcc")")")"} /usr/local/cuda; do
       if [ -n "$root" ] && [ -f "$root/include/cuda_runtime.h" ]; then cuda=$root; break; fi
