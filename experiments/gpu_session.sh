@@ -2,7 +2,7 @@
 # A lent GPU machine's session, one part per device call (experiments/README.md, "On a lent
 # GPU"). Run ON the GPU machine from the repo root, after `bash scripts/gpu_wheels.sh` here and
 # with ".whl" carried:
-#   bash experiments/gpu_session.sh PART [PART ...]    PART: suite | mpi | bench | bench2 | all
+#   bash experiments/gpu_session.sh PART [PART ...]    PART: suite|mpi|bench|torch|e2e|bench2|all
 #   bash experiments/gpu_session.sh --smoke PART ...   (or JDDP_GPU_SMOKE=1) the same code paths
 #                                                      on a CPU, tiny sizes, the repo's .venv
 # suite : builds mpi4jax (CUDA bridge) from the carried sdist, then the test suite under
@@ -10,6 +10,7 @@
 # mpi   : mpirun -np 2 dist.backend=mpi (two ranks on the one GPU) vs the xla backend (mpi.json)
 # bench : (a) experiments/bench.py ResNet-50 bf16 jddp vs torch eager vs torch.compile and
 #         (c) end-to-end trainer throughput vs the input targets (bench-rn50.json, e2e.json)
+#         (torch: (a) alone; e2e: (c) alone, for when one call cannot hold both)
 # bench2: (b) bench_xla.py --platform gpu: XLA:GPU flag sets, cold/warm cache (xla-gpu.json)
 # all   : every part in turn (a smoke run; on a GPU it does not fit one 10-minute call)
 # Everything lands in $OUT (default experiments/results/gpu-out): env.json, the parts' JSON,
@@ -27,7 +28,7 @@ if [ "${1:-}" = --smoke ]; then SMOKE=1; shift; fi
 PARTS=("$@")
 [ "${PARTS[0]}" = all ] && PARTS=(mpi suite bench bench2)
 for p in "${PARTS[@]}"; do
-  case $p in suite | mpi | bench | bench2) ;; *) echo "gpu_session: unknown part '$p'" >&2; exit 2 ;; esac
+  case $p in suite | mpi | bench | torch | e2e | bench2) ;; *) echo "gpu_session: unknown part '$p'" >&2; exit 2 ;; esac
 done
 OUT=${OUT:-experiments/results/gpu-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -210,10 +211,10 @@ part_suite() {
   junit_summary "$OUT/junit.xml"
 }
 
-part_bench() {
+part_torch() {  # (a)
   mkdir -p "$WORK/bench"
-  local budget
-  budget=$(($(left) - 200))  # (c) needs ~3 minutes after (a)
+  local budget reserve=${1:-15}
+  budget=$(($(left) - reserve))
   if [ "$SMOKE" = 1 ]; then
     note "smoke: (a) as bench.py --quick on the CPU (the torch GPU rows need CUDA; torch is skipped when missing)"
     $PY experiments/bench.py --quick --no-plot --configs jddp-1x1,torch-ddp-1x1 \
@@ -227,13 +228,23 @@ part_bench() {
       --rounds 5 --steps-per-round 10 --warmup 5 --machine "$MACHINE" \
       --out "$OUT/bench-rn50.json" --no-plot --no-results-md 2>&1 | tee "$WORK/bench/bench.log"
   fi
-  RC[bench_a]=${PIPESTATUS[0]}
+  RC[torch]=${PIPESTATUS[0]}
+  [ "${RC[torch]}" = 124 ] && note "(a) CUT at the deadline: no bench-rn50.json; run 'torch' in a call of its own"
+}
+
+part_e2e() {  # (c)
+  mkdir -p "$WORK/bench"
   note "(c) end-to-end trainer throughput vs the input targets"
   $PY experiments/gpu_session.py e2e "$OUT" --logs "$WORK/bench" 2>&1 | tee "$WORK/bench/e2e.log"
-  RC[bench_c]=${PIPESTATUS[0]}
+  RC[e2e]=${PIPESTATUS[0]}
+}
+
+part_bench() {  # (a) then (c), which needs ~3 minutes
+  part_torch 200
+  part_e2e
   bundle bench
   # (a)'s table again, last, next to (c)'s (the tool returns only the output's tail)
-  grep -A12 -- '^| config\|^config\|median step' "$WORK/bench/bench.log" | tail -14 || true
+  grep -A3 -- '^config ' "$WORK/bench/bench.log" | tail -6 || true
 }
 
 part_bench2() {
@@ -254,6 +265,7 @@ $PY experiments/gpu_session.py env "$OUT" || RC[env]=1
 for p in "${PARTS[@]}"; do
   note "=== $p ($(left) s left of ${DEADLINE} s) ==="
   "part_$p"
+  case $p in torch | e2e) bundle bench ;; esac
 done
 echo
 note "parts ${PARTS[*]} done in ${SECONDS} s; exit codes: $(for k in "${!RC[@]}"; do printf '%s=%s ' "$k" "${RC[$k]}"; done)"
