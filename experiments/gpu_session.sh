@@ -77,7 +77,7 @@ else
   # image's, then optax and orbax too (env.json records which versions ran).
   if ! probe_trainer lock; then
     note "jddp does not train with the lock's flax on this jax: trying the image's flax"
-    rm -rf "$SITE"/flax "$SITE"/flax-*
+    rm -rf "$SITE"/flax "$SITE"/flax-* "$SITE"/flaxlib_src
     if ! probe_trainer image-flax; then
       note "... nor with it: trying the image's optax and orbax-checkpoint too"
       rm -rf "$SITE"/optax "$SITE"/optax-* "$SITE"/orbax "$SITE"/orbax_checkpoint-*
