@@ -263,13 +263,14 @@ def mpi_compare(out: Path, logs: Path, steps: int) -> int:
     if "error" not in result:
         got, want = read_losses(wd_m), read_losses(wd_x)
         rel = {s: abs(got[s] - want[s]) / abs(want[s]) for s in want if s in got}
-        result.update(losses_mpi=got, losses_xla=want, max_rel_diff=max(rel.values()))
+        worst = max(rel.values(), default=float("nan"))
+        result.update(losses_mpi=got, losses_xla=want, max_rel_diff=worst)
         try:
             assert_losses_match(got, want, range(1, steps + 1), rel=1e-4)
             result["match_rel_1e-4"] = True
-        except AssertionError as e:
+        except (AssertionError, KeyError) as e:  # KeyError: a step missing from a run's log
             result["match_rel_1e-4"] = False
-            result["first_mismatch_step"] = str(e).splitlines()[0][:200]
+            result["first_mismatch_step"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     result["machine"] = benchlib.machine_info(None)
     write_json(out / "mpi.json", result)
     print(f"\nmpi vs xla, {steps} steps, {platform}{' (smoke)' if SMOKE else ''}")
