@@ -1,5 +1,7 @@
 """jddp's XLA defaults, measured end to end with the trainer (``python -m jddp.train``).
 
+CPU (default, ``--platform cpu``):
+
 1. The XLA:CPU flag jddp sets (convolutions off YNNPACK, ``jddp/xla_setup.py``) against XLA's
    own defaults (``JDDP_XLA_DEFAULTS=0``): median step time of the steps after the first two.
 2. The persistent compilation cache: time to the first step (``train/compile_s``, which is the
@@ -7,8 +9,21 @@
    the cache the cold run filled ("warm", as a restarted or resumed run sees it).
 
 Runs alternate between the two flag settings, so drifts of a shared machine hit both alike.
-Usage (repo root): ``.venv/bin/python experiments/bench_xla.py [--rounds 2] [--steps 8]``.
-Prints a table and writes ``experiments/results/xla-<date>-<machine>.json``.
+
+GPU (``--platform gpu``): ResNet-50, 224px synthetic uint8 data, global batch 256, bfloat16,
+one trainer run per XLA:GPU flag set (:data:`GPU_FLAG_SETS`: XLA's defaults, autotune level 0
+and 2 (XLA's default is 4), command buffers off, the latency-hiding scheduler), each with an
+empty compilation cache, then the defaults once more on the cache the first run filled (cold
+vs warm time to the first step). A flag the installed XLA does not know would abort the run at
+start-up: each set is first tried on ``import jax; jax.devices()`` and skipped with a note if
+that fails (:func:`usable_flag_sets`). On one GPU there is no collective for the
+latency-hiding scheduler to overlap with compute: its row says what it costs or saves in
+scheduling alone, not what it does on several GPUs. ``--smoke`` runs the GPU mode's code paths
+on the CPU with a tiny model (numbers meaningless; the JSON says ``"smoke": true``).
+
+Usage (repo root): ``.venv/bin/python experiments/bench_xla.py [--rounds 2] [--steps 8]``;
+``python3 experiments/bench_xla.py --platform gpu [--steps 30] [--out X.json]``.
+Prints a table and writes ``experiments/results/xla-<date>-<machine>.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -37,36 +52,128 @@ WORKLOAD = [
     "log.progress=off",
     "checkpoint.async_save=false",
 ]
+COMMON = ["optim.schedule=constant", "log.progress=off", "checkpoint.async_save=false"]
+# The GPU measurement: ImageNet-sized ResNet-50 in bfloat16 (configs/imagenet_resnet50.yaml's
+# model, batch and precision) on in-memory synthetic uint8 images, no augmentation.
+GPU_WORKLOAD = [
+    "data.name=synthetic",
+    "data.image_size=224",
+    "data.global_batch_size=256",
+    "data.augment=none",
+    "model.name=resnet50",
+    "model.stem=imagenet",
+    "model.num_classes=1000",
+    "train.precision=bfloat16",
+    "log.every_steps=1",
+    *COMMON,
+]
+# --smoke: the same code paths on a CPU in seconds.
+SMOKE_WORKLOAD = [
+    "data.name=synthetic",
+    "data.image_size=16",
+    "data.global_batch_size=16",
+    "data.augment=none",
+    "model.name=resnet18",
+    "model.width=8",
+    "train.precision=bfloat16",
+    "log.every_steps=1",
+    *COMMON,
+]
+# (name, XLA_FLAGS added to the environment's own). XLA:GPU's default autotune level is 4.
+GPU_FLAG_SETS = [
+    ("XLA defaults", ""),
+    ("autotune 0", "--xla_gpu_autotune_level=0"),
+    ("autotune 2", "--xla_gpu_autotune_level=2"),
+    ("command buffers off", "--xla_gpu_enable_command_buffer="),
+    ("latency-hiding sched", "--xla_gpu_enable_latency_hiding_scheduler=true"),
+]
+GPU_NOTE = (
+    "one GPU: no collective to overlap, so the latency-hiding scheduler row measures its "
+    "scheduling alone, not its multi-GPU effect"
+)
 
 
-def run_trainer(workdir: Path, cache: Path, steps: int, defaults: bool) -> dict:
-    """One ``python -m jddp.train`` run; its compile time and per-step times."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JDDP_XLA_DEFAULTS": "1" if defaults else "0"}
+def workload_value(workload: list[str], key: str) -> str:
+    return next(w.split("=", 1)[1] for w in workload if w.startswith(key + "="))
+
+
+def trainer_env(platform: str, xla_flags: str = "", extra: dict | None = None) -> dict:
+    """The environment of a trainer run: ``JAX_PLATFORMS`` pinned (``cuda`` on GPU, so a
+    machine without one fails instead of measuring the CPU) and ``xla_flags`` appended."""
+    env = {**os.environ, "JAX_PLATFORMS": "cuda" if platform == "gpu" else "cpu", **(extra or {})}
+    flags = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
+    return env
+
+
+def run_trainer(
+    workdir: Path,
+    cache: Path,
+    steps: int,
+    defaults: bool = True,
+    *,
+    workload: list[str] = WORKLOAD,
+    env: dict | None = None,
+    skip_steps: int = 2,
+    check: bool = True,
+) -> dict:
+    """One ``python -m jddp.train`` run; its compile time and per-window step times, images/s
+    and input-wait fractions (windows of ``log.every_steps``; those ending at or before step
+    ``skip_steps`` are left out). ``env`` defaults to the CPU's (:func:`trainer_env`);
+    ``defaults`` False sets ``JDDP_XLA_DEFAULTS=0``. stdout/stderr are kept in
+    ``workdir/train.log``. With ``check`` False a failed run returns ``{"error": ...}``."""
+    env = dict(trainer_env("cpu") if env is None else env)
+    env["JDDP_XLA_DEFAULTS"] = "1" if defaults else "0"
     cmd = [
-        sys.executable, "-m", "jddp.train", f"workdir={workdir}", *WORKLOAD,
+        sys.executable, "-m", "jddp.train", f"workdir={workdir}", *workload,
         f"train.steps={steps}", f"train.compilation_cache_dir={cache}",
     ]  # fmt: skip
     start = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=benchlib.REPO)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "train.log").write_text(
+        f"$ XLA_FLAGS={env.get('XLA_FLAGS', '')!r} {' '.join(cmd)}\n{out.stdout}\n{out.stderr}"
+    )
     if out.returncode != 0:
-        raise SystemExit(f"bench_xla: {' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
+        message = f"bench_xla: {' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-2000:]}"
+        if check:
+            raise SystemExit(message)
+        return {"error": message[-3000:], "wall_s": time.perf_counter() - start}
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     compile_s = next(r["train/compile_s"] for r in rows if "train/compile_s" in r)
-    timed = [r for r in rows if "train/step_time_s" in r and r["step"] > 2]
+    timed = [r for r in rows if "train/step_time_s" in r and r["step"] > skip_steps]
     return {
         "compile_s": compile_s,
         "step_s": [r["train/step_time_s"] for r in timed],
+        "img_per_s": [r["train/img_per_s"] for r in timed],
         "input_wait_fraction": [r["perf/input_wait_fraction"] for r in timed],
         "wall_s": time.perf_counter() - start,
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--machine", default="vm")
-    args = parser.parse_args()
+def usable_flag_sets(flag_sets, platform: str) -> tuple[list, list[dict]]:
+    """The ``(name, flags)`` sets with which JAX starts on ``platform``, and a note for each
+    one left out (an unknown XLA flag aborts the process at start-up)."""
+    keep, skipped = [], []
+    for name, flags in flag_sets:
+        if not flags:
+            keep.append((name, flags))
+            continue
+        probe = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.devices()"],
+            capture_output=True, text=True, env=trainer_env(platform, flags), timeout=300,
+        )  # fmt: skip
+        if probe.returncode == 0:
+            keep.append((name, flags))
+        else:
+            last = (probe.stderr.strip().splitlines() or ["(no output)"])[-1]
+            skipped.append({"config": name, "xla_flags": flags, "why": last[-300:]})
+            print(f"bench_xla: skipped {name!r} ({flags}): JAX does not start with it: {last}")
+    return keep, skipped
+
+
+def main_cpu(args) -> dict:
     runs: dict[str, list[dict]] = {"jddp defaults": [], "XLA defaults": []}
     loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,17 +209,130 @@ def main() -> int:
             f"{row['speedup_vs_xla_defaults']:>7.2f}x {row['first_step_cold_s']:>16.2f} "
             f"{row['first_step_warm_s']:>16.2f} {row['input_wait_fraction_max']:>10.4f}"
         )
+    return {"workload": WORKLOAD, "rows": rows, "runs": runs, "load_avg_1min": loads}
+
+
+def main_gpu(args) -> dict:
+    """One run per usable flag set (each compiling into an empty cache), then XLA's defaults
+    again on the first run's cache (warm)."""
+    workload = SMOKE_WORKLOAD if args.smoke else GPU_WORKLOAD
+    platform = "cpu" if args.smoke else "gpu"
+    batch = int(workload_value(workload, "data.global_batch_size"))
+    flag_sets, skipped = usable_flag_sets(GPU_FLAG_SETS, platform)
+    keep = Path(args.logs) if args.logs else None
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = keep or Path(tmp)
+        for i, (name, flags) in enumerate(flag_sets):
+            workdir = base / f"xla-{i}"
+            runs[name] = run_trainer(
+                workdir, Path(tmp) / f"cache-{i}", args.steps, workload=workload,
+                env=trainer_env(platform, flags), check=False,
+            )  # fmt: skip
+            runs[name]["xla_flags"] = flags
+            print(f"bench_xla: {name}: {summary(runs[name], batch)}", flush=True)
+        warm = run_trainer(
+            base / "xla-warm", Path(tmp) / "cache-0", max(4, args.steps // 3),
+            workload=workload, env=trainer_env(platform), check=False,
+        )  # fmt: skip
+    rows = []
+    for name, run in runs.items():
+        row = {"config": name, "xla_flags": run["xla_flags"]}
+        if "error" in run:
+            row["error"] = run["error"].splitlines()[-1][:200]
+        else:
+            med = statistics.median(run["step_s"])
+            row.update(
+                step_s_median=med,
+                step_s_p10=benchlib.percentile(run["step_s"], 0.1),
+                step_s_p90=benchlib.percentile(run["step_s"], 0.9),
+                img_per_s=batch / med,
+                first_step_cold_s=run["compile_s"],
+                input_wait_fraction_max=max(run["input_wait_fraction"]),
+            )
+        rows.append(row)
+    base_row = rows[0]
+    if "error" not in warm and "step_s_median" in base_row:
+        base_row["first_step_warm_s"] = warm["compile_s"]
+    print_gpu_table(rows, skipped, warm)
+    return {
+        "workload": workload,
+        "smoke": args.smoke,
+        "note": GPU_NOTE,
+        "rows": rows,
+        "skipped": skipped,
+        "runs": runs,
+        "warm_run": warm,
+    }
+
+
+def summary(run: dict, batch: int) -> str:
+    if "error" in run:
+        return "FAILED: " + run["error"].splitlines()[-1][:200]
+    med = statistics.median(run["step_s"])
+    first = run["compile_s"]
+    return f"median step {med * 1e3:.1f} ms, {batch / med:,.0f} img/s, 1st step {first:.1f} s"
+
+
+def print_gpu_table(rows: list[dict], skipped: list[dict], warm: dict) -> None:
+    base = rows[0].get("step_s_median")
+    print(f"\n{'XLA flag set':<22} {'step ms':>8} {'p10-p90 ms':>13} {'img/s':>8} {'vs dflt':>7} "
+          f"{'1st step s':>10} {'in wait':>7}")  # fmt: skip
+    for row in rows:
+        if "error" in row:
+            print(f"{row['config']:<22} FAILED: {row['error']}")
+            continue
+        rel = f"{base / row['step_s_median']:.2f}x" if base else "-"
+        span = f"{row['step_s_p10'] * 1e3:.1f}-{row['step_s_p90'] * 1e3:.1f}"
+        print(
+            f"{row['config']:<22} {row['step_s_median'] * 1e3:>8.1f} {span:>13} "
+            f"{row['img_per_s']:>8,.0f} {rel:>7} {row['first_step_cold_s']:>10.1f} "
+            f"{row['input_wait_fraction_max']:>7.3f}"
+        )
+    for s in skipped:
+        print(f"{s['config']:<22} skipped: the installed XLA does not start with {s['xla_flags']}")
+    if "error" in warm:
+        print("compilation cache: the warm run FAILED: " + warm["error"].splitlines()[-1][:200])
+    elif "first_step_cold_s" in rows[0]:
+        print(
+            f"compilation cache (XLA defaults): 1st step {rows[0]['first_step_cold_s']:.1f} s cold,"
+            f" {warm['compile_s']:.1f} s warm"
+        )
+    print(f"note: {GPU_NOTE}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--platform", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--rounds", type=int, default=2, help="CPU: rounds of both settings")
+    parser.add_argument("--steps", type=int, default=None, help="train steps (8 CPU, 30 GPU)")
+    parser.add_argument("--smoke", action="store_true", help="GPU mode's code on CPU, tiny")
+    parser.add_argument("--machine", default=None, help="name in the file name (default: vm/host)")
+    parser.add_argument("--out", default=None, help="JSON path (default experiments/results/)")
+    parser.add_argument("--logs", default=None, help="GPU mode: keep the run folders here")
+    args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 30 if args.platform == "gpu" and not args.smoke else 8
+    machine = args.machine or ("vm" if args.platform == "cpu" else None)
+    result = main_gpu(args) if args.platform == "gpu" else main_cpu(args)
+    loads = result.pop("load_avg_1min", [os.getloadavg()[0]])
     result = {
         "benchmark": "bench_xla",
+        "platform": args.platform,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": benchlib.machine_info(args.machine, {"load_avg_1min": loads}),
-        "workload": WORKLOAD,
+        "machine": benchlib.machine_info(machine, {"load_avg_1min": loads}),
         "steps": args.steps,
-        "rows": rows,
-        "runs": runs,
+        **result,
     }
-    benchlib.save_result("xla", args.machine, result)
-    return 0
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    else:
+        name = result["machine"]["name"]
+        benchlib.save_result("xla", name if args.platform == "cpu" else f"gpu-{name}", result)
+    failed = [r["config"] for r in result["rows"] if "error" in r]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+# Where scripts/gpu_wheels.sh records the checkout's commit, inside the folder a lent GPU
+# machine is sent anyway (the tree travels there without .git).
+GPU_COMMIT_FILE = Path(".whl") / "gpu_commit.txt"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 # Distributions whose versions machine_info records (None where not installed).
@@ -39,6 +42,8 @@ VERSIONED = (
     "mpich",
     "jax-cuda12-plugin",
     "jax-cuda13-plugin",
+    "orbax-checkpoint",
+    "grain",
 )
 # /proc/cpuinfo flags worth knowing when reading a CPU number (vector width, bf16, AMX).
 ISA_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
@@ -123,6 +128,25 @@ def _mem_gib() -> float | None:
         return None
 
 
+def checkout() -> tuple[str | None, list[str], str | None]:
+    """Commit (short), dirty paths and where they came from: ``git``, or, in a copy of the tree
+    without ``.git`` (as on a lent GPU machine), the file :data:`GPU_COMMIT_FILE` that
+    ``scripts/gpu_wheels.sh`` writes (``<commit> clean|dirty``; dirty paths are then unknown,
+    one placeholder); ``(None, [], None)`` when neither is there."""
+    commit = sh("git", "-C", str(REPO), "rev-parse", "--short", "HEAD")
+    if commit:
+        dirty = (sh("git", "-C", str(REPO), "status", "--porcelain") or "").splitlines()
+        return commit, dirty, "git"
+    try:
+        fields = (REPO / GPU_COMMIT_FILE).read_text().split()
+    except OSError:
+        return None, [], None
+    if not fields:
+        return None, [], None
+    dirty = [] if fields[1:2] == ["clean"] else [f"(unknown: {GPU_COMMIT_FILE} says dirty)"]
+    return fields[0], dirty, str(GPU_COMMIT_FILE)
+
+
 def machine_info(name: str | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """This machine and checkout, as the results files record them.
 
@@ -130,7 +154,7 @@ def machine_info(name: str | None = None, extra: dict[str, Any] | None = None) -
     script's own fields, added last (they win over a common field of the same name)."""
     cpu_model, mhz, flags = _cpuinfo()
     host = socket.gethostname().split(".")[0]
-    dirty = (sh("git", "-C", str(REPO), "status", "--porcelain") or "").splitlines()
+    commit, dirty, commit_source = checkout()
     info: dict[str, Any] = {
         "name": name or host or "cpu",
         "hostname": host,
@@ -151,9 +175,10 @@ def machine_info(name: str | None = None, extra: dict[str, Any] | None = None) -
         "versions": {d: version(d) for d in VERSIONED},
         "xla_flags": os.environ.get("XLA_FLAGS"),
         "allocator_env": {k: os.environ.get(k) for k in ALLOCATOR_VARS},
-        "git_commit": sh("git", "-C", str(REPO), "rev-parse", "--short", "HEAD"),
+        "git_commit": commit,
         "git_dirty": bool(dirty),
         "git_dirty_paths": dirty,
+        "git_commit_source": commit_source,
     }
     info.update(extra or {})
     return info

@@ -1,0 +1,311 @@
+"""The Python side of ``experiments/gpu_session.sh`` (a lent GPU machine's session kit).
+
+    python3 experiments/gpu_session.py env  OUT_DIR   # environment record: OUT_DIR/env.json
+    python3 experiments/gpu_session.py e2e  OUT_DIR   # trainer throughput vs the input targets
+    python3 experiments/gpu_session.py mpi  OUT_DIR   # dist.backend=mpi vs xla, one GPU
+
+``--smoke`` (or ``JDDP_GPU_SMOKE=1``): the same code paths on a CPU with tiny sizes; the
+numbers mean nothing and every JSON says ``"smoke": true``. Each command prints a short table
+last and writes one JSON into OUT_DIR; the run folders (logs, metrics.jsonl) go to
+``--logs DIR`` for the shell script to bundle.
+
+The trainer is what is measured: every run is ``python -m jddp.train`` through
+``bench_xla.run_trainer`` (the JPEG folder is ``bench_input.make_jpeg_folder``'s; the MPI
+commands and the loss comparison are ``tests/helpers.py``'s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: benchlib, bench_*
+import benchlib  # noqa: E402
+from bench_xla import (  # noqa: E402
+    GPU_WORKLOAD,
+    SMOKE_WORKLOAD,
+    run_trainer,
+    trainer_env,
+    workload_value,
+)
+
+sys.path.insert(0, str(benchlib.REPO))  # tests.helpers
+
+SMOKE = os.environ.get("JDDP_GPU_SMOKE") == "1"
+# Distributions the record names, beyond benchlib.VERSIONED.
+MORE_VERSIONS = ("jax-cuda13-pjrt", "jax-cuda12-pjrt", "array-record", "tensorboardX", "pytest")
+MODULES = ("jax", "jaxlib", "flax", "optax", "orbax.checkpoint", "grain", "mpi4py", "mpi4jax")
+ENV_VARS = (
+    "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS", "MPI4JAX_USE_CUDA_MPI", "CUDA_PATH",
+    "PYTHONPATH", "LD_LIBRARY_PATH",
+)  # fmt: skip
+
+
+def write_json(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+# ----------------------------------------------------------------------------- env
+def env_record(out: Path) -> int:
+    """What ran: machine_info (GPU, driver, versions, commit) plus where each module was
+    imported from (the carried wheels in /tmp/site must shadow the image's), JAX's devices,
+    nvidia-smi and nvcc, and the environment variables that change a run."""
+    import importlib
+
+    info = benchlib.machine_info(None, {"smoke": SMOKE})
+    info["versions"].update({d: benchlib.version(d) for d in MORE_VERSIONS})
+    files = {}
+    for name in MODULES:
+        try:
+            files[name] = getattr(importlib.import_module(name), "__file__", None)
+        except Exception as e:  # noqa: BLE001 - recorded, not fatal
+            files[name] = f"not importable: {type(e).__name__}: {e}"
+    info["module_files"] = files
+    try:
+        import mpi4jax
+
+        info["mpi4jax_cuda_support"] = mpi4jax.has_cuda_support()
+    except Exception as e:  # noqa: BLE001
+        info["mpi4jax_cuda_support"] = f"not importable: {type(e).__name__}: {e}"
+    try:
+        import jax
+
+        info["jax_backend"] = jax.default_backend()
+        info["jax_devices"] = [str(d) for d in jax.devices()]
+    except Exception as e:  # noqa: BLE001
+        info["jax_backend"] = f"failed: {type(e).__name__}: {e}"
+    info["nvidia_smi"] = benchlib.sh("nvidia-smi")
+    info["nvcc"] = (benchlib.sh("nvcc", "--version") or "").splitlines()[-1:]
+    info["env"] = {k: os.environ.get(k) for k in ENV_VARS}
+    write_json(out / "env.json", info)
+    v = info["versions"]
+    print(f"commit     {info['git_commit']} (from {info['git_commit_source']}, dirty: "
+          f"{info['git_dirty']})")  # fmt: skip
+    print(f"gpu        {'; '.join(info['gpus']) or '-'}  driver {info['gpu_driver']}")
+    print(f"python     {info['python']}  jax {v['jax']} jaxlib {v['jaxlib']} "
+          f"cuda13-plugin {v['jax-cuda13-plugin']}  backend {info.get('jax_backend')}")  # fmt: skip
+    print(f"libraries  flax {v['flax']} optax {v['optax']} orbax {v['orbax-checkpoint']} "
+          f"grain {v['grain']} torch {v['torch']} torchvision {v['torchvision']}")  # fmt: skip
+    print(f"mpi        mpi4py {v['mpi4py']} mpich {v['mpich']} mpi4jax {v['mpi4jax']}  "
+          f"cuda bridge {info['mpi4jax_cuda_support']}  "
+          f"MPI4JAX_USE_CUDA_MPI={os.environ.get('MPI4JAX_USE_CUDA_MPI')!r}")  # fmt: skip
+    print(f"flax from  {files['flax']}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- e2e
+def _with(base: list[str], *overrides: str) -> list[str]:
+    from tests.helpers import with_overrides
+
+    return with_overrides(base, *overrides)
+
+
+def e2e_cases(smoke: bool, jpeg_root: Path) -> dict[str, dict]:
+    """The end-to-end trainer runs and their img/s targets (H100; None: no target)."""
+    rn50 = _with(GPU_WORKLOAD, "log.every_steps=10")
+    # configs/cifar10_resnet18.yaml's model, batch, augmentation and precision (float32).
+    cifar = [
+        "data.name=synthetic", "data.image_size=32", "data.global_batch_size=128",
+        "data.augment=cifar", "model.name=resnet18", "model.stem=cifar", "model.width=64",
+        "model.num_classes=10", "log.every_steps=50", "optim.schedule=constant",
+        "log.progress=off", "checkpoint.async_save=false",
+    ]  # fmt: skip
+    jpeg = _with(rn50, "data.name=imagefolder", f"data.path={jpeg_root}", "data.augment=imagenet",
+                 "data.workers=14")  # fmt: skip
+    cases = {
+        "rn50-mem224": dict(workload=rn50, steps=60, every=10, target=5200),
+        "rn18-cifar": dict(workload=cifar, steps=400, every=50, target=68000),
+        "rn50-jpeg": dict(workload=jpeg, steps=40, every=10, target=None, jpegs=1024),
+    }
+    if smoke:
+        tiny = [w for w in SMOKE_WORKLOAD if not w.startswith("log.every_steps")]
+        cases["rn50-mem224"].update(workload=_with(tiny, "log.every_steps=3"), steps=12, every=3)
+        cases["rn18-cifar"].update(
+            workload=_with(cifar, "model.width=8", "data.global_batch_size=16",
+                           "log.every_steps=3"), steps=12, every=3,
+        )  # fmt: skip
+        cases["rn50-jpeg"].update(
+            workload=_with(tiny, "log.every_steps=3", "data.name=imagefolder",
+                           f"data.path={jpeg_root}", "data.augment=imagenet", "data.workers=2"),
+            steps=9, every=3, jpegs=48,
+        )  # fmt: skip
+    return cases
+
+
+def e2e(out: Path, logs: Path, cases_wanted: list[str] | None) -> int:
+    from bench_input import make_jpeg_folder
+
+    platform = "cpu" if SMOKE else "gpu"
+    rows, runs = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = e2e_cases(SMOKE, Path(tmp) / "jpeg")
+        for name, case in cases.items():
+            if cases_wanted and name not in cases_wanted:
+                continue
+            if "jpegs" in case:
+                start = time.perf_counter()
+                make_jpeg_folder(Path(tmp) / "jpeg", case["jpegs"])
+                print(f"e2e: {case['jpegs']} JPEGs made in {time.perf_counter() - start:.0f} s")
+            wl = case["workload"]
+            batch = int(workload_value(wl, "data.global_batch_size"))
+            run = run_trainer(
+                # one cache for all cases: a case compiling the step another did starts warm
+                logs / f"e2e-{name}", Path(tmp) / "cache", case["steps"], workload=wl,
+                env=trainer_env(platform), skip_steps=case["every"], check=False,
+            )  # fmt: skip
+            runs[name] = {**run, "workload": wl}
+            row = {"case": name, "global_batch": batch, "target_img_per_s": case["target"]}
+            if "error" in run:
+                row["error"] = run["error"].splitlines()[-1][:200]
+            elif not run["step_s"]:
+                row["error"] = "no timed window (too few steps)"
+            else:
+                step = statistics.median(run["step_s"])
+                row.update(
+                    steps_per_s=1 / step,
+                    img_per_s=statistics.median(run["img_per_s"]),
+                    input_wait_fraction=statistics.median(run["input_wait_fraction"]),
+                    input_wait_fraction_max=max(run["input_wait_fraction"]),
+                    compile_s=run["compile_s"],
+                    windows=len(run["step_s"]),
+                )
+                if case["target"]:
+                    row["meets_target"] = row["img_per_s"] >= case["target"]
+            rows.append(row)
+            print(f"e2e: {name}: {row}", flush=True)
+    mem = next((r for r in rows if r["case"] == "rn50-mem224" and "img_per_s" in r), None)
+    for r in rows:
+        if r["case"] == "rn50-jpeg" and mem and "img_per_s" in r:
+            r["vs_in_memory"] = r["img_per_s"] / mem["img_per_s"]
+    result = {
+        "benchmark": "gpu_e2e",
+        "smoke": SMOKE,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": benchlib.machine_info(None),
+        "rows": rows,
+        "runs": runs,
+    }
+    write_json(out / "e2e.json", result)
+    print(f"\n{'case':<12} {'batch':>5} {'steps/s':>8} {'img/s':>9} {'target':>8} {'met':>4} "
+          f"{'input wait':>10} {'1st step s':>10}")  # fmt: skip
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:<12} FAILED: {r['error']}")
+            continue
+        target = f"{r['target_img_per_s']:,}" if r["target_img_per_s"] else "-"
+        met = {True: "yes", False: "NO"}.get(r.get("meets_target"), "-")
+        print(
+            f"{r['case']:<12} {r['global_batch']:>5} {r['steps_per_s']:>8.1f} "
+            f"{r['img_per_s']:>9,.0f} {target:>8} {met:>4} {r['input_wait_fraction']:>10.3f} "
+            f"{r['compile_s']:>10.1f}"
+        )
+    if any("vs_in_memory" in r for r in rows):
+        jpeg = next(r for r in rows if "vs_in_memory" in r)
+        workers = workload_value(runs["rn50-jpeg"]["workload"], "data.workers")
+        print(f"JPEG folder (data.workers={workers}) / in-memory img/s: {jpeg['vs_in_memory']:.2f}")
+    if SMOKE:
+        print("(smoke: tiny sizes on the CPU; the numbers mean nothing)")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+# ----------------------------------------------------------------------------- mpi
+def mpi_compare(out: Path, logs: Path, steps: int) -> int:
+    """``mpirun -np 2`` with ``dist.backend=mpi`` (two ranks sharing the one GPU) against one
+    process with the xla backend and ``train.grad_accum_steps=2``: the same two halves of every
+    global batch, each normalised by its own BatchNorm statistics (the rank's rows there, the
+    micro-batch here), gradients averaged over the two; so per-step losses must agree. Both
+    run with float32 matmul precision ``highest`` (TF32 rounding would otherwise mask or fake a
+    difference) and the test suite's MPI config (``tests/test_mpi.py``'s ``TINY``)."""
+    import pytest  # noqa: F401 - tests.test_mpi needs it; fail here if missing
+
+    from tests.helpers import assert_losses_match, mpirun_cmd, read_losses, run, train_cmd
+    from tests.test_mpi import TINY
+
+    platform = "cpu" if SMOKE else "gpu"
+    common = {"JAX_DEFAULT_MATMUL_PRECISION": "highest"}
+    env_x = trainer_env(platform, extra=common)
+    # Two processes on one GPU: neither may take JAX's default 75% of its memory.
+    env_m = trainer_env(platform, extra={**common, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4"})
+    env_m.pop("MPI4JAX_USE_CUDA_MPI", None)  # mpi4jax stages GPU buffers through the host
+    overrides = [f"train.steps={steps}", "train.compilation_cache_dir=null"]
+    wd_x, wd_m = logs / "mpi-xla-1proc", logs / "mpi-mpi-2ranks"
+    result = {"benchmark": "gpu_mpi", "smoke": SMOKE, "steps": steps, "base": TINY}
+    timings = {}
+    for name, wd, cmd, env in (
+        ("xla", wd_x, train_cmd(wd_x, *overrides, "train.grad_accum_steps=2", base=TINY), env_x),
+        ("mpi", wd_m, mpirun_cmd(2, wd_m, "dist.backend=mpi", *overrides, base=TINY), env_m),
+    ):
+        start = time.perf_counter()
+        proc = run(cmd, env=env, timeout=480)
+        timings[name] = time.perf_counter() - start
+        wd.mkdir(parents=True, exist_ok=True)
+        (wd / "train.log").write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+        result[f"{name}_command"] = " ".join(cmd)
+        if proc.returncode != 0:
+            result["error"] = f"{name} run failed (exit {proc.returncode}): {proc.stderr[-1500:]}"
+            print(result["error"])
+            break
+    result["wall_s"] = timings
+    result["env"] = {
+        "MPI4JAX_USE_CUDA_MPI": env_m.get("MPI4JAX_USE_CUDA_MPI"),
+        "XLA_PYTHON_CLIENT_MEM_FRACTION (mpi ranks)": env_m["XLA_PYTHON_CLIENT_MEM_FRACTION"],
+        "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+    }
+    if "error" not in result:
+        got, want = read_losses(wd_m), read_losses(wd_x)
+        rel = {s: abs(got[s] - want[s]) / abs(want[s]) for s in want if s in got}
+        worst = max(rel.values(), default=float("nan"))
+        result.update(losses_mpi=got, losses_xla=want, max_rel_diff=worst)
+        try:
+            assert_losses_match(got, want, range(1, steps + 1), rel=1e-4)
+            result["match_rel_1e-4"] = True
+        except (AssertionError, KeyError) as e:  # KeyError: a step missing from a run's log
+            result["match_rel_1e-4"] = False
+            result["first_mismatch_step"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    result["machine"] = benchlib.machine_info(None)
+    write_json(out / "mpi.json", result)
+    print(f"\nmpi vs xla, {steps} steps, {platform}{' (smoke)' if SMOKE else ''}")
+    if "error" in result:
+        print(f"FAILED: {result['error'][:500]}")
+        return 1
+    print(f"{'step':>4} {'xla (1 proc, accum 2)':>22} {'mpi (2 ranks)':>14} {'rel diff':>9}")
+    for s in sorted(result["losses_xla"]):
+        if s in (1, 2, steps // 2, steps) and s in result["losses_mpi"]:
+            print(f"{s:>4} {result['losses_xla'][s]:>22.6f} {result['losses_mpi'][s]:>14.6f} "
+                  f"{rel[s]:>9.1e}")  # fmt: skip
+    print(f"max rel diff {result['max_rel_diff']:.2e}; match at rel 1e-4: "
+          f"{result['match_rel_1e-4']}; wall s: xla {timings['xla']:.0f}, mpi "
+          f"{timings['mpi']:.0f}; MPI4JAX_USE_CUDA_MPI unset: staged through the host")  # fmt: skip
+    return 0 if result["match_rel_1e-4"] else 1
+
+
+def main() -> int:
+    global SMOKE
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["env", "e2e", "mpi"])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--logs", type=Path, default=None, help="run folders (default OUT/../logs)")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--cases", default=None, help="e2e: comma-separated subset")
+    ap.add_argument("--steps", type=int, default=20, help="mpi: train steps")
+    args = ap.parse_args()
+    SMOKE = SMOKE or args.smoke
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="jddp-gpu-logs-"))
+    if args.what == "env":
+        return env_record(args.out)
+    if args.what == "e2e":
+        return e2e(args.out, logs, args.cases.split(",") if args.cases else None)
+    return mpi_compare(args.out, logs, args.steps)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+#!/usr/bin/env bash
+# A lent GPU machine's session, one part per device call (experiments/README.md, "On a lent
+# GPU"). Run ON the GPU machine from the repo root, after `bash scripts/gpu_wheels.sh` here and
+# with ".whl" carried:
+#   bash experiments/gpu_session.sh PART [PART ...]    PART: suite|mpi|bench|torch|e2e|bench2|all
+#   bash experiments/gpu_session.sh --smoke PART ...   (or JDDP_GPU_SMOKE=1) the same code paths
+#                                                      on a CPU, tiny sizes, the repo's .venv
+# suite : builds mpi4jax (CUDA bridge) from the carried sdist, then the test suite under
+#         pytest-xdist (time-boxed to the call's deadline; junit.xml, suite.log)
+# mpi   : mpirun -np 2 dist.backend=mpi (two ranks on the one GPU) vs the xla backend (mpi.json)
+# bench : (a) experiments/bench.py ResNet-50 bf16 jddp vs torch eager vs torch.compile and
+#         (c) end-to-end trainer throughput vs the input targets (bench-rn50.json, e2e.json)
+#         (torch: (a) alone; e2e: (c) alone, for when one call cannot hold both)
+# bench2: (b) bench_xla.py --platform gpu: XLA:GPU flag sets, cold/warm cache (xla-gpu.json)
+# all   : every part in turn (a smoke run; on a GPU it does not fit one 10-minute call)
+# Everything lands in $OUT (default experiments/results/gpu-out): env.json, the parts' JSON,
+# and one <part>-logs.tar.gz of run logs per part (the tool brings back 8 files at most).
+# JDDP_GPU_DEADLINE_S (default 540): seconds after start by which the call must be done; the
+# suite and the benchmarks are cut (SIGINT, partial results kept) to stay inside it.
+# JDDP_GPU_SMOKE_INSTALL=1 (with --smoke): rehearse the GPU prologue (wheels into
+# JDDP_GPU_SITE, default /tmp/site; MPICH into python3's prefix; mpi4jax built) with the
+# python3 on PATH, e.g. a Python 3.12 venv holding the image's jax.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SMOKE=${JDDP_GPU_SMOKE:-0}
+if [ "${1:-}" = --smoke ]; then SMOKE=1; shift; fi
+[ $# -ge 1 ] || { sed -n '2,23p' "$0"; exit 2; }
+PARTS=("$@")
+[ "${PARTS[0]}" = all ] && PARTS=(mpi suite bench bench2)
+for p in "${PARTS[@]}"; do
+  case $p in suite | mpi | bench | torch | e2e | bench2) ;; *) echo "gpu_session: unknown part '$p'" >&2; exit 2 ;; esac
+done
+OUT=${OUT:-experiments/results/gpu-out}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+DEADLINE=${JDDP_GPU_DEADLINE_S:-540}
+WORK=$(mktemp -d /tmp/jddp-gpu.XXXXXX)  # run folders, bundled into $OUT/<part>-logs.tar.gz
+trap 'rm -rf "$WORK"' EXIT
+export OUT JDDP_GPU_SMOKE=$SMOKE PYTHONUNBUFFERED=1
+declare -A RC
+note() { echo "gpu_session: $*"; }
+left() { echo $((DEADLINE - SECONDS)); }  # seconds left of this call
+
+probe_trainer() {  # $1: label. One tiny training step on the CPU; its log kept in $WORK.
+  local t0=$SECONDS log=$WORK/probe-$1.log
+  JAX_PLATFORMS=cpu $PY -m jddp.train workdir="$WORK/probe-$1" model.width=4 data.name=synthetic \
+    data.image_size=8 data.global_batch_size=8 train.steps=1 log.progress=off \
+    checkpoint.async_save=false train.compilation_cache_dir=null > "$log" 2>&1
+  local rc=$?
+  [ $rc = 0 ] || tail -3 "$log"
+  note "probe ($1 libraries): one training step on the CPU $([ $rc = 0 ] && echo ok || echo FAILED) in $((SECONDS - t0)) s"
+  return $rc
+}
+
+# ---------------------------------------------------------------- prologue: interpreter, wheels
+# On the GPU: python3 (the image's), the carried wheels installed into $SITE. In smoke mode: the
+# repo's venv, nothing installed, unless JDDP_GPU_SMOKE_INSTALL=1: then the GPU prologue itself
+# is rehearsed with the python3 on PATH (a Python 3.12 venv standing in for the image).
+SITE=${JDDP_GPU_SITE:-/tmp/site}
+INSTALL=1
+[ "$SMOKE" = 1 ] && [ "${JDDP_GPU_SMOKE_INSTALL:-0}" != 1 ] && INSTALL=0
+if [ $INSTALL = 0 ]; then
+  PY=${PY:-$([ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || echo python3)}
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  MPI_BIN=$(dirname "$PY")
+  note "smoke mode: $PY; the carried wheels are not installed (the venv has them)"
+else
+  PY=python3
+  ls .whl/*.whl > /dev/null 2>&1 || { note "no .whl/: run 'bash scripts/gpu_wheels.sh' on the CPU machine and carry .whl"; exit 1; }
+  # shellcheck disable=SC2046
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" $(ls .whl/*.whl | grep -v '/mpich-') || { note "wheel install failed"; exit 1; }
+  export PYTHONPATH=$SITE:$PWD
+  # The lock's flax/optax/orbax were tested with the lock's jax (0.10.2), not the image's, and
+  # an import alone does not show a mismatch (flax 0.12.8 fails only when a model is built on
+  # jax 0.11.2: jax.experimental.hijax.HiPrimitive). So: one tiny training step on the CPU
+  # (model, optimizer, eval, orbax checkpoint); if it fails, drop the lock's flax for the
+  # image's, then optax and orbax too (env.json records which versions ran).
+  if ! probe_trainer lock; then
+    note "jddp does not train with the lock's flax on this jax: trying the image's flax"
+    rm -rf "$SITE"/flax "$SITE"/flax-* "$SITE"/flaxlib_src
+    if ! probe_trainer image-flax; then
+      note "... nor with it: trying the image's optax and orbax-checkpoint too"
+      rm -rf "$SITE"/optax "$SITE"/optax-* "$SITE"/orbax "$SITE"/orbax_checkpoint-*
+      probe_trainer image-all || { note "jddp does not train here at all"; exit 1; }
+    fi
+  fi
+  # MPICH's libmpi and mpirun must sit in the interpreter's prefix (lib/, bin/): mpi4py looks
+  # for libmpi there, tests/helpers.py and bench.py for mpirun next to sys.executable; pip
+  # --target would drop the wheel's lib/.
+  if $PY -m pip install -q --no-index --no-deps --no-cache-dir .whl/mpich-*.whl; then
+    MPI_BIN=$(dirname "$($PY -c 'import sys; print(sys.executable)')")
+  else
+    note "MPICH not installable into $($PY -c 'import sys; print(sys.prefix)'): using /tmp/mpich (tests expecting mpirun next to python will fail)"
+    $PY -m pip install -q --no-index --no-deps --no-cache-dir --prefix /tmp/mpich .whl/mpich-*.whl
+    MPI_BIN=/tmp/mpich/bin
+    export PATH=/tmp/mpich/bin:$PATH LD_LIBRARY_PATH=/tmp/mpich/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export MPI4PY_LIBMPI=/tmp/mpich/lib/libmpi.so.12
+  fi
+  note "python3 $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])'); wheels in $SITE; MPICH in $MPI_BIN"
+fi
+if [ "$SMOKE" = 1 ]; then
+  export JAX_PLATFORMS=cpu
+  note "smoke mode: the CPU, tiny sizes; nothing here is a GPU measurement"
+fi
+unset MPI4JAX_USE_CUDA_MPI  # mpi4jax stages GPU buffers through the host (recorded in env.json)
+MACHINE=gpu
+case $(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1) in
+  *H100*) MACHINE=h100 ;; *H200*) MACHINE=h200 ;;
+esac
+[ "$SMOKE" = 1 ] && MACHINE=smoke
+
+# mpi4jax from the carried sdist, with its CUDA bridge (scripts/setup.sh's recipe: the MPICH
+# mpicc, CUDA_PATH = the toolkit root that has include/cuda_runtime.h, no build isolation).
+build_mpi4jax() {
+  local sdist cuda="" nvcc root target=$SITE
+  sdist=$(ls .whl/mpi4jax-*.tar.gz 2> /dev/null | head -1)
+  if [ $INSTALL = 1 ] && $PY -c 'import mpi4jax' 2> /dev/null; then
+    note "mpi4jax already importable"
+    return 0
+  fi
+  [ -n "$sdist" ] || { note "no .whl/mpi4jax-*.tar.gz: the MPI tests and the mpi part will fail"; return 1; }
+  # The venv's own mpi4jax stays the one imported in a plain smoke run: build into scratch.
+  [ $INSTALL = 0 ] && target=$WORK/mpi4jax-build
+  if [ "$SMOKE" = 1 ]; then
+    cuda=$(mktemp -d)  # an empty CUDA_PATH: the CPU bridge only
+  else
+    nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2> /dev/null | head -1)
+    for root in "${CUDA_PATH:-}" "${CUDA_HOME:-}" ${nvcc:+"$(dirname "$(dirname "$(readlink -f "$nvcc")")")"} /usr/local/cuda; do
+      if [ -n "$root" ] && [ -f "$root/include/cuda_runtime.h" ]; then cuda=$root; break; fi
+    done
+    if [ -z "$cuda" ]; then
+      root=$(find /usr/local /opt -name cuda_runtime.h -path '*/include/*' 2> /dev/null | head -1)
+      [ -n "$root" ] && cuda=$(dirname "$(dirname "$root")")
+    fi
+    [ -n "$cuda" ] || { note "no CUDA toolkit with include/cuda_runtime.h (nvcc: ${nvcc:-none}); set CUDA_PATH"; return 1; }
+    export LD_LIBRARY_PATH=$cuda/lib64:$cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  fi
+  note "building mpi4jax ($sdist) with CUDA_PATH=$cuda MPICC=$MPI_BIN/mpicc into $target"
+  local t0=$SECONDS
+  PATH="$MPI_BIN:$PATH" CUDA_PATH="$cuda" MPI4JAX_BUILD_MPICC="$MPI_BIN/mpicc" \
+    $PY -m pip install -v --no-index --no-deps --no-build-isolation --no-cache-dir \
+    --target "$target" "$sdist" > "$WORK/mpi4jax-build.log" 2>&1 \
+    || { tail -30 "$WORK/mpi4jax-build.log"; note "mpi4jax build FAILED"; return 1; }
+  grep -a "CUDA INFO" "$WORK/mpi4jax-build.log" | tail -1
+  PYTHONPATH=$target:$PYTHONPATH $PY -c 'import mpi4jax as m; print("gpu_session: mpi4jax", m.__version__, "from", m.__file__, "cuda bridge:", m.has_cuda_support())'
+  note "mpi4jax built in $((SECONDS - t0)) s"
+}
+
+bundle() {  # $1: part; its run folders (no checkpoints) -> $OUT/$1-logs.tar.gz
+  [ -d "$WORK/$1" ] || return 0
+  [ -f "$WORK/mpi4jax-build.log" ] && cp "$WORK/mpi4jax-build.log" "$WORK/$1/"
+  tar czf "$OUT/$1-logs.tar.gz" -C "$WORK/$1" --exclude=checkpoints --exclude='*.npz' . \
+    && note "$OUT/$1-logs.tar.gz $(du -h "$OUT/$1-logs.tar.gz" | cut -f1)"
+}
+
+# ---------------------------------------------------------------- parts
+part_mpi() {
+  mkdir -p "$WORK/mpi"
+  $PY experiments/gpu_session.py mpi "$OUT" --logs "$WORK/mpi" 2>&1 | tee "$WORK/mpi/gpu_session.log"
+  RC[mpi]=${PIPESTATUS[0]}
+  bundle mpi
+}
+
+junit_summary() {  # $1: junit.xml -> totals and failures
+  $PY - "$1" << 'PYJUNIT'
+import sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError) as e:
+    sys.exit(f"gpu_session: no {sys.argv[1]} ({e})")
+suites = [root] if root.tag == "testsuite" else list(root)
+tot = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+secs = sum(float(s.get("time", 0)) for s in suites)
+print(f"{sys.argv[1].rsplit('/', 1)[-1]}: {tot['tests']} tests, {tot['failures']} failed, "
+      f"{tot['errors']} errors, {tot['skipped']} skipped, {secs:.0f} s")
+for case in root.iter("testcase"):
+    bad = next((c for c in case if c.tag in ("failure", "error")), None)
+    if bad is not None:
+        msg = (bad.get("message") or "")[:150]
+        print(f"  FAILED {case.get('classname')}::{case.get('name')}: {msg}")
+PYJUNIT
+}
+
+part_suite() {
+  local budget n=${JDDP_SUITE_WORKERS:-8} args=() files=(tests)
+  [ "$SMOKE" = 1 ] && files=(tests/test_gpu_kit.py tests/test_xla_setup.py)
+  # First, alone: the one test that trains on the GPU (skips without a GPU plugin).
+  note "suite: tests/test_gpu.py first"
+  timeout -s INT -k 30 $(($(left) - 60)) $PY -m pytest -q -p no:cacheprovider -rA \
+    --junitxml="$OUT/junit-gpu.xml" tests/test_gpu.py 2>&1 | tee "$OUT/suite.log"
+  RC[suite_gpu]=${PIPESTATUS[0]}
+  budget=$(($(left) - 20))
+  [ "$budget" -ge 60 ] || { note "suite: only $(left) s left, not started"; RC[suite]=124; return; }
+  if $PY -c 'import xdist' 2> /dev/null; then
+    # loadfile: a test file's module fixtures (e.g. test_mpi's reference runs) are built once.
+    args=(-n "$n" --dist loadfile)
+  else
+    note "suite: no pytest-xdist here, tests run one at a time"
+  fi
+  [ "$SMOKE" = 1 ] && note "smoke: only ${files[*]}"
+  note "suite: pytest ${args[*]} ${files[*]} with $budget s (SIGINT at the deadline keeps junit.xml)"
+  # The suite forces JAX_PLATFORMS=cpu itself (tests/conftest.py).
+  timeout -s INT -k 30 "$budget" $PY -m pytest -q -p no:cacheprovider --durations=30 \
+    --junitxml="$OUT/junit.xml" --ignore=tests/test_gpu.py "${args[@]}" "${files[@]}" 2>&1 \
+    | tee -a "$OUT/suite.log"
+  RC[suite]=${PIPESTATUS[0]}
+  case ${RC[suite]} in
+    124 | 130 | 2) note "suite: CUT at the deadline (exit ${RC[suite]}): run the rest in a call of its own" ;;
+  esac
+  junit_summary "$OUT/junit-gpu.xml"
+  junit_summary "$OUT/junit.xml"
+}
+
+part_torch() {  # (a)
+  mkdir -p "$WORK/bench"
+  local budget reserve=${1:-15}
+  budget=$(($(left) - reserve))
+  if [ "$SMOKE" = 1 ]; then
+    note "smoke: (a) as bench.py --quick on the CPU (the torch GPU rows need CUDA; torch is skipped when missing)"
+    $PY experiments/bench.py --quick --no-plot --configs jddp-1x1,torch-ddp-1x1 \
+      --out "$OUT/bench-rn50.json" 2>&1 | tee "$WORK/bench/bench.log"
+  else
+    note "(a) bench.py ResNet-50 bf16, jddp vs torch eager vs torch.compile, $budget s at most"
+    # SIGINT: the driver's cleanup ends its worker processes (they hold the GPU)
+    timeout -s INT -k 20 "$budget" $PY experiments/bench.py --platform gpu \
+      --preset resnet50-imagenet --dtypes bfloat16 \
+      --configs jddp-1x1,torch-ddp-1x1,torch-ddp-1x1-compile --peak-tflops 989 \
+      --rounds 5 --steps-per-round 10 --warmup 5 --machine "$MACHINE" \
+      --out "$OUT/bench-rn50.json" --no-plot --no-results-md 2>&1 | tee "$WORK/bench/bench.log"
+  fi
+  RC[torch]=${PIPESTATUS[0]}
+  [ "${RC[torch]}" = 124 ] && note "(a) CUT at the deadline: no bench-rn50.json; run 'torch' in a call of its own"
+}
+
+part_e2e() {  # (c)
+  mkdir -p "$WORK/bench"
+  note "(c) end-to-end trainer throughput vs the input targets"
+  $PY experiments/gpu_session.py e2e "$OUT" --logs "$WORK/bench" 2>&1 | tee "$WORK/bench/e2e.log"
+  RC[e2e]=${PIPESTATUS[0]}
+}
+
+part_bench() {  # (a) then (c), which needs ~3 minutes
+  part_torch 200
+  part_e2e
+  bundle bench
+  # (a)'s table again, last, next to (c)'s (the tool returns only the output's tail)
+  grep -A3 -- '^config ' "$WORK/bench/bench.log" | tail -6 || true
+}
+
+part_bench2() {
+  mkdir -p "$WORK/bench2"
+  local smoke=()
+  [ "$SMOKE" = 1 ] && smoke=(--smoke --steps 6)
+  $PY experiments/bench_xla.py --platform gpu "${smoke[@]}" --machine "$MACHINE" \
+    --out "$OUT/xla-gpu.json" --logs "$WORK/bench2" 2>&1 | tee "$WORK/bench2/bench_xla.log"
+  RC[bench2]=${PIPESTATUS[0]}
+  bundle bench2
+}
+
+# ---------------------------------------------------------------- run
+need_mpi4jax=0
+for p in "${PARTS[@]}"; do [ "$p" = suite ] || [ "$p" = mpi ] && need_mpi4jax=1; done
+if [ $need_mpi4jax = 1 ]; then build_mpi4jax || RC[mpi4jax_build]=1; fi
+$PY experiments/gpu_session.py env "$OUT" || RC[env]=1
+for p in "${PARTS[@]}"; do
+  note "=== $p ($(left) s left of ${DEADLINE} s) ==="
+  "part_$p"
+  case $p in torch | e2e) bundle bench ;; esac
+done
+echo
+note "parts ${PARTS[*]} done in ${SECONDS} s; exit codes: $(for k in "${!RC[@]}"; do printf '%s=%s ' "$k" "${RC[$k]}"; done)"
+ls -l "$OUT"
+[ "$SMOKE" = 1 ] && note "smoke run: nothing here is a GPU measurement"
+for k in "${!RC[@]}"; do [ "${RC[$k]}" = 0 ] || exit 1; done
+exit 0
