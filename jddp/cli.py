@@ -29,9 +29,12 @@ class Session:
         self.job: Any = None
 
     def start_jax(self, dist_cfg: Any) -> Any:
-        """jddp's XLA flags (read when XLA's backends start), then join the job."""
+        """A known-broken jax/flax pair stops here in one line; then jddp's XLA flags (read when
+        XLA's backends start), then join the job."""
+        from jddp.compat import check_versions
         from jddp.xla_setup import apply_cpu_flags
 
+        check_versions()
         apply_cpu_flags()
         from jddp import distributed
 
