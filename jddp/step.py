@@ -66,7 +66,10 @@ class PixelNorm:
     @classmethod
     def of(cls, source: Any) -> PixelNorm:
         """The normalisation a source declares through its ``mean``/``std`` attributes."""
-        mean, std = getattr(source, "mean", None), getattr(source, "std", None)
+        return cls._of(getattr(source, "mean", None), getattr(source, "std", None))
+
+    @classmethod
+    def _of(cls, mean: Any, std: Any) -> PixelNorm:
         if mean is None or std is None:
             return cls()
         return cls(tuple(float(m) for m in mean), tuple(float(s) for s in std))
@@ -81,10 +84,7 @@ class PixelNorm:
     @classmethod
     def from_json(cls, saved: dict[str, Any]) -> PixelNorm:
         """The inverse of :meth:`to_json`."""
-        mean, std = saved.get("mean"), saved.get("std")
-        if mean is None or std is None:
-            return cls()
-        return cls(tuple(float(m) for m in mean), tuple(float(s) for s in std))
+        return cls._of(saved.get("mean"), saved.get("std"))
 
     def __call__(self, images: jax.Array, dtype: Any) -> jax.Array:
         if not jnp.issubdtype(images.dtype, jnp.integer):
