@@ -7,10 +7,9 @@ multi-device tests would silently test something else. Subprocesses inherit the 
 
 import os
 
+import pytest
+
 os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
