@@ -27,18 +27,10 @@ from pathlib import Path
 
 import benchlib
 
-TINY = [
-    "model.width=4",
-    "data.name=synthetic",
-    "data.image_size=8",
-    "data.global_batch_size=16",
-    "optim.schedule=constant",
-    "optim.lr=0.05",
-    "log.every_steps=1",
-    "log.progress=off",
-    "model.sync_batchnorm=true",
-    "checkpoint.every_steps=2",
-]
+sys.path.insert(0, str(benchlib.REPO))  # tests.helpers: the test suite's tiny config
+from tests.helpers import TINY as TEST_TINY  # noqa: E402
+
+TINY = [*TEST_TINY, "model.sync_batchnorm=true", "checkpoint.every_steps=2"]
 
 
 def command(workdir: Path, steps: int) -> list[str]:
