@@ -40,6 +40,8 @@ from pathlib import Path
 
 import benchlib
 
+# Every measured run: a constant learning rate, no progress bar, checkpoints saved in line.
+COMMON = ["optim.schedule=constant", "log.progress=off", "checkpoint.async_save=false"]
 WORKLOAD = [
     "data.name=synthetic",
     "data.image_size=32",
@@ -47,12 +49,9 @@ WORKLOAD = [
     "data.augment=cifar",
     "model.name=resnet18",
     "model.width=32",
-    "optim.schedule=constant",
     "log.every_steps=1",
-    "log.progress=off",
-    "checkpoint.async_save=false",
+    *COMMON,
 ]
-COMMON = ["optim.schedule=constant", "log.progress=off", "checkpoint.async_save=false"]
 # The GPU measurement: ImageNet-sized ResNet-50 in bfloat16 (configs/imagenet_resnet50.yaml's
 # model, batch and precision) on in-memory synthetic uint8 images, no augmentation.
 GPU_WORKLOAD = [
@@ -325,9 +324,7 @@ def main() -> int:
         **result,
     }
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        benchlib.write_json(Path(args.out), result)
     else:
         name = result["machine"]["name"]
         benchlib.save_result("xla", name if args.platform == "cpu" else f"gpu-{name}", result)

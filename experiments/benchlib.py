@@ -184,13 +184,21 @@ def machine_info(name: str | None = None, extra: dict[str, Any] | None = None) -
     return info
 
 
-def save_result(kind: str, machine: str, result: dict[str, Any]) -> Path:
-    """Write ``result`` as ``results/<kind>-<date>-<machine>.json`` (``-runN`` if taken) and say
-    where."""
+def write_json(path: Path, result: dict[str, Any]) -> Path:
+    """Write ``result`` to ``path`` (folders made as needed) as the results files are written,
+    and say where."""
     import json
-    import time
 
-    path = unused_path(RESULTS_DIR, f"{kind}-{time.strftime('%Y-%m-%d')}-{machine}")
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def save_result(kind: str, machine: str, result: dict[str, Any]) -> Path:
+    """Write ``result`` as ``results/<kind>-<date>-<machine>.json`` (``-runN`` if taken) and say
+    where."""
+    import time
+
+    path = unused_path(RESULTS_DIR, f"{kind}-{time.strftime('%Y-%m-%d')}-{machine}")
+    return write_json(path, result)

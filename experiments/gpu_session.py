@@ -17,7 +17,6 @@ commands and the loss comparison are ``tests/helpers.py``'s).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: benchlib, bench_*
 import benchlib  # noqa: E402
 from bench_xla import (  # noqa: E402
+    COMMON,
     GPU_WORKLOAD,
     SMOKE_WORKLOAD,
     run_trainer,
@@ -46,12 +46,6 @@ ENV_VARS = (
     "XLA_PYTHON_CLIENT_ALLOCATOR", "JAX_PLATFORMS", "MPI4JAX_USE_CUDA_MPI", "CUDA_PATH",
     "PYTHONPATH", "LD_LIBRARY_PATH",
 )  # fmt: skip
-
-
-def write_json(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
 
 
 # ----------------------------------------------------------------------------- env
@@ -86,7 +80,7 @@ def env_record(out: Path) -> int:
     info["nvidia_smi"] = benchlib.sh("nvidia-smi")
     info["nvcc"] = (benchlib.sh("nvcc", "--version") or "").splitlines()[-1:]
     info["env"] = {k: os.environ.get(k) for k in ENV_VARS}
-    write_json(out / "env.json", info)
+    benchlib.write_json(out / "env.json", info)
     v = info["versions"]
     print(f"commit     {info['git_commit']} (from {info['git_commit_source']}, dirty: "
           f"{info['git_dirty']})")  # fmt: skip
@@ -116,8 +110,7 @@ def e2e_cases(smoke: bool, jpeg_root: Path) -> dict[str, dict]:
     cifar = [
         "data.name=synthetic", "data.image_size=32", "data.global_batch_size=128",
         "data.augment=cifar", "model.name=resnet18", "model.stem=cifar", "model.width=64",
-        "model.num_classes=10", "log.every_steps=50", "optim.schedule=constant",
-        "log.progress=off", "checkpoint.async_save=false",
+        "model.num_classes=10", "log.every_steps=50", *COMMON,
     ]  # fmt: skip
     jpeg = _with(rn50, "data.name=imagefolder", f"data.path={jpeg_root}", "data.augment=imagenet",
                  "data.workers=14")  # fmt: skip
@@ -194,7 +187,7 @@ def e2e(out: Path, logs: Path, cases_wanted: list[str] | None) -> int:
         "rows": rows,
         "runs": runs,
     }
-    write_json(out / "e2e.json", result)
+    benchlib.write_json(out / "e2e.json", result)
     print(f"\n{'case':<12} {'batch':>5} {'steps/s':>8} {'img/s':>9} {'target':>8} {'met':>4} "
           f"{'input wait':>10} {'1st step s':>10}")  # fmt: skip
     for r in rows:
@@ -272,7 +265,7 @@ def mpi_compare(out: Path, logs: Path, steps: int) -> int:
             result["match_rel_1e-4"] = False
             result["first_mismatch_step"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     result["machine"] = benchlib.machine_info(None)
-    write_json(out / "mpi.json", result)
+    benchlib.write_json(out / "mpi.json", result)
     print(f"\nmpi vs xla, {steps} steps, {platform}{' (smoke)' if SMOKE else ''}")
     if "error" in result:
         print(f"FAILED: {result['error'][:500]}")
