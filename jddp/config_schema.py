@@ -35,7 +35,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     name: Literal[DATA_NAMES] = _f("digits", "data set: " + "|".join(DATA_NAMES))
-    path: str | None = _f(None, "file or folder of the data set (cifar10, mnist, npz, imagefolder)")
+    path: str | None = _f(
+        None, "file or folder of the data set (cifar10, mnist, npz, imagefolder, packed)"
+    )
     global_batch_size: int = _f(128, "examples per optimizer step over all devices and processes")
     image_size: int | None = _f(None, "resize images to this side length (null: native size)")
     prefetch_batches: int = _f(2, "batches placed on the devices ahead of the running step")

@@ -22,6 +22,7 @@ FORMATS: dict[str, str] = {
     "mnist": "jddp.data.formats.mnist",
     "npz": "jddp.data.formats.npz",
     "imagefolder": "jddp.data.formats.imagefolder",
+    "packed": "jddp.data.formats.packed",
 }
 """Data set name -> module exposing ``load(path, image_size, seed, num_classes) -> Splits``."""
 
@@ -46,7 +47,7 @@ def load_splits(
 
     Args:
       name: one of :data:`DATA_NAMES`.
-      path: where the files are (``cifar10``, ``mnist``, ``npz``, ``imagefolder``);
+      path: where the files are (``cifar10``, ``mnist``, ``npz``, ``imagefolder``, ``packed``);
         ignored by ``synthetic`` and ``digits``.
       image_size: output side length; ``None`` keeps the native size (224 for
         ``imagefolder``, 32 for ``synthetic``).  In-memory sets are resized once at

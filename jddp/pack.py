@@ -1,0 +1,546 @@
+"""CLI: ``python -m jddp.pack SRC OUT``: write a data set's train and eval splits as a pack.
+
+A pack (:mod:`jddp.data.pack_format`) is a few large ArrayRecord shards per split plus
+``pack.json``; train from it with ``data.name=packed data.path=OUT``. Image folders keep each
+file's bytes (``--max-side N`` re-encodes the images whose shorter side exceeds ``N``);
+CIFAR-10, MNIST and npz keep their raw pixels. Shards are written in parallel, each to a
+temporary name and renamed once complete and verified; the manifest is written last, so an
+interrupted pack never reads as complete, and rerunning the same command continues it.
+
+Exit codes: 0 done; 2 bad command line, unknown source layout, or an ``OUT`` that holds
+something else; 1 an unreadable image (without ``--skip-bad``) or any other failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import sys
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jddp.cli import OneLineParser, run
+from jddp.data.augment import square_box
+from jddp.data.formats.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFolderSource
+from jddp.data.formats.packed import decode_crop
+from jddp.data.pack_format import (
+    MANIFEST,
+    READER_OPTIONS,
+    VERSION,
+    WRITER_OPTIONS,
+    encode_record,
+    parse_record,
+    shard_name,
+)
+from jddp.errors import ConfigError, DataError
+
+USAGE = (
+    "python -m jddp.pack SRC OUT [--format imagefolder|cifar10|mnist|npz] [--max-side N] "
+    "[--quality Q] [--workers W] [--skip-bad] [--shard-mb MB]"
+)
+FORMATS = ("imagefolder", "cifar10", "mnist", "npz")
+PARTIAL = ".pack-partial"  # OUT/.pack-partial/: the plan and finished shards' notes
+CHECK_SIZE = 8  # the decode check's output side: JPEGs decode at 1/8 scale, still parsed whole
+CLASS_NAMES = {
+    "cifar10": [
+        "airplane",
+        "automobile",
+        "bird",
+        "cat",
+        "deer",
+        "dog",
+        "frog",
+        "horse",
+        "ship",
+        "truck",
+    ],  # fmt: skip
+    "mnist": [str(d) for d in range(10)],
+}
+
+
+def detect_format(src: Path) -> str:
+    """The ``data.name`` whose ``data.path`` reading ``src`` matches (else :class:`ConfigError`)."""
+    if not src.exists():
+        raise ConfigError(f"pack: SRC {str(src)!r} does not exist")
+    if src.is_file():
+        if src.suffix == ".npz":
+            return "npz"
+        if src.name.endswith((".tar.gz", ".tgz", ".tar")):
+            return "cifar10"
+    else:
+        if (src / "train").is_dir():
+            return "imagefolder"
+        cifar = ("data_batch_1", "cifar-10-batches-py", "cifar-10-python.tar.gz")
+        if any((src / name).exists() for name in cifar):
+            return "cifar10"
+        if any(src.glob("train-images-idx3-ubyte*")):
+            return "mnist"
+    raise ConfigError(
+        f"pack: cannot tell the format of SRC {str(src)!r} (an image folder with train/, "
+        "CIFAR-10 batches or .tar.gz, MNIST IDX files, or an .npz): give --format "
+        + "|".join(FORMATS)
+    )
+
+
+@dataclass(frozen=True)
+class Options:
+    """What decides a pack's content (a rerun with other options is another pack)."""
+
+    max_side: int | None
+    quality: int
+    skip_bad: bool
+    shard_bytes: int
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One shard to write: the examples ``items`` of ``split`` (paths or arrays, with labels)."""
+
+    out: str
+    split: str
+    file: str
+    pack_id: bytes
+    items: list[Any]  # image folders: (path, label); arrays: (array [H,W,C], label)
+    options: Options
+
+
+# ------------------------------------------------------------------------ reading the source
+def read_source(fmt: str, src: Path) -> dict[str, Any]:
+    """The splits of ``src`` as lists of items, plus what the manifest says about them."""
+    if fmt == "imagefolder":
+        train = ImageFolderSource(src, None, "train")
+        evaluation = ImageFolderSource(src, None, "eval", classes=train.classes)
+        splits = {
+            name: {
+                "from": s.split,
+                "items": [(str(f), int(y)) for f, y in zip(s.files, s.labels, strict=True)],
+            }
+            for name, s in (("train", train), ("eval", evaluation))
+        }
+        return {
+            "kind": "encoded",
+            "splits": splits,
+            "classes": train.classes,
+            "num_classes": len(train.classes),
+            "mean": list(IMAGENET_MEAN),
+            "std": list(IMAGENET_STD),
+        }
+    from jddp.data.registry import load_splits
+
+    loaded = load_splits(fmt, str(src), None)
+    train, evaluation = loaded.train, loaded.eval
+    splits = {
+        name: {"from": name, "items": list(zip(s.images, s.labels.tolist(), strict=True))}
+        for name, s in (("train", train), ("eval", evaluation))
+    }
+    return {
+        "kind": "raw",
+        "splits": splits,
+        "classes": CLASS_NAMES.get(fmt),
+        "num_classes": train.num_classes,
+        "mean": train.mean.tolist(),
+        "std": train.std.tolist(),
+        "image_shape": list(train.image_shape),
+        "dtype": train.images.dtype.name,
+    }
+
+
+def item_bytes(kind: str, item: tuple[Any, int]) -> int:
+    """Bytes ``item`` takes in the source (to size the shards)."""
+    return os.path.getsize(item[0]) if kind == "encoded" else int(item[0].nbytes)
+
+
+def fingerprint(kind: str, splits: dict[str, Any]) -> str:
+    """A digest of the source's listing: the files (name, size, label) or the arrays' bytes."""
+    digest = hashlib.sha256()
+    for name, split in splits.items():
+        digest.update(f"{name}:{len(split['items'])}\n".encode())
+        for thing, label in split["items"]:
+            if kind == "encoded":
+                digest.update(f"{thing}\t{os.path.getsize(thing)}\t{label}\n".encode())
+            else:
+                digest.update(thing.tobytes())
+                digest.update(f"\t{label}\n".encode())
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------ writing one shard
+def image_payload(path: str, options: Options) -> tuple[bytes, bool]:
+    """The bytes to store for the image at ``path`` and whether they were re-encoded; checked
+    with the trainer's decoder (:class:`DataError` naming the file if it cannot be read)."""
+    where = f"pack: cannot decode image {path!r}"
+    data = Path(path).read_bytes()
+    if not data:
+        raise DataError(f"{where}: the file is empty (0 bytes)")
+    reencoded = False
+    if options.max_side is not None:
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                width, height = img.size
+                short = min(width, height)
+                if short > options.max_side:
+                    scale = options.max_side / short
+                    size = (max(1, round(width * scale)), max(1, round(height * scale)))
+                    mode = "L" if img.mode in ("L", "1", "I;16", "I") else "RGB"
+                    small = img.convert(mode).resize(size, Image.Resampling.LANCZOS)
+                    buffer = io.BytesIO()
+                    small.save(buffer, "JPEG", quality=options.quality)
+                    data, reencoded = buffer.getvalue(), True
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+            raise DataError(f"{where}: {' '.join(str(err).split())}") from err
+    decode_crop(data, square_box, CHECK_SIZE, where)
+    return data, reencoded
+
+
+def write_shard(task: ShardTask) -> dict[str, Any]:
+    """Write, verify and publish one shard; returns its note for the manifest."""
+    from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+    out = Path(task.out)
+    final, tmp = out / task.file, out / f"{task.file}.tmp"
+    skipped: list[str] = []
+    reencoded = written = 0
+    writer = ArrayRecordWriter(str(tmp), WRITER_OPTIONS)
+    try:
+        for thing, label in task.items:
+            if isinstance(thing, np.ndarray):
+                payload: bytes | np.ndarray = thing
+            else:
+                try:
+                    payload, again = image_payload(thing, task.options)
+                except DataError as err:
+                    if not task.options.skip_bad:
+                        raise
+                    skipped.append(f"{thing}: {str(err).split(': ', 1)[-1]}")
+                    continue
+                reencoded += again
+            writer.write(encode_record(task.pack_id, label, payload))
+            written += 1
+    finally:
+        writer.close()
+    reader = ArrayRecordReader(str(tmp), READER_OPTIONS)
+    try:
+        if reader.num_records() != written:
+            raise DataError(f"pack: {str(tmp)!r} reads back {reader.num_records()} of {written}")
+        for r in range(written):  # every record reads back with its checksum
+            parse_record(reader.read([r])[0], task.pack_id, f"pack: {str(tmp)!r} record {r}")
+    finally:
+        reader.close()
+    note = {
+        "file": task.file,
+        "records": written,
+        "bytes": tmp.stat().st_size,
+        "reencoded": reencoded,
+        "skipped": skipped,
+    }
+    write_json_atomic(out / PARTIAL / f"{task.file}.json", note)
+    os.replace(tmp, final)  # the shard's final name appears only once it is complete
+    return note
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Write ``value`` as JSON to ``path`` through a temporary file and a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def finished_note(out: Path, file: str) -> dict[str, Any] | None:
+    """The note of shard ``file`` if it was completed by an earlier run, else None."""
+    note_file = out / PARTIAL / f"{file}.json"
+    if not (out / file).is_file() or not note_file.is_file():
+        return None
+    note = json.loads(note_file.read_text())
+    return note if (out / file).stat().st_size == note["bytes"] else None
+
+
+# ------------------------------------------------------------------------ the whole pack
+def plan_shards(
+    kind: str, splits: dict[str, Any], shard_bytes: int
+) -> list[tuple[str, str, list[Any]]]:
+    """``(split, file, items)`` of every shard: each split cut into about ``shard_bytes`` parts,
+    in the source's order."""
+    shards = []
+    for name, split in splits.items():
+        items = split["items"]
+        total = sum(item_bytes(kind, item) for item in items)
+        count = max(1, min(len(items), math.ceil(total / shard_bytes)))
+        bounds = np.linspace(0, len(items), count + 1).round().astype(int)
+        for s in range(count):
+            file = shard_name(name, s, count)
+            shards.append((name, file, items[bounds[s] : bounds[s + 1]]))
+    return shards
+
+
+def claim_out(out: Path, identity: dict[str, Any]) -> tuple[bytes, bool]:
+    """The pack id to write ``out`` with, and whether the pack there is already complete.
+
+    An empty or missing ``out`` starts a new pack; an unfinished or finished pack of the same
+    source and options continues; anything else is refused (:class:`ConfigError`).
+    """
+    plan_file = out / PARTIAL / "plan.json"
+    manifest_file = out / MANIFEST
+    if manifest_file.is_file():
+        manifest = json.loads(manifest_file.read_text())
+        if manifest.get("identity") == identity:
+            return bytes.fromhex(manifest["pack_id"]), True
+    elif plan_file.is_file():
+        plan = json.loads(plan_file.read_text())
+        if plan.get("identity") == identity:
+            return bytes.fromhex(plan["pack_id"]), False
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(
+            f"pack: OUT {str(out)!r} is not empty and holds no unfinished pack of "
+            f"{identity['source']!r} with these options: give an empty or new folder"
+        )
+    pack_id = uuid.uuid4().bytes
+    (out / PARTIAL).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(plan_file, {"pack_id": pack_id.hex(), "identity": identity})
+    return pack_id, False
+
+
+class Progress:
+    """Shards done, as a tqdm bar on a terminal and as plain lines otherwise."""
+
+    def __init__(self, total_examples: int, shards: int) -> None:
+        self.shards, self.done = shards, 0
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_examples, unit="img", desc="pack", file=sys.stderr)
+
+    def update(self, note: dict[str, Any], examples: int, resumed: bool = False) -> None:
+        """One more shard (``examples`` source examples) finished."""
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(examples)
+            return
+        how = "already there" if resumed else "written"
+        print(
+            f"pack: shard {self.done}/{self.shards} {note['file']} {how}: {note['records']} "
+            f"records, {note['bytes'] / 1e6:.1f} MB",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        """Finish the bar."""
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_tasks(tasks: list[tuple[ShardTask, int]], workers: int, progress: Progress) -> None:
+    """Write the shards of ``tasks`` over ``workers`` processes (in this one for 1)."""
+    if workers <= 1 or len(tasks) <= 1:
+        for task, examples in tasks:
+            progress.update(write_shard(task), examples)
+        return
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context) as pool:
+        pending = {pool.submit(write_shard, task): examples for task, examples in tasks}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_EXCEPTION)
+            for future in done:
+                examples = pending.pop(future)
+                if future.exception() is not None:
+                    for other in pending:
+                        other.cancel()
+                    raise future.exception()  # type: ignore[misc]
+                progress.update(future.result(), examples)
+
+
+def pack(
+    src: Path,
+    out: Path,
+    fmt: str | None = None,
+    max_side: int | None = None,
+    quality: int = 90,
+    workers: int = 1,
+    skip_bad: bool = False,
+    shard_mb: float = 256.0,
+) -> dict[str, Any]:
+    """Write the pack of ``src`` to ``out`` (continuing an unfinished one); returns its manifest."""
+    src = Path(src).expanduser().resolve()
+    out = Path(out).expanduser()
+    fmt = fmt or detect_format(src)
+    source = read_source(fmt, src)
+    kind, splits = source["kind"], source["splits"]
+    options = Options(
+        max_side if kind == "encoded" else None,
+        quality,
+        skip_bad,
+        max(1, int(shard_mb * 1e6)),
+    )
+    identity = {
+        "format": fmt,
+        "source": str(src),
+        "options": {
+            "max_side": options.max_side,
+            "quality": options.quality if options.max_side else None,
+            "skip_bad": skip_bad,
+            "shard_bytes": options.shard_bytes,
+        },
+        "fingerprint": fingerprint(kind, splits),
+    }
+    pack_id, complete = claim_out(out, identity)
+    if complete:
+        print(f"pack: {str(out)!r} already holds this pack, complete", file=sys.stderr)
+        shutil.rmtree(out / PARTIAL, ignore_errors=True)
+        return json.loads((out / MANIFEST).read_text())
+    shards = plan_shards(kind, splits, options.shard_bytes)
+    progress = Progress(sum(len(s["items"]) for s in splits.values()), len(shards))
+    notes: dict[str, dict[str, Any]] = {}
+    todo = []
+    for split, file, items in shards:
+        note = finished_note(out, file)
+        if note is not None:
+            notes[file] = note
+            progress.update(note, len(items), resumed=True)
+        else:
+            task = ShardTask(str(out), split, file, pack_id, items, options)
+            todo.append((task, len(items)))
+    try:
+        run_tasks(todo, workers, progress)
+    finally:
+        progress.close()
+    for _split, file, _ in shards:
+        notes[file] = finished_note(out, file)  # type: ignore[assignment]
+    manifest = build_manifest(pack_id, identity, source, shards, notes)
+    write_json_atomic(out / MANIFEST, manifest)
+    shutil.rmtree(out / PARTIAL, ignore_errors=True)
+    return manifest
+
+
+def build_manifest(
+    pack_id: bytes,
+    identity: dict[str, Any],
+    source: dict[str, Any],
+    shards: list[tuple[str, str, list[Any]]],
+    notes: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """``pack.json``: what the pack holds and how it was made."""
+    options = identity["options"]
+    if source["kind"] == "encoded":
+        stored = (
+            "the original files"
+            if options["max_side"] is None
+            else f"the original files; shorter side > {options['max_side']} re-encoded as JPEG "
+            f"quality {options['quality']} at shorter side {options['max_side']}"
+        )
+        size_policy = {"stored": stored, "max_side": options["max_side"], "default_size": 224}
+    else:
+        size_policy = {"stored": "raw pixels, lossless", "default_size": source["image_shape"][0]}
+    splits: dict[str, Any] = {}
+    for name, split in source["splits"].items():
+        mine = [notes[file] for s, file, _ in shards if s == name]
+        splits[name] = {
+            "from": split["from"],
+            "count": sum(n["records"] for n in mine),
+            "source_count": len(split["items"]),
+            "reencoded": sum(n["reencoded"] for n in mine),
+            "skipped": [entry for n in mine for entry in n["skipped"]],
+            "shards": [{k: n[k] for k in ("file", "records", "bytes")} for n in mine],
+        }
+    manifest = {
+        "format": "jddp-pack",
+        "version": VERSION,
+        "pack_id": pack_id.hex(),
+        "identity": identity,
+        "record": "ArrayRecord; see jddp/data/pack_format.py (header: magic, CRC-32, pack id, "
+        "label, kind, dtype, shape; then the payload)",
+        "kind": source["kind"],
+        "classes": source["classes"],
+        "num_classes": source["num_classes"],
+        "mean": source["mean"],
+        "std": source["std"],
+        "image_size": size_policy,
+        "splits": splits,
+    }
+    if source["kind"] == "raw":
+        manifest["image_shape"] = source["image_shape"]
+        manifest["dtype"] = source["dtype"]
+    return manifest
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int > 0."""
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+
+    def body(session: Any) -> int:
+        del session
+        parser = OneLineParser(prog="python -m jddp.pack", usage=USAGE, description=__doc__)
+        parser.add_argument("src", metavar="SRC", help="the data set, as data.path reads it")
+        parser.add_argument("out", metavar="OUT", help="the pack folder (new, empty or unfinished)")
+        parser.add_argument("--format", choices=FORMATS, help="SRC's format (default: detected)")
+        parser.add_argument(
+            "--max-side",
+            type=positive_int,
+            help="re-encode images whose shorter side exceeds N to shorter side N (JPEG)",
+        )
+        parser.add_argument(
+            "--quality", type=positive_int, default=90, help="JPEG quality of re-encoded images"
+        )
+        parser.add_argument(
+            "--workers",
+            type=positive_int,
+            default=len(os.sched_getaffinity(0)),
+            help="processes writing shards (default: the cores)",
+        )
+        parser.add_argument(
+            "--skip-bad", action="store_true", help="skip (and count) unreadable images"
+        )
+        parser.add_argument(
+            "--shard-mb", type=float, default=256.0, help="about this many MB of source per shard"
+        )
+        args = parser.parse_args(argv)
+        if args.quality > 100:
+            raise ConfigError(f"pack: --quality={args.quality} must be in 1..100")
+        if not args.shard_mb > 0:
+            raise ConfigError(f"pack: --shard-mb={args.shard_mb} must be positive")
+        manifest = pack(
+            Path(args.src),
+            Path(args.out),
+            args.format,
+            args.max_side,
+            args.quality,
+            args.workers,
+            args.skip_bad,
+            args.shard_mb,
+        )
+        for name, split in manifest["splits"].items():
+            skipped = len(split["skipped"])
+            print(
+                f"pack: {name}: {split['count']} examples in {len(split['shards'])} shard(s), "
+                f"{split['reencoded']} re-encoded, {skipped} skipped"
+                + (f" (first: {split['skipped'][0]})" if skipped else "")
+            )
+        print(f"pack: wrote {str(Path(args.out) / MANIFEST)!r} (pack id {manifest['pack_id']})")
+        return 0
+
+    return run(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
