@@ -233,11 +233,60 @@ def _decoders() -> dict:
     def jddp(data, box_of, size):
         return decode_crop(data, box_of, size, "bench")
 
-    return {
+    decoders = {
         "pillow (jddp before)": pillow,
         "simplejpeg + pillow resize": simplejpeg_pillow,
         "opencv imdecode + opencv resize": opencv,
         "simplejpeg + opencv resize (jddp now)": jddp,
+    }
+    try:  # optional: pip install --target DIR imagecodecs; PYTHONPATH=DIR
+        import imagecodecs
+
+        def icodecs(data, box_of, size):  # libjpeg-turbo too, no DCT scaling offered
+            arr = imagecodecs.jpeg8_decode(data)
+            return resize_crop(arr, box_of(*arr.shape[:2]), size)
+
+        decoders["imagecodecs + opencv resize"] = icodecs
+    except ImportError:
+        print("(imagecodecs not installed: its row is skipped)")
+    return decoders
+
+
+def dali_row(datas: list[bytes], count: int, size: int = 224) -> dict | None:
+    """DALI's CPU operators (optional: ``pip install --target DIR nvidia-dali-cuda130``, then
+    ``PYTHONPATH=DIR``): ``decoders.image_random_crop`` + ``resize`` + ``flip``, one thread,
+    batches of 64, CPU-only pipeline (``device_id=None``)."""
+    try:
+        from nvidia.dali import fn, pipeline_def, types
+    except ImportError:
+        print("(nvidia-dali not installed: its row is skipped)")
+        return None
+    batch = 64
+    arrays = [np.frombuffer(d, np.uint8) for d in datas]
+
+    @pipeline_def(batch_size=batch, num_threads=1, device_id=None)
+    def pipe():
+        jpegs = fn.external_source(
+            source=lambda: [arrays[i % len(arrays)] for i in range(batch)], batch=True
+        )
+        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
+        images = fn.resize(images, resize_x=size, resize_y=size)
+        return fn.flip(images, horizontal=fn.random.coin_flip())
+
+    p = pipe()
+    p.build()
+    for _ in range(2):
+        p.run()
+    rounds = max(1, count // batch)
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(rounds):
+        p.run()
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {
+        "img_per_s": rounds * batch / wall,
+        "img_per_cpu_s": rounds * batch / cpu,
+        "ms_per_image": 1e3 * wall / (rounds * batch),
+        "mad_vs_pillow": None,
     }
 
 
@@ -289,12 +338,32 @@ def decoder_rows(args, tmp: Path) -> list[dict]:
                 "load1_before": load1(),
             }
             rows.append(row)
-            print(
-                f"| {set_name} | {lib} | {row['ms_per_image']:.2f} | {row['img_per_s']:,.0f} | "
-                f"{row['img_per_cpu_s']:,.0f} | {mad:.2f} | {row['load1_before']:.2f} |",
-                flush=True,
+            print_decoder_row(row)
+        dali = dali_row(datas, count)
+        if dali is not None:
+            lib = "DALI CPU (image_random_crop + resize + flip)"
+            rows.append(
+                {
+                    "case": "decoders",
+                    "what": f"{lib}, {set_name}",
+                    "library": lib,
+                    "images": set_name,
+                    **dali,
+                    "load1_before": load1(),
+                }
             )
+            print_decoder_row(rows[-1])
     return rows
+
+
+def print_decoder_row(row: dict) -> None:
+    mad = row["mad_vs_pillow"]
+    print(
+        f"| {row['images']} | {row['library']} | {row['ms_per_image']:.2f} | "
+        f"{row['img_per_s']:,.0f} | {row['img_per_cpu_s']:,.0f} | "
+        f"{'-' if mad is None else f'{mad:.2f}'} | {row['load1_before']:.2f} |",
+        flush=True,
+    )
 
 
 # --- end to end through the trainer -------------------------------------------------------
