@@ -174,3 +174,15 @@ def test_resize_crop_keeps_channels_and_non_square_outputs():
     assert out.shape == (12, 16, 1) and out.dtype == np.uint8
     const = np.full((50, 60, 3), 77, np.uint8)
     np.testing.assert_array_equal(decode.resize_crop(const, (3.5, 2.2, 57.1, 48.9), 20), 77)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32, np.int16])
+def test_flip_rows_flips_exactly_the_drawn_rows(dtype):
+    rng = np.random.default_rng(2)
+    images = rng.integers(0, 256, (16, 9, 7, 3)).astype(dtype)
+    keys = aug.example_keys(0, 0, np.arange(16))
+    want = images.copy()
+    flip = aug.flips(keys)
+    assert 0 < flip.sum() < 16
+    want[flip] = want[flip, :, ::-1]
+    np.testing.assert_array_equal(aug.flip_rows(images, keys), want)

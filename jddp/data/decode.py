@@ -81,7 +81,9 @@ def resize_crop(
     crop = image[top_px:bottom_px, left_px:right_px]
     scale = max(crop.shape[0] / out_h, crop.shape[1] / out_w)
     if scale > BLUR_ABOVE_SCALE:
-        crop = cv2.GaussianBlur(crop, (0, 0), 0.5 * math.sqrt(scale * scale - 1.0))
+        sigma = 0.5 * math.sqrt(scale * scale - 1.0)
+        taps = 2 * math.ceil(2.0 * sigma) + 1  # +-2 sigma: OpenCV's default +-3 costs 20% more
+        crop = cv2.GaussianBlur(crop, (taps, taps), sigma)
     return cv2.resize(crop, (out_w, out_h), interpolation=cv2.INTER_LINEAR)
 
 
