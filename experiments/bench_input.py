@@ -25,6 +25,7 @@ exists), with the machine, commit and the 1-minute load average before and after
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -102,29 +103,19 @@ def pipeline_alone(source, spec, workers: int, kind: str, steps: int) -> dict:
 
 
 def make_step(source, spec):
-    """jddp's train step for the nearly free model: mean of a 1/64 pixel subsample + dense."""
-    import jax
-    import jax.numpy as jnp
+    """jddp's train step for the nearly free model (:mod:`nearly_free`)."""
     import optax
     from flax import nnx
+    from nearly_free import PoolDense
 
     from jddp.comm import XlaComm
     from jddp.mesh import make_mesh
     from jddp.state import create_train_state
     from jddp.step import PixelNorm, make_train_step
 
-    class PoolDense(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.dense = nnx.Linear(3, 10, rngs=rngs)
-
-        def __call__(self, x_BxHxWxC: jax.Array) -> jax.Array:
-            # every 8th row and column: XLA fuses the uint8 -> float normalisation into this
-            # slice, so the step reads 1/64 of the pixels and costs next to nothing
-            return self.dense(jnp.mean(x_BxHxWxC[:, ::8, ::8], axis=(1, 2)))
-
     mesh = make_mesh()
     tx = optax.sgd(0.1)
-    model_def, state = create_train_state(PoolDense(nnx.Rngs(0)), tx, mesh)
+    model_def, state = create_train_state(PoolDense(10, nnx.Rngs(0)), tx, mesh)
     step = make_train_step(model_def, tx, mesh, XlaComm(), pixel_norm=PixelNorm.of(source))
     return mesh, state, step
 
@@ -159,6 +150,334 @@ def end_to_end(source, spec, mesh, step, state, workers, kind, steps: int) -> tu
     seconds = time.perf_counter() - start
     rate = count * spec["batch"] / seconds
     return {"img_per_s": rate, "seconds": seconds, "steps": count}, state
+
+
+# --- per-core decode + augment, one library at a time -------------------------------------
+
+
+def reencode(data: bytes, max_side: int, quality: int = 90) -> bytes:
+    """``data`` with its shorter side brought to ``max_side`` (antialiased), JPEG ``quality``:
+    what ``python -m jddp.pack --max-side`` stores."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        w, h = img.size
+        scale = max_side / min(w, h)
+        img = img.convert("RGB").resize(
+            (round(w * scale), round(h * scale)), Image.Resampling.LANCZOS
+        )
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=quality)
+        return buf.getvalue()
+
+
+def _decoders() -> dict:
+    """Library -> ``fn(data, box_of, size) -> uint8 [size,size,3]`` (crop, then resize)."""
+    import io
+    import math
+
+    import cv2
+    import simplejpeg
+    from PIL import Image
+
+    from jddp.data.decode import decode_crop, draft_factor, resize_crop
+
+    def pillow(data, box_of, size):  # jddp up to 76cf202: Pillow draft + antialiased resize
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            left, top, right, bottom = box_of(height, width)
+            img.draft(
+                "RGB",
+                (
+                    math.ceil(width * size / (right - left)),
+                    math.ceil(height * size / (bottom - top)),
+                ),
+            )
+            sx, sy = img.size[0] / width, img.size[1] / height
+            img = img.convert("RGB")
+            box = (left * sx, top * sy, right * sx, bottom * sy)
+            return np.asarray(img.resize((size, size), Image.Resampling.BILINEAR, box=box))
+
+    def scaled(box, sx, sy):
+        left, top, right, bottom = box
+        return left * sx, top * sy, right * sx, bottom * sy
+
+    def simplejpeg_pillow(data, box_of, size):
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        box = box_of(height, width)
+        f = draft_factor(box, size)
+        arr = simplejpeg.decode_jpeg(
+            data, "RGB", min_height=-(-height // f), min_width=-(-width // f)
+        )
+        img = Image.fromarray(arr)
+        box = scaled(box, arr.shape[1] / width, arr.shape[0] / height)
+        return np.asarray(img.resize((size, size), Image.Resampling.BILINEAR, box=box))
+
+    reduced = {
+        1: cv2.IMREAD_COLOR,
+        2: cv2.IMREAD_REDUCED_COLOR_2,
+        4: cv2.IMREAD_REDUCED_COLOR_4,
+        8: cv2.IMREAD_REDUCED_COLOR_8,
+    }
+
+    def opencv(data, box_of, size):
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)  # header only
+        box = box_of(height, width)
+        f = draft_factor(box, size)
+        arr = cv2.imdecode(np.frombuffer(data, np.uint8), reduced[f])
+        arr = cv2.cvtColor(arr, cv2.COLOR_BGR2RGB)
+        return resize_crop(arr, scaled(box, arr.shape[1] / width, arr.shape[0] / height), size)
+
+    def jddp(data, box_of, size):
+        return decode_crop(data, box_of, size, "bench")
+
+    decoders = {
+        "pillow (jddp before)": pillow,
+        "simplejpeg + pillow resize": simplejpeg_pillow,
+        "opencv imdecode + opencv resize": opencv,
+        "simplejpeg + opencv resize (jddp now)": jddp,
+    }
+    try:  # optional: pip install --target DIR imagecodecs; PYTHONPATH=DIR
+        import imagecodecs
+
+        def icodecs(data, box_of, size):  # libjpeg-turbo too, no DCT scaling offered
+            arr = imagecodecs.jpeg8_decode(data)
+            return resize_crop(arr, box_of(*arr.shape[:2]), size)
+
+        decoders["imagecodecs + opencv resize"] = icodecs
+    except ImportError:
+        print("(imagecodecs not installed: its row is skipped)")
+    return decoders
+
+
+def dali_row(datas: list[bytes], count: int, size: int = 224) -> dict | None:
+    """DALI's CPU operators (optional: ``pip install --target DIR nvidia-dali-cuda130``, then
+    ``PYTHONPATH=DIR``): ``decoders.image_random_crop`` + ``resize`` + ``flip``, one thread,
+    batches of 64, CPU-only pipeline (``device_id=None``)."""
+    try:
+        from nvidia.dali import fn, pipeline_def, types
+    except ImportError:
+        print("(nvidia-dali not installed: its row is skipped)")
+        return None
+    batch = 64
+    arrays = [np.frombuffer(d, np.uint8) for d in datas]
+
+    @pipeline_def(batch_size=batch, num_threads=1, device_id=None)
+    def pipe():
+        jpegs = fn.external_source(
+            source=lambda: [arrays[i % len(arrays)] for i in range(batch)], batch=True
+        )
+        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
+        images = fn.resize(images, resize_x=size, resize_y=size)
+        return fn.flip(images, horizontal=fn.random.coin_flip())
+
+    p = pipe()
+    p.build()
+    for _ in range(2):
+        p.run()
+    rounds = max(1, count // batch)
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(rounds):
+        p.run()
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {
+        "img_per_s": rounds * batch / wall,
+        "img_per_cpu_s": rounds * batch / cpu,
+        "ms_per_image": 1e3 * wall / (rounds * batch),
+        "mad_vs_pillow": None,
+    }
+
+
+def _decode_rows(fn, datas, u, flip, size: int, n: int) -> list[np.ndarray]:
+    """``n`` random-resized crops (+ flips) of ``datas`` (cycled) decoded by ``fn``."""
+    from jddp.data import augment as aug
+
+    outs = []
+    for i in range(n):
+        img = fn(datas[i % len(datas)], lambda h, w, r=u[i]: aug.random_resized_box(r, h, w), size)
+        outs.append(img[:, ::-1] if flip[i] else img)
+    return outs
+
+
+def decoder_rows(args, tmp: Path) -> list[dict]:
+    """Images/s on one core (this thread) of decode + random-resized crop + flip to 224, per
+    library, for the raw 500x375 JPEGs and the same re-encoded at shorter side 256."""
+    from jddp.data import augment as aug
+
+    folder = make_jpeg_folder(tmp / "decoders", 16)
+    raw = [f.read_bytes() for f in sorted(folder.rglob("*.jpg"))[:16]]
+    sets = {"500x375 q90": raw, "shorter side 256 q90": [reencode(d, 256) for d in raw]}
+    size, count = 224, args.decode_images
+    keys = aug.example_keys(0, 0, np.arange(count))
+    u = aug.uniforms(keys, aug.RRC_DRAWS)
+    flip = aug.flips(keys)
+    rows = []
+    for set_name, datas in sets.items():
+        reference = None
+        for lib, fn in _decoders().items():
+            crop = functools.partial(_decode_rows, fn, datas, u, flip, size)
+            crop(8)  # warm up (imports, allocator)
+            start, cpu = time.perf_counter(), time.thread_time()
+            crop(count)
+            wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+            outs = crop(min(count, 64))
+            reference = reference if reference is not None else outs
+            diffs = [np.abs(a.astype(int) - b).mean() for a, b in zip(outs, reference, strict=True)]
+            mad = float(np.mean(diffs))
+            row = {
+                "case": "decoders",
+                "what": f"{lib}, {set_name}",
+                "library": lib,
+                "images": set_name,
+                "img_per_s": count / wall,
+                "img_per_cpu_s": count / cpu,
+                "ms_per_image": 1e3 * wall / count,
+                "mad_vs_pillow": mad,
+                "load1_before": load1(),
+            }
+            rows.append(row)
+            print_decoder_row(row)
+        dali = dali_row(datas, count)
+        if dali is not None:
+            lib = "DALI CPU (image_random_crop + resize + flip)"
+            rows.append(
+                {
+                    "case": "decoders",
+                    "what": f"{lib}, {set_name}",
+                    "library": lib,
+                    "images": set_name,
+                    **dali,
+                    "load1_before": load1(),
+                }
+            )
+            print_decoder_row(rows[-1])
+    return rows
+
+
+def print_decoder_row(row: dict) -> None:
+    mad = row["mad_vs_pillow"]
+    print(
+        f"| {row['images']} | {row['library']} | {row['ms_per_image']:.2f} | "
+        f"{row['img_per_s']:,.0f} | {row['img_per_cpu_s']:,.0f} | "
+        f"{'-' if mad is None else f'{mad:.2f}'} | {row['load1_before']:.2f} |",
+        flush=True,
+    )
+
+
+# --- end to end through the trainer -------------------------------------------------------
+
+
+def trainer_run(
+    tmp: Path,
+    name: str,
+    overrides: list[str],
+    devices: int,
+    steps: int,
+    pythonpath: str | None = None,
+) -> dict:
+    """``python -m jddp.train`` with the nearly free model on ``devices`` CPU devices; images/s
+    and input-wait fraction from its own metrics.jsonl (the windows after the first, which
+    compiles)."""
+    import subprocess
+
+    workdir = tmp / f"run-{name}"
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        PYTHONPATH=os.pathsep.join([pythonpath or str(REPO), str(Path(__file__).parent)]),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "jddp.train",
+        f"workdir={workdir}",
+        "model.name=nearly_free:factory",
+        "model.num_classes=2",
+        "data.global_batch_size=128",
+        "data.augment=imagenet",
+        f"train.steps={steps}",
+        "log.every_steps=5",
+        "log.progress=lines",
+        "train.eval_every_steps=0",
+        "checkpoint.every_steps=0",
+        *overrides,
+    ]
+    start = time.perf_counter()
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
+    wall = time.perf_counter() - start
+    if out.returncode != 0:
+        raise RuntimeError(f"{name}: exit {out.returncode}: {out.stderr[-2000:]}")
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    windows = [x for x in lines if "train/img_per_s" in x][1:]
+    rates = sorted(x["train/img_per_s"] for x in windows)
+    waits = [x["perf/input_wait_fraction"] for x in windows]
+    return {
+        "case": "trainer",
+        "what": name,
+        "img_per_s": float(np.median(rates)),
+        "img_per_s_windows": rates,
+        "input_wait_fraction": float(np.median(waits)),
+        "devices": devices,
+        "steps": steps,
+        "wall_s": wall,
+        "command": " ".join(cmd[1:]),
+        "load1_before": load1(),
+    }
+
+
+def trainer_rows(args, tmp: Path) -> list[dict]:
+    """The raw JPEG folder and its pack (``--max-side 256``), ``data.augment=imagenet``, 2
+    devices, default workers; with ``--before COMMIT`` also the folder at that commit."""
+    import subprocess
+
+    folder = make_jpeg_folder(tmp / "e2e", args.e2e_images)
+    packed = tmp / "e2e-packed"
+    subprocess.run(
+        [sys.executable, "-m", "jddp.pack", str(folder), str(packed), "--max-side", "256"],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
+    cases = [
+        ("imagefolder 500x375", ["data.name=imagefolder", f"data.path={folder}"], None),
+        ("packed --max-side 256", ["data.name=packed", f"data.path={packed}"], None),
+    ]
+    if args.before:
+        old = tmp / "before"
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(old), args.before],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
+        cases.insert(
+            0,
+            (
+                f"imagefolder 500x375 at {args.before}",
+                ["data.name=imagefolder", f"data.path={folder}"],
+                str(old),
+            ),
+        )
+    rows = []
+    try:
+        for name, overrides, pythonpath in cases:
+            row = trainer_run(tmp, name.replace(" ", "_"), overrides, 2, args.e2e_steps, pythonpath)
+            row["what"] = name
+            rows.append(row)
+            print(
+                f"| {name} | {row['img_per_s']:,.0f} | {row['input_wait_fraction']:.2f} | "
+                f"{row['load1_before']:.2f} |",
+                flush=True,
+            )
+    finally:
+        if args.before:
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(old)], cwd=REPO, capture_output=True
+            )
+    return rows
 
 
 def load1() -> float:
@@ -229,17 +548,34 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20, help="timed steps (jpeg: half)")
     p.add_argument("--machine", default=None, help="machine name in the file name")
     p.add_argument("--out", default=None)
+    p.add_argument("--decoders", action="store_true", help="per-core rate of each JPEG library")
+    p.add_argument("--decode-images", type=int, default=200, help="images per --decoders row")
+    p.add_argument("--trainer", action="store_true", help="end to end through python -m jddp.train")
+    p.add_argument("--e2e-images", type=int, default=512)
+    p.add_argument("--e2e-steps", type=int, default=40)
+    p.add_argument("--before", default=None, help="--trainer: also the folder at this commit")
     args = p.parse_args()
     args.workers = [int(w) for w in args.workers.split(",")]
     args.e2e_workers = [int(w) for w in args.e2e_workers.split(",")]
     args.kinds = args.kinds.split(",")
     info = machine_info(args.machine, {"load1_start": load1()})
-    print("| case | what | workers | kind | images/s | input efficiency | load (1 min) |")
-    print("|---|---|---|---|---|---|---|")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for case in args.cases.split(","):
-            rows.extend(run_case(case, args, Path(tmp)))
+        if args.decoders:
+            print(
+                "| images | library | ms/image | images/s | images/CPU-s | MAD vs Pillow | load |"
+            )
+            print("|---|---|---|---|---|---|---|")
+            rows.extend(decoder_rows(args, Path(tmp)))
+        if args.trainer:
+            print("| python -m jddp.train, 2 devices | images/s | input wait | load |")
+            print("|---|---|---|---|")
+            rows.extend(trainer_rows(args, Path(tmp)))
+        if not (args.decoders or args.trainer):
+            print("| case | what | workers | kind | images/s | input efficiency | load (1 min) |")
+            print("|---|---|---|---|---|---|---|")
+            for case in args.cases.split(","):
+                rows.extend(run_case(case, args, Path(tmp)))
     info["load1_end"] = load1()
     stamp = date.today().isoformat()
     out = Path(args.out) if args.out else unused_path(RESULTS_DIR, f"input-{stamp}-{info['name']}")

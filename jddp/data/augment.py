@@ -153,7 +153,17 @@ def eval_boxes(size: int) -> BoxFn:
 
 
 def flip_rows(images: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """Flip horizontally (in place) the rows whose key says so; returns ``images``."""
-    flip = flips(keys)
-    images[flip] = images[flip, :, ::-1]
+    """Flip horizontally (in place) the rows whose key says so; returns ``images``.
+
+    One OpenCV flip per row, in place: 0.015 ms per 224 px image here, against 0.29 ms for
+    numpy's gather + reversed-stride copy back (a fifth of a JPEG decode).
+    """
+    import cv2  # here, not at the top: config checks import this module, and cv2 takes 0.2 s
+
+    for row in np.flatnonzero(flips(keys)):
+        image = images[row]
+        if image.dtype in (np.uint8, np.float32) and image.flags.c_contiguous:
+            cv2.flip(image, 1, dst=image)
+        else:
+            images[row] = image[:, ::-1].copy()
     return images

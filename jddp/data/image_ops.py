@@ -81,14 +81,14 @@ def crop_resize(
 ) -> np.ndarray:
     """The ``box`` (left, top, right, bottom) of ``image`` ``[H,W,C]`` resized to ``size`` (h, w).
 
-    uint8 images with 1 or 3 channels go through Pillow (bilinear, antialiased, the GIL
-    released); anything else through :func:`resize_images` (square ``size`` only).
+    uint8 images of 1 or 3 channels take the decoder's resize
+    (:func:`jddp.data.decode.resize_crop`: the filter image files get, the GIL released);
+    anything else goes through :func:`resize_images` (square ``size`` only).
     """
     left, top, right, bottom = box
     if image.dtype == np.uint8 and image.shape[-1] in (1, 3):
-        from PIL import Image
+        from jddp.data.decode import resize_crop  # OpenCV: imported only by sources that crop
 
-        pil = Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
-        out = np.asarray(pil.resize((size[1], size[0]), Image.Resampling.BILINEAR, box=box))
+        out = resize_crop(image, box, size)
         return out.reshape(size[0], size[1], image.shape[-1])
     return resize_images(image[None, top:bottom, left:right], size[0])[0]

@@ -1,9 +1,8 @@
-"""``imagefolder``: ``root/<split>/<class>/*.{png,jpg,jpeg}``, decoded lazily with Pillow."""
+"""``imagefolder``: ``root/<split>/<class>/*.{png,jpg,jpeg}``, decoded lazily."""
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -11,8 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from jddp.data.augment import Box, square_box
+from jddp.data.decode import decode_crop
 from jddp.data.formats.common import require_path
-from jddp.data.source import Splits, as_index_array, one_line
+from jddp.data.source import Splits, as_index_array
 from jddp.errors import DataConfigError, DataError
 
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
@@ -64,10 +64,10 @@ class ImageFolderSource:
       num_classes: if given, must be at least the number of classes.
 
     Classes are the sub-folder names sorted; files are found recursively and sorted.
-    ``get_batch`` opens each image with Pillow (libjpeg-turbo), converts it to RGB,
-    center-crops it to a square and resizes it (bilinear) to ``image_size``: uint8 pixels,
-    normalised on the device with the ImageNet ``mean``/``std``. ``get_crops`` takes other
-    crops (augmentation).
+    ``get_batch`` decodes each image (:mod:`jddp.data.decode`: libjpeg-turbo, Pillow for
+    what it does not read), center-crops it to a square and resizes it to ``image_size``:
+    uint8 pixels, normalised on the device with the ImageNet ``mean``/``std``. ``get_crops``
+    takes other crops (augmentation).
     """
 
     def __init__(
@@ -121,37 +121,12 @@ class ImageFolderSource:
         return len(self.files)
 
     def _decode(self, path: Path, box_of: Callable[[int, int], Box]) -> np.ndarray:
-        """Decode one file to uint8 ``[S,S,3]``: the crop ``box_of(height, width)`` resized.
-
-        The crop is taken on the full image and then resized (bilinear, antialiased). JPEGs
-        are decoded at the smallest DCT scale (1/1, 1/2, 1/4, 1/8; Pillow's ``draft``) at
-        which the crop still has at least ``S`` pixels each way: far less decoding work
-        when the image is much larger than the crop's output.
-        """
-        from PIL import Image
-
-        size = self.image_size
-        try:
-            with Image.open(path) as img:
-                width, height = img.size
-                left, top, right, bottom = box_of(height, width)
-                want = (
-                    math.ceil(width * size / (right - left)),
-                    math.ceil(height * size / (bottom - top)),
-                )
-                img.draft("RGB", want)
-                sx, sy = img.size[0] / width, img.size[1] / height
-                img = img.convert("RGB")
-                img = img.resize(
-                    (size, size),
-                    Image.Resampling.BILINEAR,
-                    box=(left * sx, top * sy, right * sx, bottom * sy),
-                )
-                return np.asarray(img, np.uint8)
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-            raise DataError(
-                f"imagefolder: cannot decode image {str(path)!r}: {one_line(err)}"
-            ) from err
+        """Decode one file to uint8 ``[S,S,3]``: the crop ``box_of(height, width)`` resized
+        (:func:`jddp.data.decode.decode_crop`: libjpeg-turbo with DCT scaling for colour
+        JPEGs, Pillow for everything else, one resize filter for both)."""
+        return decode_crop(
+            path, box_of, self.image_size, f"imagefolder: cannot decode image {str(path)!r}"
+        )
 
     def get_batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Decode the indexed files (centre square); uint8 ``[n,S,S,3]`` and int32 labels."""
