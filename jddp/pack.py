@@ -30,8 +30,8 @@ import numpy as np
 
 from jddp.cli import OneLineParser, run
 from jddp.data.augment import square_box
+from jddp.data.decode import decode_crop
 from jddp.data.formats.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFolderSource
-from jddp.data.formats.packed import decode_crop
 from jddp.data.pack_format import (
     MANIFEST,
     READER_OPTIONS,
@@ -174,33 +174,44 @@ def fingerprint(kind: str, splits: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------ writing one shard
+def shrink_to_max_side(data: bytes, max_side: int, quality: int) -> bytes | None:
+    """``data`` re-encoded as JPEG ``quality`` with its shorter side brought down to
+    ``max_side`` (Lanczos, antialiased; grayscale stays grayscale), or None if that side is
+    not larger than ``max_side`` (the file is then kept as it is)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        width, height = img.size
+        short = min(width, height)
+        if short <= max_side:
+            return None
+        scale = max_side / short
+        size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        mode = "L" if img.mode in ("L", "1", "I;16", "I") else "RGB"
+        small = img.convert(mode).resize(size, Image.Resampling.LANCZOS)
+    buffer = io.BytesIO()
+    small.save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()
+
+
 def image_payload(path: str, options: Options) -> tuple[bytes, bool]:
     """The bytes to store for the image at ``path`` and whether they were re-encoded; checked
     with the trainer's decoder (:class:`DataError` naming the file if it cannot be read)."""
+    from PIL import Image
+
     where = f"pack: cannot decode image {path!r}"
     data = Path(path).read_bytes()
     if not data:
         raise DataError(f"{where}: the file is empty (0 bytes)")
-    reencoded = False
+    smaller = None
     if options.max_side is not None:
-        from PIL import Image
-
         try:
-            with Image.open(io.BytesIO(data)) as img:
-                width, height = img.size
-                short = min(width, height)
-                if short > options.max_side:
-                    scale = options.max_side / short
-                    size = (max(1, round(width * scale)), max(1, round(height * scale)))
-                    mode = "L" if img.mode in ("L", "1", "I;16", "I") else "RGB"
-                    small = img.convert(mode).resize(size, Image.Resampling.LANCZOS)
-                    buffer = io.BytesIO()
-                    small.save(buffer, "JPEG", quality=options.quality)
-                    data, reencoded = buffer.getvalue(), True
+            smaller = shrink_to_max_side(data, options.max_side, options.quality)
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
             raise DataError(f"{where}: {' '.join(str(err).split())}") from err
-    decode_crop(data, square_box, CHECK_SIZE, where)
-    return data, reencoded
+    payload = data if smaller is None else smaller
+    decode_crop(payload, square_box, CHECK_SIZE, where)
+    return payload, smaller is not None
 
 
 def write_shard(task: ShardTask) -> dict[str, Any]:

@@ -20,11 +20,7 @@ from typing import Any
 import numpy as np
 
 from jddp.data.augment import Box, square_box
-
-try:
-    from jddp.data.decode import decode_crop
-except ImportError:  # TEMPORARY until the decoder lands on main
-    from jddp.data._decode_fallback import decode_crop
+from jddp.data.decode import decode_crop
 from jddp.data.formats.common import require_path
 from jddp.data.image_ops import resize_images
 from jddp.data.pack_format import (
