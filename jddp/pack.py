@@ -42,6 +42,7 @@ from jddp.data.pack_format import (
     shard_name,
 )
 from jddp.errors import ConfigError, DataError
+from jddp.lifeline import _die_with_parent, _load_prctl
 
 USAGE = (
     "python -m jddp.pack SRC OUT [--format imagefolder|cifar10|mnist|npz] [--max-side N] "
@@ -361,7 +362,13 @@ def run_tasks(tasks: list[tuple[ShardTask, int]], workers: int, progress: Progre
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context) as pool:
+    pool = ProcessPoolExecutor(
+        min(workers, len(tasks)),
+        mp_context=context,
+        initializer=die_with_parent,
+        initargs=(os.getpid(),),
+    )
+    with pool:
         pending = {pool.submit(write_shard, task): examples for task, examples in tasks}
         while pending:
             done, _ = wait(pending, return_when=FIRST_EXCEPTION)
@@ -372,6 +379,12 @@ def run_tasks(tasks: list[tuple[ShardTask, int]], workers: int, progress: Progre
                         other.cancel()
                     raise future.exception()  # type: ignore[misc]
                 progress.update(future.result(), examples)
+
+
+def die_with_parent(parent: int) -> None:
+    """Pool worker start: SIGKILL this worker when the pack process dies (a killed pack must not
+    leave workers writing into ``OUT`` behind it; a rerun continues the pack)."""
+    _die_with_parent(_load_prctl(), parent)
 
 
 def pack(

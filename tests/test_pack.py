@@ -29,6 +29,7 @@ from tests.helpers import (
     read_losses,
     run,
     steps_saved,
+    wait_for,
     with_overrides,
 )
 
@@ -346,8 +347,7 @@ def packed_overrides(pack_dir: Path, *more: str) -> list[str]:
 def test_packed_topology_invariance_and_bitwise_resume(tmp_path, packed_run):
     root, straight = packed_run
     want = read_losses(straight)
-    two = run(launch_cmd(2, 1, tmp_path / "two", *packed_overrides(root / "pack",
-              "data.worker_kind=process")))  # fmt: skip
+    two = run(launch_cmd(2, 1, tmp_path / "two", *packed_overrides(root / "pack")))
     assert two.returncode == 0, two.stderr[-3000:]
     assert_losses_match(read_losses(tmp_path / "two"), want, range(1, 9))
     wd = tmp_path / "resumed"
@@ -372,3 +372,23 @@ def test_damaged_pack_stops_training_in_one_line(tmp_path, packed_run, how):
     assert out.returncode == 1, out.stderr[-3000:]
     assert len(lines) == 1 and str(shard) in lines[0] and "record" in lines[0], out.stderr
     assert steps_saved(wd) == [4, 8]  # nothing lost
+
+
+@pytest.mark.slow
+def test_killed_pack_leaves_no_worker_and_the_rerun_finishes(tmp_path):
+    write_jpeg_folder(tmp_path / "jpg", classes=2, per_class=60, size=(500, 375))
+    out = tmp_path / "pack"
+    args = [sys.executable, "-m", "jddp.pack", tmp_path / "jpg", out, "--max-side", 64]
+    job = subprocess.Popen([*map(str, args), "--workers", "2", "--shard-mb", "0.5"])
+    assert wait_for(lambda: len(shard_files(out)) >= 1, 120), "no shard was finished"
+    workers = [int(p) for p in Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()]
+    job.kill()
+    job.wait()
+    assert not (out / MANIFEST).exists() and len(shard_files(out)) < 42
+    assert wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in workers), 10), workers
+    done = {p.name: p.stat().st_mtime_ns for p in shard_files(out)}
+    rerun = pack_cmd(*args[3:], "--workers", 2, "--shard-mb", 0.5)
+    assert rerun.returncode == 0, rerun.stderr
+    assert rerun.stderr.count("already there") == len(done)
+    assert {n: (out / n).stat().st_mtime_ns for n in done} == done
+    assert not list(out.glob("*.tmp")) and len(load_splits("packed", str(out), 8).train) == 120
