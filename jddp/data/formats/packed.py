@@ -114,16 +114,13 @@ class PackedSource:
         else:
             height, width, channels = (int(d) for d in manifest["image_shape"])
             self._stored_shape = (height, width, channels)
+            self._dtype = np.dtype(manifest["dtype"])
+            # like the in-memory formats: data.image_size resizes (square), None keeps the size
             self.image_size = height if image_size is None else int(image_size)
-            same = image_size is None or (height, width) == (image_size, image_size)
             self.image_shape = (
-                (height, width, channels)
-                if same
-                else (
-                    self.image_size,
-                    self.image_size,
-                    channels,
-                )
+                self._stored_shape
+                if image_size is None
+                else (self.image_size, self.image_size, channels)
             )
         self._lock = threading.Lock()
         self._readers: dict[int, Any] = {}
@@ -239,17 +236,16 @@ class PackedSource:
         """The stored arrays at ``indices`` as an in-memory source (so batches, crops and
         normalisation are the in-memory formats' own code) and its row indices."""
         found = self.records(indices)
-        images = np.empty(
-            (len(found), *self._stored_shape), found[0][0].payload.dtype if found else np.uint8
-        )
+        images = np.empty((len(found), *self._stored_shape), self._dtype)
         for k, (rec, where) in enumerate(found):
-            if rec.payload.shape != self._stored_shape:
+            if rec.payload.shape != self._stored_shape or rec.payload.dtype != self._dtype:
                 raise DataError(
-                    f"{where}: holds a {rec.payload.shape} image, the pack {self._stored_shape}"
+                    f"{where}: holds a {rec.payload.dtype} {rec.payload.shape} image, the pack "
+                    f"{self._dtype} {self._stored_shape}: damaged shard"
                 )
             images[k] = rec.payload
         if self.image_shape != self._stored_shape:
-            images = resize_images(images, self.image_size)
+            images = resize_images(images, self.image_size)  # as make_splits does at load
         labels = np.asarray([rec.label for rec, _ in found], np.int32)
         name = f"packed/{self.split}"
         source = ArraySource(images, labels, self.num_classes, self.mean, self.std, name)
