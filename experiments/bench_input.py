@@ -155,24 +155,6 @@ def end_to_end(source, spec, mesh, step, state, workers, kind, steps: int) -> tu
 # --- per-core decode + augment, one library at a time -------------------------------------
 
 
-def reencode(data: bytes, max_side: int, quality: int = 90) -> bytes:
-    """``data`` with its shorter side brought to ``max_side`` (antialiased), JPEG ``quality``:
-    what ``python -m jddp.pack --max-side`` stores."""
-    import io
-
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as img:
-        w, h = img.size
-        scale = max_side / min(w, h)
-        img = img.convert("RGB").resize(
-            (round(w * scale), round(h * scale)), Image.Resampling.LANCZOS
-        )
-        buf = io.BytesIO()
-        img.save(buf, format="JPEG", quality=quality)
-        return buf.getvalue()
-
-
 def _decoders() -> dict:
     """Library -> ``fn(data, box_of, size) -> uint8 [size,size,3]`` (crop, then resize)."""
     import io
@@ -305,10 +287,14 @@ def decoder_rows(args, tmp: Path) -> list[dict]:
     """Images/s on one core (this thread) of decode + random-resized crop + flip to 224, per
     library, for the raw 500x375 JPEGs and the same re-encoded at shorter side 256."""
     from jddp.data import augment as aug
+    from jddp.pack import shrink_to_max_side  # what python -m jddp.pack --max-side stores
 
     folder = make_jpeg_folder(tmp / "decoders", 16)
     raw = [f.read_bytes() for f in sorted(folder.rglob("*.jpg"))[:16]]
-    sets = {"500x375 q90": raw, "shorter side 256 q90": [reencode(d, 256) for d in raw]}
+    sets = {
+        "500x375 q90": raw,
+        "shorter side 256 q90": [shrink_to_max_side(d, 256, 90) for d in raw],
+    }
     size, count = 224, args.decode_images
     keys = aug.example_keys(0, 0, np.arange(count))
     u = aug.uniforms(keys, aug.RRC_DRAWS)
