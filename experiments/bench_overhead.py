@@ -49,14 +49,14 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import REPO, RESULTS_DIR, machine_info, percentile, unused_path
+from benchlib import REPO, RESULTS_DIR, machine_info, percentile, run_trainer, unused_path
+from cases import case
 
 WAIT_KEY = "perf/input_wait_fraction"
 TARGET_OVERHEAD = 0.02
@@ -270,55 +270,30 @@ def summarise_steps(times: dict[str, list[float]]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------- input wait
-def run_trainer(label: str, overrides: list[str], workdir: Path, log) -> dict[str, Any]:
-    """Run ``python -m jddp.train <overrides>``; its logged windows and the summary's mean wait.
-
-    ``overrides`` may start with ``--config FILE``. Raises ``RuntimeError`` if the run fails.
-    """
-    cmd = [sys.executable, "-m", "jddp.train", *overrides, f"workdir={workdir}", "log.progress=off"]
-    log(f"  {label}: {' '.join(cmd[1:])}")
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    wall = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"{label}: trainer exited {out.returncode}: {out.stderr[-2000:]}")
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    windows = [
-        {"step": r["step"], "wait_fraction": r[WAIT_KEY], "step_time_s": r.get("train/step_time_s")}
-        for r in rows
-        if WAIT_KEY in r
-    ]
-    m = re.search(r"input wait\s+([0-9.]+)%", out.stdout)
-    if m is None:
-        raise RuntimeError(f"{label}: no 'input wait' line in the trainer's summary")
-    fractions = [w["wait_fraction"] for w in windows]
+def input_wait(label: str, overrides: list[str], workdir: Path, log) -> dict[str, Any]:
+    """One trainer run (:func:`benchlib.run_trainer`): its logged input-wait windows and the
+    run's mean (wait seconds / wall seconds over all windows). Raises SystemExit if it fails."""
+    log(f"  {label}: python -m jddp.train {' '.join(overrides)}")
+    run = run_trainer(workdir, overrides)
+    fractions, step_s = run["input_wait_fraction"], run["step_s"]
     # Each window's wall time = its mean step time x its steps (windows start after step 1).
-    starts = [1, *[w["step"] for w in windows[:-1]]]
-    walls = [
-        (w["step"] - s0) * (w["step_time_s"] or 0.0) for w, s0 in zip(windows, starts, strict=True)
-    ]
-    weighted = (
-        sum(f * t for f, t in zip(fractions, walls, strict=True)) / sum(walls)
-        if sum(walls)
-        else None
-    )
-    compile_s = next((r["train/compile_s"] for r in rows if "train/compile_s" in r), None)
+    starts = [1, *run["steps"][:-1]]
+    walls = [(s - s0) * t for s, s0, t in zip(run["steps"], starts, step_s, strict=True)]
+    m = re.search(r"input wait\s+([0-9.]+)%", run["stdout_tail"])
     return {
         "label": label,
-        "command": " ".join(["python", *cmd[1:]]).replace(str(workdir), "<tmp>"),
-        "run_mean_fraction": weighted,  # wait seconds / wall seconds over all windows
-        "summary_mean_percent": float(m.group(1)),  # the same, as the summary prints it
-        "window_median": statistics.median(fractions) if fractions else None,
-        "window_max": max(fractions) if fractions else None,
-        "step_time_median_s": statistics.median(
-            [w["step_time_s"] for w in windows if w["step_time_s"]]
-        )
-        if windows
-        else None,
-        "compile_s": compile_s,
-        "windows": windows,
-        "wall_s": wall,
-        "summary": out.stdout[out.stdout.find("jddp: summary") :].strip(),
+        "command": "python -m jddp.train " + " ".join(overrides),
+        "run_mean_fraction": sum(f * w for f, w in zip(fractions, walls, strict=True)) / sum(walls),
+        "summary_mean_percent": float(m.group(1)) if m else None,  # as the summary prints it
+        "window_median": statistics.median(fractions),
+        "window_max": max(fractions),
+        "step_time_median_s": statistics.median(step_s),
+        "compile_s": run["compile_s"],
+        "windows": [
+            {"step": s, "wait_fraction": f, "step_time_s": t}
+            for s, f, t in zip(run["steps"], fractions, step_s, strict=True)
+        ],  # fmt: skip
+        "wall_s": run["wall_s"],
     }
 
 
@@ -437,39 +412,28 @@ def main(argv: list[str] | None = None) -> int:
     }
     del sides
 
-    input_wait = []
+    input_wait_runs = []
     if not args.no_trainer:
         log("input wait: the real trainer")
         with tempfile.TemporaryDirectory(prefix="jddp-overhead-") as tmp:
-            common = [
-                f"train.steps={args.trainer_steps}",
-                "train.eval_every_steps=0",
-                "checkpoint.every_steps=0",
-                "log.every_steps=5",
-            ]
+            more = [f"train.steps={args.trainer_steps}", "train.eval_every_steps=0",
+                    "checkpoint.every_steps=0", "log.every_steps=5"]  # fmt: skip
+            synthetic = [
+                "model.name=resnet18", "model.stem=cifar", f"model.width={args.width}",
+                "data.name=synthetic", f"data.image_size={args.image_size}",
+                f"data.global_batch_size={args.batch}", "optim.lr=0.01", "log.progress=off",
+            ]  # fmt: skip
             runs = [
-                ("configs/digits.yaml", ["--config", "configs/digits.yaml", *common], "digits"),
-                (
-                    f"synthetic 32px, width {args.width}, batch {args.batch}",
-                    [
-                        "model.name=resnet18",
-                        "model.stem=cifar",
-                        f"model.width={args.width}",
-                        "data.name=synthetic",
-                        f"data.image_size={args.image_size}",
-                        f"data.global_batch_size={args.batch}",
-                        "optim.lr=0.01",
-                        *common,
-                    ],
-                    "synthetic",
-                ),
-            ]
+                ("configs/digits.yaml", case("digits", *more), "digits"),
+                (f"synthetic 32px, width {args.width}, batch {args.batch}", synthetic + more,
+                 "synthetic"),
+            ]  # fmt: skip
             for label, overrides, name in runs:
                 try:
-                    input_wait.append(run_trainer(label, overrides, Path(tmp) / name, log))
-                except RuntimeError as e:
+                    input_wait_runs.append(input_wait(label, overrides, Path(tmp) / name, log))
+                except SystemExit as e:
                     log(f"  {e}")
-                    input_wait.append({"label": label, "error": str(e)})
+                    input_wait_runs.append({"label": label, "error": str(e)})
 
     machine["loadavg_after"] = os.getloadavg()
     result = {
@@ -491,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             "trainer_steps": args.trainer_steps,
         },
         "step_overhead": step_overhead,
-        "input_wait": input_wait,
+        "input_wait": input_wait_runs,
     }
     print_table(result)
     out = output_path(args.out, date, machine["name"])
