@@ -290,27 +290,33 @@ def main(argv: list[str] | None = None) -> int:
         work["model"], work["stem"], args.width, work["num_classes"], work["image_size"]
     )
     flops = benchlib.train_step_flops(figures, work["global_batch"])
-    records, load = [], [os.getloadavg()[0]]
+    records, load, interrupted = [], [os.getloadavg()[0]], False
     with tempfile.TemporaryDirectory(prefix="jddp-bench-") as tmp:
         for dtype in args.dtype_list:
             work_d = {**work, "dtype": dtype}
             runs: dict[str, list[dict]] = {s["name"]: [] for s in args.specs}
-            for rnd in range(args.rounds):
-                for spec in args.specs:
-                    name = spec["name"]
-                    if spec["framework"] == "torch":
-                        run = run_torch(spec, work_d, args)
-                    else:
-                        workdir = Path(tmp) / f"{name}-{dtype}-{rnd}"
-                        cache = Path(tmp) / f"cache-{name}-{dtype}"
-                        run = run_jddp(spec, work_d, args, workdir, cache)
-                    runs[name].append(run)
-                    steps = ", ".join(f"{t:.3f}" for t in run.get("step_s", []))
-                    print(f"round {rnd + 1}/{args.rounds} {name}/{dtype}: "
-                          f"{run.get('error', steps + ' s')[:300]}", flush=True)  # fmt: skip
+            try:  # a cut run (SIGINT, e.g. a deadline) still reports the rounds it finished
+                for rnd in range(args.rounds):
+                    for spec in args.specs:
+                        name = spec["name"]
+                        if spec["framework"] == "torch":
+                            run = run_torch(spec, work_d, args)
+                        else:
+                            workdir = Path(tmp) / f"{name}-{dtype}-{rnd}"
+                            cache = Path(tmp) / f"cache-{name}-{dtype}"
+                            run = run_jddp(spec, work_d, args, workdir, cache)
+                        runs[name].append(run)
+                        steps = ", ".join(f"{t:.3f}" for t in run.get("step_s", []))
+                        print(f"round {rnd + 1}/{args.rounds} {name}/{dtype}: "
+                              f"{run.get('error', steps + ' s')[:300]}", flush=True)  # fmt: skip
+            except KeyboardInterrupt:
+                print("interrupted: reporting the finished runs")
+                interrupted = True
             peak_d = peak if dtype == "float32" or args.peak_tflops else None
             records += [summarise(s, work_d, runs[s["name"]], flops, peak_d) for s in args.specs]
             load.append(os.getloadavg()[0])
+            if interrupted:
+                break
     add_ratios(records, args.platform)
     date = started.date().isoformat()
     if args.out:

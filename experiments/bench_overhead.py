@@ -1,44 +1,20 @@
 """Overhead of jddp's data-parallel step on one device, and the trainer's input-wait fraction.
 
-Two questions, one command (from the repo root)::
-
     .venv/bin/python experiments/bench_overhead.py                  # ~3-4 min on a 2-core VM
     .venv/bin/python experiments/bench_overhead.py --width 16 --rounds 10 --no-trainer  # quick
 
-**1. Step overhead.** jddp's train step exactly as the trainer builds it
-(:func:`jddp.state.create_train_state` + :func:`jddp.step.make_train_step` on a 1-device mesh
-from :func:`jddp.mesh.make_mesh`, :class:`jddp.comm.XlaComm`, the trainer's cross-entropy, its
-``sys/stop`` flag column in the batch) against a plain single-device ``jax.jit`` step written
-out by hand: ``nnx.split`` into parameters and BatchNorm statistics, ``jax.value_and_grad`` of
-the mean cross-entropy, the same optax SGD-momentum update, BatchNorm statistics carried, loss
-and accuracy returned, the state donated. Both use the same model (jddp's ResNet-18, CIFAR
-stem, ``--width``), the same initial weights, dtype float32, and the same batch already on the
-device (``--batch`` random 32x32x3 images). Each program is compiled once (``lower().compile()``,
-whose XLA ``cost_analysis()`` FLOPs and optimised-HLO all-reduce count are reported, so that a
-real difference in work can be told from timing noise), warmed up (``--warmup`` steps), and then
-all are timed interleaved for ``--rounds`` rounds, the order rotating each round (A B C, B C A,
-C A B, ...), so that a slow phase of a shared machine hits every side. The third side, C, is an
-A/A control: the plain step again (JAX reuses its executable) with its own state buffers
-(``--no-control`` drops it); ``plain-copy/plain`` shows what the method reports for identical
-programs. One step's time is the wall time of the call until its outputs are ready. Reported:
-median and p10-p90 of each, and for ``jddp/plain`` and ``plain-copy/plain`` the ratio of the
-medians and the median of the per-round ratios (which pair steps run seconds apart), each with
-a 95% bootstrap interval over rounds. The trainer also places a tiny ``sys/stop`` flag array on
-the devices each step (``StopRequest.flags`` in ``jddp/hooks.py``, placed by
-``jddp/loop.py``); its host cost is timed apart.
+1. **Step overhead**: jddp's train step as the trainer builds it (``jddp.setup.build_steps`` on
+   a 1-device mesh, ``XlaComm``, the ``sys/stop`` flag column in the batch) against a plain
+   ``jax.jit`` step written out by hand (same ResNet-18, weights, optax SGD-momentum update,
+   BatchNorm statistics carried, state donated, the same batch on the device), each compiled
+   once (XLA's FLOPs and all-reduce count reported), timed interleaved for ``--rounds`` rounds
+   with the order rotating, plus an A/A control (the plain step again with its own buffers).
+   Ratios of medians and medians of per-round ratios, with 95% bootstrap intervals.
+2. **Input wait**: the trainer (``benchlib.run_trainer``) on ``configs/digits.yaml`` and on
+   synthetic 32 px data; its logged ``perf/input_wait_fraction`` windows and run mean (< 5%).
 
-**2. Input wait.** The real trainer, ``python -m jddp.train``, in a subprocess, on (a) the
-default config ``configs/digits.yaml`` shortened to ``--trainer-steps`` steps and (b) synthetic
-CIFAR-shaped data (32x32x3) at the benchmark's ``--width`` and ``--batch``. Each run's
-``metrics.jsonl`` holds ``perf/input_wait_fraction`` for every logging window (the wall time the
-loop spent blocked in ``next()`` on the prefetch iterator / the window's wall time; the
-compiling first step and evals are outside the windows) and its summary prints the run's mean;
-both are reported (target: < 5%).
-
-Prints a table and writes ``experiments/results/overhead-<date>-<machine>.json`` (``-runN`` when
-it exists; ``--out`` to choose): machine (CPU model and count, memory, load averages before and
-after), versions, ``git rev-parse --short HEAD`` and the dirty paths, the command line, every
-step time and every logged window.
+Prints the tables and writes ``results/overhead-<date>-<machine>.json``. The method in full:
+``experiments/README.md``.
 """
 
 from __future__ import annotations
@@ -55,17 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import REPO, RESULTS_DIR, machine_info, percentile, run_trainer, unused_path
+from benchlib import RESULTS_DIR, machine_info, percentile, run_trainer, unused_path, write_json
 from cases import case
 
 WAIT_KEY = "perf/input_wait_fraction"
 TARGET_OVERHEAD = 0.02
 TARGET_WAIT = 0.05
-
-
-def output_path(arg: str | None, date: str, machine: str) -> Path:
-    """``--out``, or ``results/overhead-<date>-<machine>.json`` (``-runN`` if it exists)."""
-    return Path(arg) if arg else unused_path(RESULTS_DIR, f"overhead-{date}-{machine}")
 
 
 # ------------------------------------------------------------------------------ step overhead
@@ -380,11 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     machine["loadavg_before"] = os.getloadavg()
     machine["jax_backend"] = jax.default_backend()
     machine["device_kind"] = jax.devices()[0].device_kind
-    command = (
-        " ".join([Path(sys.executable).name, *sys.argv])
-        if argv is None
-        else ("bench_overhead.main(" + repr(argv) + ")")
-    )
+    command = " ".join([Path(sys.executable).name, *sys.argv] if argv is None else argv)
     log(
         f"bench_overhead: {machine['cpu_model']} x{machine['cpu_count']}, commit "
         f"{machine['git_commit']}{' (dirty)' if machine['git_dirty'] else ''}; "
@@ -442,26 +409,18 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "command": command,
         "method": {
+            **vars(args),
             "model": "jddp.models.resnet18, stem=cifar, 10 classes, float32",
-            "width": args.width,
-            "batch": args.batch,
-            "image_size": args.image_size,
             "optimizer": "optax.sgd(0.01, momentum=0.9)",
-            "warmup": args.warmup,
-            "rounds": args.rounds,
             "timing": "wall time of one call until outputs are ready; interleaved, order "
             "rotating each round; each side compiled once via lower().compile()",
-            "control": not args.no_control,
-            "trainer_steps": args.trainer_steps,
-        },
+        },  # fmt: skip
         "step_overhead": step_overhead,
         "input_wait": input_wait_runs,
     }
     print_table(result)
-    out = output_path(args.out, date, machine["name"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=float) + "\n")
-    print(f"\nwrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
+    out = args.out or unused_path(RESULTS_DIR, f"overhead-{date}-{machine['name']}")
+    write_json(Path(out), json.loads(json.dumps(result, default=float)))
     return 0
 
 

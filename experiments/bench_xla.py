@@ -1,29 +1,16 @@
 """jddp's XLA defaults, measured end to end with the trainer (``python -m jddp.train``).
 
-CPU (default, ``--platform cpu``):
+    .venv/bin/python experiments/bench_xla.py [--rounds 2] [--steps 8]          # CPU
+    python3 experiments/bench_xla.py --platform gpu [--steps 30] [--out X.json]  # a lent GPU
 
-1. The XLA:CPU flag jddp sets (convolutions off YNNPACK, ``jddp/xla_setup.py``) against XLA's
-   own defaults (``JDDP_XLA_DEFAULTS=0``): median step time of the steps after the first two.
-2. The persistent compilation cache: time to the first step (``train/compile_s``, which is the
-   first step's wall time including compilation) with an empty cache ("cold") and again with
-   the cache the cold run filled ("warm", as a restarted or resumed run sees it).
-
-Runs alternate between the two flag settings, so drifts of a shared machine hit both alike.
-
-GPU (``--platform gpu``): ResNet-50, 224px synthetic uint8 data, global batch 256, bfloat16,
-one trainer run per XLA:GPU flag set (:data:`GPU_FLAG_SETS`: XLA's defaults, autotune level 0
-and 2 (XLA's default is 4), command buffers off, the latency-hiding scheduler), each with an
-empty compilation cache, then the defaults once more on the cache the first run filled (cold
-vs warm time to the first step). A flag the installed XLA does not know would abort the run at
-start-up: each set is first tried on ``import jax; jax.devices()`` and skipped with a note if
-that fails (:func:`usable_flag_sets`). On one GPU there is no collective for the
-latency-hiding scheduler to overlap with compute: its row says what it costs or saves in
-scheduling alone, not what it does on several GPUs. ``--smoke`` runs the GPU mode's code paths
-on the CPU with a tiny model (numbers meaningless; the JSON says ``"smoke": true``).
-
-Usage (repo root): ``.venv/bin/python experiments/bench_xla.py [--rounds 2] [--steps 8]``;
-``python3 experiments/bench_xla.py --platform gpu [--steps 30] [--out X.json]``.
-Prints a table and writes ``experiments/results/xla-<date>-<machine>.json`` (or ``--out``).
+CPU: the ``xla-cpu`` case (``cases.py``) under jddp's defaults (the XLA:CPU flag of
+``jddp/xla_setup.py``) and XLA's own (``JDDP_XLA_DEFAULTS=0``), alternating, each once with an
+empty compilation cache ("cold") and once on the cache it filled ("warm"): median step time after
+the first two steps, ``train/compile_s`` (the first step, compilation included) cold and warm.
+GPU: the ``rn50-gpu`` case once per XLA:GPU flag set (:data:`GPU_FLAG_SETS`; a set JAX does not
+start with is skipped with a note, :func:`usable_flag_sets`), each into an empty cache, then
+XLA's defaults on the first run's cache. ``--smoke``: the GPU mode on the CPU, tiny. Prints a
+table and writes ``results/xla-<date>-<machine>.json`` (or ``--out``).
 """
 
 from __future__ import annotations

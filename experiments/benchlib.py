@@ -29,37 +29,21 @@ REPO = Path(__file__).resolve().parent.parent
 # machine is sent anyway (the tree travels there without .git).
 GPU_COMMIT_FILE = Path(".whl") / "gpu_commit.txt"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+if str(REPO) not in sys.path:  # this checkout's jddp, also in a script's worker processes
+    sys.path.insert(1, str(REPO))
 
 # Distributions whose versions machine_info records (None where not installed).
 VERSIONED = (
-    "jax",
-    "jaxlib",
-    "flax",
-    "optax",
-    "numpy",
-    "torch",
-    "torchvision",
-    "mpi4py",
-    "mpi4jax",
-    "mpich",
-    "jax-cuda12-plugin",
-    "jax-cuda13-plugin",
-    "orbax-checkpoint",
-    "grain",
-)
+    "jax", "jaxlib", "flax", "optax", "numpy", "torch", "torchvision", "mpi4py", "mpi4jax",
+    "mpich", "jax-cuda12-plugin", "jax-cuda13-plugin", "orbax-checkpoint", "grain",
+)  # fmt: skip
 # /proc/cpuinfo flags worth knowing when reading a CPU number (vector width, bf16, AMX).
 ISA_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 # Environment variables that change the memory allocator (none are set by the scripts).
 ALLOCATOR_VARS = (
-    "LD_PRELOAD",
-    "MALLOC_ARENA_MAX",
-    "MALLOC_MMAP_MAX_",
-    "MALLOC_TRIM_THRESHOLD_",
-    "MALLOC_MMAP_THRESHOLD_",
-    "MALLOC_TOP_PAD_",
-    "MALLOC_CONF",
-    "TCMALLOC_RELEASE_RATE",
-)
+    "LD_PRELOAD", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_CONF", "TCMALLOC_RELEASE_RATE",
+)  # fmt: skip
 
 
 def sh(*cmd: str) -> str | None:

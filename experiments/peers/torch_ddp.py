@@ -377,21 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
     p.add_argument("--cudnn-benchmark", action="store_true")
     a = p.parse_args(argv)
-    cfg = PeerConfig(
-        model=a.model,
-        stem=a.stem,
-        width=a.width,
-        num_classes=a.num_classes,
-        image_size=a.image_size,
-        global_batch=a.global_batch,
-        dtype=a.dtype,
-        device=a.device,
-        threads=a.threads,
-        channels_last=a.channels_last,
-        impl=a.impl,
-        compile=a.compile,
-        cudnn_benchmark=a.cudnn_benchmark,
-    )
+    cfg = PeerConfig(**{k: v for k, v in vars(a).items() if k in PeerConfig.__dataclass_fields__})
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: one worker
         record = run_worker(cfg, a.steps, a.warmup)
         if record is not None:
