@@ -217,7 +217,7 @@ def print_table(records: list[dict]) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in records:
         if "median_step_s" not in r:
-            error = next((x["error"] for x in r["runs"] if "error" in x), "")
+            error = next((x["error"] for x in r["runs"] if "error" in x), "not run")
             print(f"| {r['name']} | {r['dtype']} | FAILED: {error.splitlines()[-1][:120]} |")
             continue
         ratio = f(r.get("ratio_img_per_s"), ".2f")

@@ -157,7 +157,7 @@ def worker_mpi4jax(spec: dict, result_dir: Path) -> None:
 
     def reduce_scatter_allgather(tree):
         # jddp's own bf16 path: alltoall of uint16 bits, f32 adds, allgather of the sums.
-        from jddp.comm import MpiComm
+        from jddp import MpiComm
 
         jddp_comm = MpiComm("bfloat16")
         return jax.tree.map(lambda x: jddp_comm.bf16_allreduce_sum(x).astype(x.dtype), tree)

@@ -57,14 +57,10 @@ def build_steps(
     import optax
     from flax import nnx
 
-    from jddp.api import load_config
-    from jddp.comm import XlaComm
-    from jddp.data.loader import batch_layout, place_batch
-    from jddp.hooks import StopRequest
-    from jddp.mesh import make_mesh
+    from jddp import XlaComm, build_steps, create_train_state, load_config, make_mesh
+    from jddp.data.loader import batch_layout, place_batch  # jddp-internal: the trainer's
+    from jddp.hooks import StopRequest  # placement and its per-step stop flag, as it adds them
     from jddp.models import resnet18
-    from jddp.setup import build_steps
-    from jddp.state import create_train_state
 
     dtype = jnp.float32
     num_classes = 10

@@ -161,26 +161,6 @@ part_mpi() {
   bundle mpi
 }
 
-junit_summary() {  # $1: junit.xml -> totals and failures
-  $PY - "$1" << 'PYJUNIT'
-import sys, xml.etree.ElementTree as ET
-try:
-    root = ET.parse(sys.argv[1]).getroot()
-except (OSError, ET.ParseError) as e:
-    sys.exit(f"gpu_session: no {sys.argv[1]} ({e})")
-suites = [root] if root.tag == "testsuite" else list(root)
-tot = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-secs = sum(float(s.get("time", 0)) for s in suites)
-print(f"{sys.argv[1].rsplit('/', 1)[-1]}: {tot['tests']} tests, {tot['failures']} failed, "
-      f"{tot['errors']} errors, {tot['skipped']} skipped, {secs:.0f} s")
-for case in root.iter("testcase"):
-    bad = next((c for c in case if c.tag in ("failure", "error")), None)
-    if bad is not None:
-        msg = (bad.get("message") or "")[:150]
-        print(f"  FAILED {case.get('classname')}::{case.get('name')}: {msg}")
-PYJUNIT
-}
-
 part_suite() {
   local budget n=${JDDP_SUITE_WORKERS:-8} args=() files=(tests)
   [ "$SMOKE" = 1 ] && files=(tests/test_bench.py tests/test_xla_setup.py)
@@ -200,15 +180,15 @@ part_suite() {
   [ "$SMOKE" = 1 ] && note "smoke: only ${files[*]}"
   note "suite: pytest ${args[*]} ${files[*]} with $budget s (SIGINT at the deadline keeps junit.xml)"
   # The suite forces JAX_PLATFORMS=cpu itself (tests/conftest.py).
-  timeout -s INT -k 30 "$budget" $PY -m pytest -q -p no:cacheprovider --durations=30 \
+  timeout -s INT -k 30 "$budget" $PY -m pytest -q -p no:cacheprovider --durations=30 -rfE \
     --junitxml="$OUT/junit.xml" --ignore=tests/test_gpu.py "${args[@]}" "${files[@]}" 2>&1 \
     | tee -a "$OUT/suite.log"
   RC[suite]=${PIPESTATUS[0]}
   case ${RC[suite]} in
     124 | 130 | 2) note "suite: CUT at the deadline (exit ${RC[suite]}): run the rest in a call of its own" ;;
   esac
-  junit_summary "$OUT/junit-gpu.xml"
-  junit_summary "$OUT/junit.xml"
+  # pytest's last lines (-rfE) name every failure and the totals; junit.xml has the rest
+  grep -E '^(FAILED|ERROR) |[0-9]+ (passed|failed)' "$OUT/suite.log" | tail -40
 }
 
 part_torch() {  # (a)
