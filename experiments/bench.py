@@ -106,6 +106,7 @@ def jddp_env(spec: dict, platform: str) -> dict[str, str]:
 
 
 def run_jddp(spec: dict, work: dict, args, workdir: Path, cache: Path) -> dict:
+    """One trainer run of a jddp configuration (:func:`benchlib.run_trainer`)."""
     overrides = [
         *synthetic(work["model"], work["stem"], args.width, work["num_classes"],
                    work["image_size"], work["global_batch"], precision=work["dtype"]),
@@ -125,6 +126,7 @@ def run_jddp(spec: dict, work: dict, args, workdir: Path, cache: Path) -> dict:
 
 
 def run_torch(spec: dict, work: dict, args) -> dict:
+    """One run of the PyTorch DDP peer; its rank 0's JSON record."""
     gpu = args.platform == "gpu"
     cmd = [
         sys.executable, str(PEER), "--nproc", str(spec["nproc"]),
