@@ -1,38 +1,19 @@
 """Gradient all-reduce benchmark: mpi4jax vs XLA/gloo, 2 processes on one machine.
 
-Usage (repo root, the virtualenv's python; it launches everything it needs itself):
-
     .venv/bin/python experiments/bench_allreduce.py [--iters N] [--elements N]
         [--warmup N] [--layouts flat,leaves] [--backends mpi4jax,gloo]
         [--dtypes float32,bfloat16] [--no-baseline] [--out PATH]
 
-What it measures (2 processes, 1 JAX CPU device each), for each layout and wire dtype:
-
-* ``mpi4jax``: ``mpirun -np 2`` (the mpirun next to ``sys.executable``); a ``jax.jit`` over
-  single-device arrays calling ``mpi4jax.allreduce(x, op=MPI.SUM, comm=MPI.COMM_WORLD)``, as
-  ``dist.backend=mpi`` does. mpi4jax has no MPI type for bfloat16, so for bfloat16 it also times
-  ``mpi4jax-allgather``: the bf16 bits sent as uint16 with ``mpi4jax.allgather`` and summed
-  locally with explicit f32 adds (for 2 processes each rank receives the same bytes as an
-  all-reduce would), and ``mpi4jax-rs-ag``: jddp's own bf16 path (``MpiComm.bf16_allreduce_sum``
-  in the working tree of 2026-11-21: ``alltoall`` of uint16 bits, f32 ``.sum(0)``, ``allgather``).
-* ``gloo``: two subprocesses joined with ``jax.distributed.initialize`` (CPU collectives =
-  gloo); ``jax.jit(jax.shard_map(psum over "data"))`` on a (2, ...) array sharded over a 1-D
-  mesh of both processes' devices, as ``dist.backend=xla`` does.
-* ``local-x+1`` (baseline, no communication, run by the mpi4jax ranks at the same time): a jitted
-  ``x + 1`` over the same buffers, i.e. what producing a fresh output of that size costs here.
-
-Layouts: ``flat`` is one buffer of ``--elements`` values (default 11,173,962 = ResNet-18 with the
-CIFAR stem and 10 classes, jddp's ``resnet18``); ``leaves`` is the same model's 62 parameter
-tensors reduced leaf by leaf in one jitted call (what jddp does with a gradient pytree).
-
-Inputs are cast to the wire dtype before timing, so only the reduction is timed. Each timed
-call is preceded by a barrier (outside the timed region) and synchronised with
-``jax.block_until_ready``; a call's time is the slowest rank's. Every rank feeds ``rank + 1``
-and the result must be 3 everywhere, so a no-op cannot pass. algbw = bytes / median time;
-busbw = algbw * 2(n-1)/n (nccl-tests' definition; equal to algbw for n = 2).
-
-Prints a table and writes ``experiments/results/allreduce-<date>-<host>.json`` (a ``-runN``
-suffix is added if that file exists) with the machine, versions, commit and all timings.
+It starts its own processes: ``mpirun -np 2`` (:func:`benchlib.mpirun`) for ``mpi4jax``
+(``mpi4jax.allreduce`` in a jit, as ``dist.backend=mpi``; for bfloat16 also
+``mpi4jax-allgather`` and ``mpi4jax-rs-ag``, jddp's own ``MpiComm.bf16_allreduce_sum``) and
+two processes joined by ``jax.distributed`` for ``gloo`` (a ``shard_map`` ``psum``, as
+``dist.backend=xla``); ``local-x+1`` is a no-communication baseline. Layouts: ``flat``, one
+buffer of ``--elements`` values (default: the parameter count of ``jddp.models.resnet18``, CIFAR
+stem, 10 classes: 11,173,962), or ``leaves``, that model's 62 parameter tensors (shapes read
+from the model, :func:`benchlib.model_figures`). A call's time is the slowest rank's after a
+barrier; every rank feeds ``rank + 1`` and every result must be 3. busbw = algbw x 2(n-1)/n.
+Prints a table, writes ``results/allreduce-<date>-<host>.json``; exit 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -42,8 +23,6 @@ import datetime as dt
 import json
 import os
 import re
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,25 +33,11 @@ from pathlib import Path
 import benchlib
 from benchlib import RESULTS_DIR, percentile, sh, unused_path
 
+from jddp.launch import find_free_port
+
 N_PROCS = 2
 EXPECTED = N_PROCS * (N_PROCS + 1) / 2  # sum over ranks of (rank + 1)
-RESNET18_ELEMENTS = 11_173_962
 WORKER_TIMEOUT_S = 600
-
-
-def resnet18_shapes(num_classes: int = 10, width: int = 64) -> list[tuple[int, ...]]:
-    """Parameter shapes of jddp's ResNet-18 (CIFAR 3x3 stem, no bias on convs), NHWC/HWIO."""
-    shapes: list[tuple[int, ...]] = [(3, 3, 3, width), (width,), (width,)]
-    cin = width
-    for stage in range(4):
-        cout = width * 2**stage
-        for block in range(2):
-            shapes += [(3, 3, cin, cout), (cout,), (cout,), (3, 3, cout, cout), (cout,), (cout,)]
-            if block == 0 and cin != cout:
-                shapes += [(1, 1, cin, cout), (cout,), (cout,)]
-            cin = cout
-    shapes += [(cin, num_classes), (num_classes,)]
-    return shapes
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -82,12 +47,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def layout_shapes(layout: str, elements: int) -> list[tuple[int, ...]]:
-    if layout == "flat":
-        return [(elements,)]
-    shapes = resnet18_shapes()
-    assert len(shapes) == 62 and sum(map(_numel, shapes)) == RESNET18_ELEMENTS
-    return shapes
+def layout_shapes(layout: str, spec: dict) -> list[tuple[int, ...]]:
+    """``flat``: one buffer of ``spec["elements"]``; ``leaves``: the model's parameter shapes."""
+    return [(spec["elements"],)] if layout == "flat" else [tuple(s) for s in spec["leaf_shapes"]]
 
 
 # --------------------------------------------------------------------------------- workers
@@ -137,7 +99,7 @@ def _run_cases(spec: dict, backend: str, rank: int, build, barrier) -> list[dict
 
     records = []
     for case in _cases(spec, backend):
-        shapes = layout_shapes(case["layout"], spec["elements"])
+        shapes = layout_shapes(case["layout"], spec)
         np_dtype = np.dtype(jnp.dtype(case["dtype"]))
         rec = dict(case, rank=rank, tensors=len(shapes), elements=sum(map(_numel, shapes)))
         rec["bytes"] = rec["elements"] * np_dtype.itemsize
@@ -195,7 +157,7 @@ def worker_mpi4jax(spec: dict, result_dir: Path) -> None:
 
     def reduce_scatter_allgather(tree):
         # jddp's own bf16 path: alltoall of uint16 bits, f32 adds, allgather of the sums.
-        from jddp.comm import MpiComm
+        from jddp import MpiComm
 
         jddp_comm = MpiComm("bfloat16")
         return jax.tree.map(lambda x: jddp_comm.bf16_allreduce_sum(x).astype(x.dtype), tree)
@@ -283,20 +245,6 @@ def worker_gloo(spec: dict, result_dir: Path, process_id: int, port: int) -> Non
 # ---------------------------------------------------------------------------------- driver
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _mpirun() -> str:
-    here = Path(sys.executable).parent / "mpirun"
-    found = str(here) if here.exists() else shutil.which("mpirun")
-    if not found:
-        raise SystemExit("bench_allreduce: no mpirun next to sys.executable or on PATH")
-    return found
-
-
 def _worker_cmd(spec_path: Path, result_dir: Path, backend: str) -> list[str]:
     return [
         sys.executable,
@@ -311,7 +259,7 @@ def _worker_cmd(spec_path: Path, result_dir: Path, backend: str) -> list[str]:
 
 
 def launch_mpi4jax(spec_path: Path, result_dir: Path) -> dict:
-    cmd = [_mpirun(), "-np", str(N_PROCS), *_worker_cmd(spec_path, result_dir, "mpi4jax")]
+    cmd = [benchlib.mpirun(), "-np", str(N_PROCS), *_worker_cmd(spec_path, result_dir, "mpi4jax")]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     return {
@@ -323,7 +271,7 @@ def launch_mpi4jax(spec_path: Path, result_dir: Path) -> dict:
 
 
 def launch_gloo(spec_path: Path, result_dir: Path) -> dict:
-    port = _free_port()
+    port = find_free_port()
     base = _worker_cmd(spec_path, result_dir, "gloo") + ["--port", str(port)]
     t0 = time.perf_counter()
     logs = [open(result_dir / f"gloo-{i}.log", "w+") for i in range(N_PROCS)]
@@ -397,48 +345,18 @@ def combine(rank_files: list[Path]) -> tuple[list[dict], list[dict]]:
     return out, infos
 
 
-def machine_info() -> dict:
-    """benchlib's machine record plus this benchmark's MPI library (mpichversion's report)."""
-    mpichversion = Path(sys.executable).parent / "mpichversion"
-    return benchlib.machine_info(
-        extra={
-            "gpu": None,  # this file's older key; the GPUs found are ``gpus``
-            "mpichversion": sh(str(mpichversion)) if mpichversion.exists() else None,
-        }
-    )
-
-
-def _output_path(arg: str | None, date: str, host: str) -> Path:
-    if arg:
-        return Path(arg)
-    host = host.split(".")[0] or "cpu2"
-    return unused_path(RESULTS_DIR, f"allreduce-{date}-{host}")
-
-
 def print_table(records: list[dict]) -> None:
-    head = (
-        f"{'backend':<18} {'layout':<6} {'dtype':<8} {'MB':>7} {'median ms':>10} "
-        f"{'min ms':>8} {'p10 ms':>8} {'p90 ms':>8} {'max ms':>8} {'algbw GB/s':>10} "
-        f"{'busbw GB/s':>10}  check"
-    )
-    print(head)
-    print("-" * len(head))
+    """The table as RESULTS.md shows it (Markdown)."""
+    print("| backend | layout | wire dtype | MB | median ms (p10–p90) | busbw GB/s | check |")
+    print("|---|---|---|---:|---:|---:|---|")
     for r in records:
-        mb = r["bytes"] / 1e6
+        row = f"| {r['backend']} | {r['layout']} | {r['dtype']} | {r['bytes'] / 1e6:.1f} |"
         if "median_ms" not in r:
-            print(
-                f"{r['backend']:<18} {r['layout']:<6} {r['dtype']:<8} {mb:>7.1f} "
-                f"{'-':>10} {'':>8} {'':>8} {'':>8} {'':>8} {'':>10} {'':>10}  "
-                f"{r['status']}: {r.get('error', '')[:60]}"
-            )
+            print(f"{row} - | - | {r['status']}: {r.get('error', '')[:60]} |")
             continue
-        busbw = "-" if r["busbw_GBps"] is None else f"{r['busbw_GBps']:.3f}"
-        print(
-            f"{r['backend']:<18} {r['layout']:<6} {r['dtype']:<8} {mb:>7.1f} "
-            f"{r['median_ms']:>10.2f} {r['min_ms']:>8.2f} {r['p10_ms']:>8.2f} "
-            f"{r['p90_ms']:>8.2f} {r['max_ms']:>8.2f} {r['algbw_GBps']:>10.3f} "
-            f"{busbw:>10}  {r['status']}"
-        )
+        busbw = "–" if r["busbw_GBps"] is None else f"{r['busbw_GBps']:.2f}"
+        print(f"{row} {r['median_ms']:.1f} ({r['p10_ms']:.1f}–{r['p90_ms']:.1f}) | {busbw} | "
+              f"{r['status']} |")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,10 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10, help="timed calls per case (default 10)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
     ap.add_argument(
-        "--elements",
-        type=int,
-        default=RESNET18_ELEMENTS,
-        help="elements of the 'flat' buffer (default: ResNet-18, 11,173,962)",
+        "--elements", type=int, help="elements of the 'flat' buffer (default: the model's)"
     )
     ap.add_argument("--layouts", default="flat,leaves", help="flat and/or leaves")
     ap.add_argument("--backends", default="mpi4jax,gloo", help="mpi4jax and/or gloo")
@@ -480,15 +395,17 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"choose from {sorted(allowed)}, got {s!r}")
         return items
 
+    model = benchlib.model_figures("resnet18", "cifar", 64, 10, 32)  # jddp's, as the trainer's
     spec = {
         "iters": args.iters,
         "warmup": args.warmup,
-        "elements": args.elements,
+        "elements": args.elements or model["params"],
+        "leaf_shapes": model["param_shapes"],
         "layouts": split(args.layouts, {"flat", "leaves"}),
         "dtypes": split(args.dtypes, {"float32", "bfloat16"}),
         "baseline": not args.no_baseline,
     }
-    if args.iters < 1 or args.warmup < 0 or args.elements < 1:
+    if args.iters < 1 or args.warmup < 0 or spec["elements"] < 1:
         ap.error("--iters >= 1, --warmup >= 0, --elements >= 1")
     backends = split(args.backends, {"mpi4jax", "gloo"})
     started = dt.datetime.now(dt.UTC)
@@ -513,9 +430,11 @@ def main(argv: list[str] | None = None) -> int:
             worker_info[backend] = infos[0]
             print(f"{backend}: {launches[backend]['wall_s']:.1f} s", file=sys.stderr)
 
-    machine = machine_info()
-    date = started.date().isoformat()
-    out_path = _output_path(args.out, date, machine["hostname"])
+    mpichversion = Path(sys.executable).parent / "mpichversion"
+    mpich = sh(str(mpichversion)) if mpichversion.exists() else None
+    machine = benchlib.machine_info(extra={"mpichversion": mpich})
+    stem = f"allreduce-{started.date().isoformat()}-{machine['hostname'] or 'cpu2'}"
+    out_path = Path(args.out) if args.out else unused_path(RESULTS_DIR, stem)
     result = {
         "benchmark": "allreduce",
         "date_utc": started.isoformat(timespec="seconds"),

@@ -1,44 +1,20 @@
 """Overhead of jddp's data-parallel step on one device, and the trainer's input-wait fraction.
 
-Two questions, one command (from the repo root)::
-
     .venv/bin/python experiments/bench_overhead.py                  # ~3-4 min on a 2-core VM
     .venv/bin/python experiments/bench_overhead.py --width 16 --rounds 10 --no-trainer  # quick
 
-**1. Step overhead.** jddp's train step exactly as the trainer builds it
-(:func:`jddp.state.create_train_state` + :func:`jddp.step.make_train_step` on a 1-device mesh
-from :func:`jddp.mesh.make_mesh`, :class:`jddp.comm.XlaComm`, the trainer's cross-entropy, its
-``sys/stop`` flag column in the batch) against a plain single-device ``jax.jit`` step written
-out by hand: ``nnx.split`` into parameters and BatchNorm statistics, ``jax.value_and_grad`` of
-the mean cross-entropy, the same optax SGD-momentum update, BatchNorm statistics carried, loss
-and accuracy returned, the state donated. Both use the same model (jddp's ResNet-18, CIFAR
-stem, ``--width``), the same initial weights, dtype float32, and the same batch already on the
-device (``--batch`` random 32x32x3 images). Each program is compiled once (``lower().compile()``,
-whose XLA ``cost_analysis()`` FLOPs and optimised-HLO all-reduce count are reported, so that a
-real difference in work can be told from timing noise), warmed up (``--warmup`` steps), and then
-all are timed interleaved for ``--rounds`` rounds, the order rotating each round (A B C, B C A,
-C A B, ...), so that a slow phase of a shared machine hits every side. The third side, C, is an
-A/A control: the plain step again (JAX reuses its executable) with its own state buffers
-(``--no-control`` drops it); ``plain-copy/plain`` shows what the method reports for identical
-programs. One step's time is the wall time of the call until its outputs are ready. Reported:
-median and p10-p90 of each, and for ``jddp/plain`` and ``plain-copy/plain`` the ratio of the
-medians and the median of the per-round ratios (which pair steps run seconds apart), each with
-a 95% bootstrap interval over rounds. The trainer also places a tiny ``sys/stop`` flag array on
-the devices each step (``StopRequest.flags`` in ``jddp/hooks.py``, placed by
-``jddp/loop.py``); its host cost is timed apart.
+1. **Step overhead**: jddp's train step as the trainer builds it (``jddp.setup.build_steps`` on
+   a 1-device mesh, ``XlaComm``, the ``sys/stop`` flag column in the batch) against a plain
+   ``jax.jit`` step written out by hand (same ResNet-18, weights, optax SGD-momentum update,
+   BatchNorm statistics carried, state donated, the same batch on the device), each compiled
+   once (XLA's FLOPs and all-reduce count reported), timed interleaved for ``--rounds`` rounds
+   with the order rotating, plus an A/A control (the plain step again with its own buffers).
+   Ratios of medians and medians of per-round ratios, with 95% bootstrap intervals.
+2. **Input wait**: the trainer (``benchlib.run_trainer``) on ``configs/digits.yaml`` and on
+   synthetic 32 px data; its logged ``perf/input_wait_fraction`` windows and run mean (< 5%).
 
-**2. Input wait.** The real trainer, ``python -m jddp.train``, in a subprocess, on (a) the
-default config ``configs/digits.yaml`` shortened to ``--trainer-steps`` steps and (b) synthetic
-CIFAR-shaped data (32x32x3) at the benchmark's ``--width`` and ``--batch``. Each run's
-``metrics.jsonl`` holds ``perf/input_wait_fraction`` for every logging window (the wall time the
-loop spent blocked in ``next()`` on the prefetch iterator / the window's wall time; the
-compiling first step and evals are outside the windows) and its summary prints the run's mean;
-both are reported (target: < 5%).
-
-Prints a table and writes ``experiments/results/overhead-<date>-<machine>.json`` (``-runN`` when
-it exists; ``--out`` to choose): machine (CPU model and count, memory, load averages before and
-after), versions, ``git rev-parse --short HEAD`` and the dirty paths, the command line, every
-step time and every logged window.
+Prints the tables and writes ``results/overhead-<date>-<machine>.json``. The method in full:
+``experiments/README.md``.
 """
 
 from __future__ import annotations
@@ -49,23 +25,18 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import REPO, RESULTS_DIR, machine_info, percentile, unused_path
+from benchlib import RESULTS_DIR, machine_info, percentile, run_trainer, unused_path, write_json
+from cases import case
 
 WAIT_KEY = "perf/input_wait_fraction"
 TARGET_OVERHEAD = 0.02
 TARGET_WAIT = 0.05
-
-
-def output_path(arg: str | None, date: str, machine: str) -> Path:
-    """``--out``, or ``results/overhead-<date>-<machine>.json`` (``-runN`` if it exists)."""
-    return Path(arg) if arg else unused_path(RESULTS_DIR, f"overhead-{date}-{machine}")
 
 
 # ------------------------------------------------------------------------------ step overhead
@@ -86,14 +57,10 @@ def build_steps(
     import optax
     from flax import nnx
 
-    from jddp.api import load_config
-    from jddp.comm import XlaComm
-    from jddp.data.loader import batch_layout, place_batch
-    from jddp.hooks import StopRequest
-    from jddp.mesh import make_mesh
+    from jddp import XlaComm, build_steps, create_train_state, load_config, make_mesh
+    from jddp.data.loader import batch_layout, place_batch  # jddp-internal: the trainer's
+    from jddp.hooks import StopRequest  # placement and its per-step stop flag, as it adds them
     from jddp.models import resnet18
-    from jddp.setup import build_steps
-    from jddp.state import create_train_state
 
     dtype = jnp.float32
     num_classes = 10
@@ -270,55 +237,30 @@ def summarise_steps(times: dict[str, list[float]]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------- input wait
-def run_trainer(label: str, overrides: list[str], workdir: Path, log) -> dict[str, Any]:
-    """Run ``python -m jddp.train <overrides>``; its logged windows and the summary's mean wait.
-
-    ``overrides`` may start with ``--config FILE``. Raises ``RuntimeError`` if the run fails.
-    """
-    cmd = [sys.executable, "-m", "jddp.train", *overrides, f"workdir={workdir}", "log.progress=off"]
-    log(f"  {label}: {' '.join(cmd[1:])}")
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    wall = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise RuntimeError(f"{label}: trainer exited {out.returncode}: {out.stderr[-2000:]}")
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    windows = [
-        {"step": r["step"], "wait_fraction": r[WAIT_KEY], "step_time_s": r.get("train/step_time_s")}
-        for r in rows
-        if WAIT_KEY in r
-    ]
-    m = re.search(r"input wait\s+([0-9.]+)%", out.stdout)
-    if m is None:
-        raise RuntimeError(f"{label}: no 'input wait' line in the trainer's summary")
-    fractions = [w["wait_fraction"] for w in windows]
+def input_wait(label: str, overrides: list[str], workdir: Path, log) -> dict[str, Any]:
+    """One trainer run (:func:`benchlib.run_trainer`): its logged input-wait windows and the
+    run's mean (wait seconds / wall seconds over all windows). Raises SystemExit if it fails."""
+    log(f"  {label}: python -m jddp.train {' '.join(overrides)}")
+    run = run_trainer(workdir, overrides)
+    fractions, step_s = run["input_wait_fraction"], run["step_s"]
     # Each window's wall time = its mean step time x its steps (windows start after step 1).
-    starts = [1, *[w["step"] for w in windows[:-1]]]
-    walls = [
-        (w["step"] - s0) * (w["step_time_s"] or 0.0) for w, s0 in zip(windows, starts, strict=True)
-    ]
-    weighted = (
-        sum(f * t for f, t in zip(fractions, walls, strict=True)) / sum(walls)
-        if sum(walls)
-        else None
-    )
-    compile_s = next((r["train/compile_s"] for r in rows if "train/compile_s" in r), None)
+    starts = [1, *run["steps"][:-1]]
+    walls = [(s - s0) * t for s, s0, t in zip(run["steps"], starts, step_s, strict=True)]
+    m = re.search(r"input wait\s+([0-9.]+)%", run["stdout_tail"])
     return {
         "label": label,
-        "command": " ".join(["python", *cmd[1:]]).replace(str(workdir), "<tmp>"),
-        "run_mean_fraction": weighted,  # wait seconds / wall seconds over all windows
-        "summary_mean_percent": float(m.group(1)),  # the same, as the summary prints it
-        "window_median": statistics.median(fractions) if fractions else None,
-        "window_max": max(fractions) if fractions else None,
-        "step_time_median_s": statistics.median(
-            [w["step_time_s"] for w in windows if w["step_time_s"]]
-        )
-        if windows
-        else None,
-        "compile_s": compile_s,
-        "windows": windows,
-        "wall_s": wall,
-        "summary": out.stdout[out.stdout.find("jddp: summary") :].strip(),
+        "command": "python -m jddp.train " + " ".join(overrides),
+        "run_mean_fraction": sum(f * w for f, w in zip(fractions, walls, strict=True)) / sum(walls),
+        "summary_mean_percent": float(m.group(1)) if m else None,  # as the summary prints it
+        "window_median": statistics.median(fractions),
+        "window_max": max(fractions),
+        "step_time_median_s": statistics.median(step_s),
+        "compile_s": run["compile_s"],
+        "windows": [
+            {"step": s, "wait_fraction": f, "step_time_s": t}
+            for s, f, t in zip(run["steps"], fractions, step_s, strict=True)
+        ],  # fmt: skip
+        "wall_s": run["wall_s"],
     }
 
 
@@ -405,11 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     machine["loadavg_before"] = os.getloadavg()
     machine["jax_backend"] = jax.default_backend()
     machine["device_kind"] = jax.devices()[0].device_kind
-    command = (
-        " ".join([Path(sys.executable).name, *sys.argv])
-        if argv is None
-        else ("bench_overhead.main(" + repr(argv) + ")")
-    )
+    command = " ".join([Path(sys.executable).name, *sys.argv] if argv is None else argv)
     log(
         f"bench_overhead: {machine['cpu_model']} x{machine['cpu_count']}, commit "
         f"{machine['git_commit']}{' (dirty)' if machine['git_dirty'] else ''}; "
@@ -437,39 +375,28 @@ def main(argv: list[str] | None = None) -> int:
     }
     del sides
 
-    input_wait = []
+    input_wait_runs = []
     if not args.no_trainer:
         log("input wait: the real trainer")
         with tempfile.TemporaryDirectory(prefix="jddp-overhead-") as tmp:
-            common = [
-                f"train.steps={args.trainer_steps}",
-                "train.eval_every_steps=0",
-                "checkpoint.every_steps=0",
-                "log.every_steps=5",
-            ]
+            more = [f"train.steps={args.trainer_steps}", "train.eval_every_steps=0",
+                    "checkpoint.every_steps=0", "log.every_steps=5"]  # fmt: skip
+            synthetic = [
+                "model.name=resnet18", "model.stem=cifar", f"model.width={args.width}",
+                "data.name=synthetic", f"data.image_size={args.image_size}",
+                f"data.global_batch_size={args.batch}", "optim.lr=0.01", "log.progress=off",
+            ]  # fmt: skip
             runs = [
-                ("configs/digits.yaml", ["--config", "configs/digits.yaml", *common], "digits"),
-                (
-                    f"synthetic 32px, width {args.width}, batch {args.batch}",
-                    [
-                        "model.name=resnet18",
-                        "model.stem=cifar",
-                        f"model.width={args.width}",
-                        "data.name=synthetic",
-                        f"data.image_size={args.image_size}",
-                        f"data.global_batch_size={args.batch}",
-                        "optim.lr=0.01",
-                        *common,
-                    ],
-                    "synthetic",
-                ),
-            ]
+                ("configs/digits.yaml", case("digits", *more), "digits"),
+                (f"synthetic 32px, width {args.width}, batch {args.batch}", synthetic + more,
+                 "synthetic"),
+            ]  # fmt: skip
             for label, overrides, name in runs:
                 try:
-                    input_wait.append(run_trainer(label, overrides, Path(tmp) / name, log))
-                except RuntimeError as e:
+                    input_wait_runs.append(input_wait(label, overrides, Path(tmp) / name, log))
+                except SystemExit as e:
                     log(f"  {e}")
-                    input_wait.append({"label": label, "error": str(e)})
+                    input_wait_runs.append({"label": label, "error": str(e)})
 
     machine["loadavg_after"] = os.getloadavg()
     result = {
@@ -478,26 +405,18 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "command": command,
         "method": {
+            **vars(args),
             "model": "jddp.models.resnet18, stem=cifar, 10 classes, float32",
-            "width": args.width,
-            "batch": args.batch,
-            "image_size": args.image_size,
             "optimizer": "optax.sgd(0.01, momentum=0.9)",
-            "warmup": args.warmup,
-            "rounds": args.rounds,
             "timing": "wall time of one call until outputs are ready; interleaved, order "
             "rotating each round; each side compiled once via lower().compile()",
-            "control": not args.no_control,
-            "trainer_steps": args.trainer_steps,
-        },
+        },  # fmt: skip
         "step_overhead": step_overhead,
-        "input_wait": input_wait,
+        "input_wait": input_wait_runs,
     }
     print_table(result)
-    out = output_path(args.out, date, machine["name"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=float) + "\n")
-    print(f"\nwrote {out.relative_to(REPO) if out.is_relative_to(REPO) else out}")
+    out = args.out or unused_path(RESULTS_DIR, f"overhead-{date}-{machine['name']}")
+    write_json(Path(out), json.loads(json.dumps(result, default=float)))
     return 0
 
 

@@ -16,36 +16,29 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import REPO, RESULTS_DIR, machine_info
+from benchlib import RESULTS_DIR, machine_info, run_trainer
+from cases import case
 
 PRECISIONS = ("float32", "bfloat16")
 
 
 def train_once(precision: str, steps: int, workdir: Path) -> dict:
     """One CLI run of the digits config; its final eval and median logged throughput."""
-    cmd = [
-        sys.executable, "-m", "jddp.train", "--config", "configs/digits.yaml",
-        f"workdir={workdir}", f"train.precision={precision}", f"train.steps={steps}",
-        "log.progress=off", "checkpoint.every_steps=0",
-    ]  # fmt: skip
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in rows if "eval/accuracy" in r]
-    speeds = [r["train/img_per_s"] for r in rows if "train/img_per_s" in r][1:]
+    overrides = case(
+        "digits", f"train.precision={precision}", f"train.steps={steps}", "checkpoint.every_steps=0"
+    )
+    run = run_trainer(workdir, overrides)
     return {
         "precision": precision,
-        "eval_accuracy": evals[-1]["eval/accuracy"],
-        "final_train_loss": [r["train/loss"] for r in rows if "train/loss" in r][-1],
-        "img_per_s_median": statistics.median(speeds),
-        "img_per_s_windows": speeds,
-        "command": " ".join(cmd[1:]),
+        "eval_accuracy": run["eval"]["eval/accuracy"],
+        "final_train_loss": run["losses"][max(run["losses"])],
+        "img_per_s_median": statistics.median(run["img_per_s"][1:]),  # the first: compiling
+        "img_per_s_windows": run["img_per_s"][1:],
+        "command": " ".join(run["command"][1:]),
     }
 
 

@@ -1,83 +1,31 @@
 """jddp's XLA defaults, measured end to end with the trainer (``python -m jddp.train``).
 
-CPU (default, ``--platform cpu``):
+    .venv/bin/python experiments/bench_xla.py [--rounds 2] [--steps 8]          # CPU
+    python3 experiments/bench_xla.py --platform gpu [--steps 30] [--out X.json]  # a lent GPU
 
-1. The XLA:CPU flag jddp sets (convolutions off YNNPACK, ``jddp/xla_setup.py``) against XLA's
-   own defaults (``JDDP_XLA_DEFAULTS=0``): median step time of the steps after the first two.
-2. The persistent compilation cache: time to the first step (``train/compile_s``, which is the
-   first step's wall time including compilation) with an empty cache ("cold") and again with
-   the cache the cold run filled ("warm", as a restarted or resumed run sees it).
-
-Runs alternate between the two flag settings, so drifts of a shared machine hit both alike.
-
-GPU (``--platform gpu``): ResNet-50, 224px synthetic uint8 data, global batch 256, bfloat16,
-one trainer run per XLA:GPU flag set (:data:`GPU_FLAG_SETS`: XLA's defaults, autotune level 0
-and 2 (XLA's default is 4), command buffers off, the latency-hiding scheduler), each with an
-empty compilation cache, then the defaults once more on the cache the first run filled (cold
-vs warm time to the first step). A flag the installed XLA does not know would abort the run at
-start-up: each set is first tried on ``import jax; jax.devices()`` and skipped with a note if
-that fails (:func:`usable_flag_sets`). On one GPU there is no collective for the
-latency-hiding scheduler to overlap with compute: its row says what it costs or saves in
-scheduling alone, not what it does on several GPUs. ``--smoke`` runs the GPU mode's code paths
-on the CPU with a tiny model (numbers meaningless; the JSON says ``"smoke": true``).
-
-Usage (repo root): ``.venv/bin/python experiments/bench_xla.py [--rounds 2] [--steps 8]``;
-``python3 experiments/bench_xla.py --platform gpu [--steps 30] [--out X.json]``.
-Prints a table and writes ``experiments/results/xla-<date>-<machine>.json`` (or ``--out``).
+CPU: the ``xla-cpu`` case (``cases.py``) under jddp's defaults (the XLA:CPU flag of
+``jddp/xla_setup.py``) and XLA's own (``JDDP_XLA_DEFAULTS=0``), alternating, each once with an
+empty compilation cache ("cold") and once on the cache it filled ("warm"): median step time after
+the first two steps, ``train/compile_s`` (the first step, compilation included) cold and warm.
+GPU: the ``rn50-gpu`` case once per XLA:GPU flag set (:data:`GPU_FLAG_SETS`; a set JAX does not
+start with is skipped with a note, :func:`usable_flag_sets`), each into an empty cache, then
+XLA's defaults on the first run's cache. ``--smoke``: the GPU mode on the CPU, tiny. Prints a
+table and writes ``results/xla-<date>-<machine>.json`` (or ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import benchlib
+from cases import case, value
 
-# Every measured run: a constant learning rate, no progress bar, checkpoints saved in line.
-COMMON = ["optim.schedule=constant", "log.progress=off", "checkpoint.async_save=false"]
-WORKLOAD = [
-    "data.name=synthetic",
-    "data.image_size=32",
-    "data.global_batch_size=64",
-    "data.augment=cifar",
-    "model.name=resnet18",
-    "model.width=32",
-    "log.every_steps=1",
-    *COMMON,
-]
-# The GPU measurement: ImageNet-sized ResNet-50 in bfloat16 (configs/imagenet_resnet50.yaml's
-# model, batch and precision) on in-memory synthetic uint8 images, no augmentation.
-GPU_WORKLOAD = [
-    "data.name=synthetic",
-    "data.image_size=224",
-    "data.global_batch_size=256",
-    "data.augment=none",
-    "model.name=resnet50",
-    "model.stem=imagenet",
-    "model.num_classes=1000",
-    "train.precision=bfloat16",
-    "log.every_steps=1",
-    *COMMON,
-]
-# --smoke: the same code paths on a CPU in seconds.
-SMOKE_WORKLOAD = [
-    "data.name=synthetic",
-    "data.image_size=16",
-    "data.global_batch_size=16",
-    "data.augment=none",
-    "model.name=resnet18",
-    "model.width=8",
-    "train.precision=bfloat16",
-    "log.every_steps=1",
-    *COMMON,
-]
 # (name, XLA_FLAGS added to the environment's own). XLA:GPU's default autotune level is 4.
 GPU_FLAG_SETS = [
     ("XLA defaults", ""),
@@ -92,10 +40,6 @@ GPU_NOTE = (
 )
 
 
-def workload_value(workload: list[str], key: str) -> str:
-    return next(w.split("=", 1)[1] for w in workload if w.startswith(key + "="))
-
-
 def trainer_env(platform: str, xla_flags: str = "", extra: dict | None = None) -> dict:
     """The environment of a trainer run: ``JAX_PLATFORMS`` pinned (``cuda`` on GPU, so a
     machine without one fails instead of measuring the CPU) and ``xla_flags`` appended."""
@@ -106,49 +50,13 @@ def trainer_env(platform: str, xla_flags: str = "", extra: dict | None = None) -
     return env
 
 
-def run_trainer(
-    workdir: Path,
-    cache: Path,
-    steps: int,
-    defaults: bool = True,
-    *,
-    workload: list[str] = WORKLOAD,
-    env: dict | None = None,
-    skip_steps: int = 2,
-    check: bool = True,
-) -> dict:
-    """One ``python -m jddp.train`` run; its compile time and per-window step times, images/s
-    and input-wait fractions (windows of ``log.every_steps``; those ending at or before step
-    ``skip_steps`` are left out). ``env`` defaults to the CPU's (:func:`trainer_env`);
-    ``defaults`` False sets ``JDDP_XLA_DEFAULTS=0``. stdout/stderr are kept in
-    ``workdir/train.log``. With ``check`` False a failed run returns ``{"error": ...}``."""
-    env = dict(trainer_env("cpu") if env is None else env)
-    env["JDDP_XLA_DEFAULTS"] = "1" if defaults else "0"
-    cmd = [
-        sys.executable, "-m", "jddp.train", f"workdir={workdir}", *workload,
-        f"train.steps={steps}", f"train.compilation_cache_dir={cache}",
-    ]  # fmt: skip
-    start = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=benchlib.REPO)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "train.log").write_text(
-        f"$ XLA_FLAGS={env.get('XLA_FLAGS', '')!r} {' '.join(cmd)}\n{out.stdout}\n{out.stderr}"
+def run_case(workdir: Path, cache: Path, steps: int, overrides: list[str], env: dict,
+             skip_steps: int = 2, check: bool = True) -> dict:  # fmt: skip
+    """One trainer run of ``overrides`` for ``steps`` steps with compilation cache ``cache``."""
+    more = [f"train.steps={steps}", f"train.compilation_cache_dir={cache}"]
+    return benchlib.run_trainer(
+        workdir, [*overrides, *more], env=env, skip_steps=skip_steps, check=check
     )
-    if out.returncode != 0:
-        message = f"bench_xla: {' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-2000:]}"
-        if check:
-            raise SystemExit(message)
-        return {"error": message[-3000:], "wall_s": time.perf_counter() - start}
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    compile_s = next(r["train/compile_s"] for r in rows if "train/compile_s" in r)
-    timed = [r for r in rows if "train/step_time_s" in r and r["step"] > skip_steps]
-    return {
-        "compile_s": compile_s,
-        "step_s": [r["train/step_time_s"] for r in timed],
-        "img_per_s": [r["train/img_per_s"] for r in timed],
-        "input_wait_fraction": [r["perf/input_wait_fraction"] for r in timed],
-        "wall_s": time.perf_counter() - start,
-    }
 
 
 def usable_flag_sets(flag_sets, platform: str) -> tuple[list, list[dict]]:
@@ -178,10 +86,12 @@ def main_cpu(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for name, defaults in (("jddp defaults", True), ("XLA defaults", False)):
-                cache = Path(tmp) / f"cache-{name[:4]}-{r}"
-                cold = run_trainer(Path(tmp) / f"{name[:4]}-{r}-cold", cache, args.steps, defaults)
-                warm = run_trainer(Path(tmp) / f"{name[:4]}-{r}-warm", cache, args.steps, defaults)
-                runs[name].append({"cold": cold, "warm": warm})
+                cache, run = Path(tmp) / f"cache-{name[:4]}-{r}", {}
+                env = {**trainer_env("cpu"), "JDDP_XLA_DEFAULTS": "1" if defaults else "0"}
+                for kind in ("cold", "warm"):
+                    workdir = Path(tmp) / f"{name[:4]}-{r}-{kind}"
+                    run[kind] = run_case(workdir, cache, args.steps, case("xla-cpu"), env)
+                runs[name].append(run)
                 loads.append(os.getloadavg()[0])
     rows = []
     for name, rs in runs.items():
@@ -208,15 +118,15 @@ def main_cpu(args) -> dict:
             f"{row['speedup_vs_xla_defaults']:>7.2f}x {row['first_step_cold_s']:>16.2f} "
             f"{row['first_step_warm_s']:>16.2f} {row['input_wait_fraction_max']:>10.4f}"
         )
-    return {"workload": WORKLOAD, "rows": rows, "runs": runs, "load_avg_1min": loads}
+    return {"workload": case("xla-cpu"), "rows": rows, "runs": runs, "load_avg_1min": loads}
 
 
 def main_gpu(args) -> dict:
     """One run per usable flag set (each compiling into an empty cache), then XLA's defaults
     again on the first run's cache (warm)."""
-    workload = SMOKE_WORKLOAD if args.smoke else GPU_WORKLOAD
+    workload = case("smoke" if args.smoke else "rn50-gpu")
     platform = "cpu" if args.smoke else "gpu"
-    batch = int(workload_value(workload, "data.global_batch_size"))
+    batch = int(value(workload, "data.global_batch_size"))
     flag_sets, skipped = usable_flag_sets(GPU_FLAG_SETS, platform)
     keep = Path(args.logs) if args.logs else None
     runs: dict[str, dict] = {}
@@ -224,16 +134,13 @@ def main_gpu(args) -> dict:
         base = keep or Path(tmp)
         for i, (name, flags) in enumerate(flag_sets):
             workdir = base / f"xla-{i}"
-            runs[name] = run_trainer(
-                workdir, Path(tmp) / f"cache-{i}", args.steps, workload=workload,
-                env=trainer_env(platform, flags), check=False,
-            )  # fmt: skip
+            env = trainer_env(platform, flags)
+            runs[name] = run_case(workdir, Path(tmp) / f"cache-{i}", args.steps, workload, env,
+                                  check=False)  # fmt: skip
             runs[name]["xla_flags"] = flags
             print(f"bench_xla: {name}: {summary(runs[name], batch)}", flush=True)
-        warm = run_trainer(
-            base / "xla-warm", Path(tmp) / "cache-0", max(4, args.steps // 3),
-            workload=workload, env=trainer_env(platform), check=False,
-        )  # fmt: skip
+        warm = run_case(base / "xla-warm", Path(tmp) / "cache-0", max(4, args.steps // 3),
+                        workload, trainer_env(platform), check=False)  # fmt: skip
     rows = []
     for name, run in runs.items():
         row = {"config": name, "xla_flags": run["xla_flags"]}

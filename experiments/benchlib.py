@@ -1,24 +1,26 @@
-"""Helpers shared by the benchmark scripts of ``experiments/`` (``bench.py``,
-``bench_overhead.py``, ``bench_allreduce.py``, ``bench_precision.py``).
+"""What every benchmark of ``experiments/`` shares: the machine and checkout a results file
+records (:func:`machine_info`), where results go (:func:`save_result`), the one way to run the
+trainer and read its own metrics (:func:`run_trainer`), the one ``mpirun``
+(:func:`mpirun`), and the architecture figures of a ``jddp.models`` network
+(:func:`model_figures`).
 
-What every results file needs the same way: where results go (:data:`RESULTS_DIR`), the record
-of the machine and checkout a run was made on (:func:`machine_info`), a quiet subprocess call
-(:func:`sh`), an installed distribution's version (:func:`version`), an interpolated
-percentile (:func:`percentile`) and a results file name that is not taken yet
-(:func:`unused_path`).
-
-Standard library only, at import and at call time: ``bench.py``'s driver imports nothing else.
 The scripts run as ``python experiments/<script>.py``, so this folder is on ``sys.path`` and
-``import benchlib`` finds this file.
+``import benchlib`` finds this file. jax is imported only inside :func:`model_figures`.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
+import math
 import os
 import platform
+import shutil
 import socket
+import statistics
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,37 +29,21 @@ REPO = Path(__file__).resolve().parent.parent
 # machine is sent anyway (the tree travels there without .git).
 GPU_COMMIT_FILE = Path(".whl") / "gpu_commit.txt"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+if str(REPO) not in sys.path:  # this checkout's jddp, also in a script's worker processes
+    sys.path.insert(1, str(REPO))
 
 # Distributions whose versions machine_info records (None where not installed).
 VERSIONED = (
-    "jax",
-    "jaxlib",
-    "flax",
-    "optax",
-    "numpy",
-    "torch",
-    "torchvision",
-    "mpi4py",
-    "mpi4jax",
-    "mpich",
-    "jax-cuda12-plugin",
-    "jax-cuda13-plugin",
-    "orbax-checkpoint",
-    "grain",
-)
+    "jax", "jaxlib", "flax", "optax", "numpy", "torch", "torchvision", "mpi4py", "mpi4jax",
+    "mpich", "jax-cuda12-plugin", "jax-cuda13-plugin", "orbax-checkpoint", "grain",
+)  # fmt: skip
 # /proc/cpuinfo flags worth knowing when reading a CPU number (vector width, bf16, AMX).
 ISA_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 # Environment variables that change the memory allocator (none are set by the scripts).
 ALLOCATOR_VARS = (
-    "LD_PRELOAD",
-    "MALLOC_ARENA_MAX",
-    "MALLOC_MMAP_MAX_",
-    "MALLOC_TRIM_THRESHOLD_",
-    "MALLOC_MMAP_THRESHOLD_",
-    "MALLOC_TOP_PAD_",
-    "MALLOC_CONF",
-    "TCMALLOC_RELEASE_RATE",
-)
+    "LD_PRELOAD", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_CONF", "TCMALLOC_RELEASE_RATE",
+)  # fmt: skip
 
 
 def sh(*cmd: str) -> str | None:
@@ -187,8 +173,6 @@ def machine_info(name: str | None = None, extra: dict[str, Any] | None = None) -
 def write_json(path: Path, result: dict[str, Any]) -> Path:
     """Write ``result`` to ``path`` (folders made as needed) as the results files are written,
     and say where."""
-    import json
-
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
@@ -198,7 +182,166 @@ def write_json(path: Path, result: dict[str, Any]) -> Path:
 def save_result(kind: str, machine: str, result: dict[str, Any]) -> Path:
     """Write ``result`` as ``results/<kind>-<date>-<machine>.json`` (``-runN`` if taken) and say
     where."""
-    import time
-
     path = unused_path(RESULTS_DIR, f"{kind}-{time.strftime('%Y-%m-%d')}-{machine}")
     return write_json(path, result)
+
+
+def median_p10_p90(xs: list[float]) -> dict[str, float]:
+    """``{"median", "p10", "p90"}`` of ``xs`` (NaN for no values)."""
+    med = statistics.median(xs) if xs else float("nan")
+    return {"median": med, "p10": percentile(xs, 0.1), "p90": percentile(xs, 0.9)}
+
+
+# ------------------------------------------------------------------------------ the trainer
+def mpirun() -> str:
+    """The ``mpirun`` next to this Python (the virtualenv's MPICH, what ``dist.backend=mpi`` is
+    tested with), else the one on ``PATH``."""
+    here = Path(sys.executable).parent / "mpirun"
+    found = str(here) if here.exists() else shutil.which("mpirun")
+    if not found:
+        raise SystemExit("no mpirun next to sys.executable or on PATH: bash scripts/setup.sh")
+    return found
+
+
+def trainer_command(
+    workdir: Path,
+    overrides: list[str],
+    nproc: int = 1,
+    devices: int = 1,
+    backend: str = "xla",
+    wrap: tuple[str, ...] = (),
+) -> list[str]:
+    """``python -m jddp.train <overrides> workdir=...``, as one process, under ``python -m
+    jddp.launch --nproc P --devices-per-proc D`` (``backend="xla"``, P or D > 1) or under
+    ``mpirun -np P`` with ``dist.backend=mpi``. ``wrap``: a command each rank is started
+    through (e.g. ``bench.py``'s CPU pinning)."""
+    train = [*wrap, sys.executable, "-m", "jddp.train", *overrides, f"workdir={workdir}"]
+    if backend == "mpi":
+        return [mpirun(), "-np", str(nproc), *train, "dist.backend=mpi"]
+    if nproc > 1 or devices > 1:
+        launch = [sys.executable, "-m", "jddp.launch", "--nproc", str(nproc)]
+        return [*launch, "--devices-per-proc", str(devices), "--", *train]
+    return train
+
+
+def run_trainer(
+    workdir: Path,
+    overrides: list[str],
+    *,
+    nproc: int = 1,
+    devices: int = 1,
+    backend: str = "xla",
+    wrap: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    skip_steps: int = 0,
+    check: bool = True,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """Run the trainer (:func:`trainer_command`) to the end and read what it logged itself in
+    ``workdir/metrics.jsonl``: ``train/compile_s`` (the first step, compilation included) and,
+    for every logging window ending after step ``skip_steps``, ``train/step_time_s``,
+    ``train/img_per_s`` and ``perf/input_wait_fraction``; also every step's ``train/loss`` and
+    the last eval line. Output goes to ``workdir/train.log``. A failed run raises SystemExit,
+    or with ``check=False`` returns ``{"error": ...}``."""
+    env = dict(os.environ if env is None else env)
+    if backend == "mpi" and devices > 1:  # jddp.launch sets this itself for its ranks
+        flags = env.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    cmd = trainer_command(workdir, overrides, nproc, devices, backend, wrap)
+    workdir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout
+        )
+        rc, stdout, stderr = out.returncode, out.stdout, out.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, stdout, stderr = "timeout", str(e.stdout or ""), str(e.stderr or "")
+    wall = time.perf_counter() - start
+    (workdir / "train.log").write_text(
+        f"$ XLA_FLAGS={env.get('XLA_FLAGS', '')!r} {' '.join(cmd)}\n{stdout}\n{stderr}"
+    )
+    metrics = workdir / "metrics.jsonl"
+    if rc != 0 or not metrics.exists():
+        message = f"{' '.join(cmd)} failed ({rc}):\n{stderr[-2000:]}"
+        if check:
+            raise SystemExit(message)
+        return {"command": cmd, "error": message[-3000:], "wall_s": wall}
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    timed = [r for r in rows if "train/step_time_s" in r and r["step"] > skip_steps]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    return {
+        "command": cmd,
+        "wall_s": wall,
+        "compile_s": next((r["train/compile_s"] for r in rows if "train/compile_s" in r), None),
+        "steps": [r["step"] for r in timed],
+        "step_s": [r["train/step_time_s"] for r in timed],
+        "img_per_s": [r["train/img_per_s"] for r in timed],
+        "input_wait_fraction": [r.get("perf/input_wait_fraction") for r in timed],
+        "losses": {r["step"]: r["train/loss"] for r in rows if "train/loss" in r},
+        "eval": evals[-1] if evals else None,
+        "stdout_tail": stdout[-1500:],
+    }
+
+
+# ----------------------------------------------------------------------- the architecture
+def model_figures(
+    model: str, stem: str, width: int, num_classes: int, image_size: int
+) -> dict[str, Any]:
+    """Parameter shapes and count and the forward multiply-accumulates of one example, read from
+    the ``jddp.models`` network itself: the model is built abstractly (``nnx.eval_shape``) and
+    its forward pass traced (``jax.make_jaxpr``); every convolution counts output elements x
+    kernel elements per output feature (padding taps included, as torchvision, thop and fvcore
+    count), every matmul output elements x contracted size; BatchNorm, activations, pooling and
+    residual adds are left out (well under 1% for a ResNet)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a trace needs no accelerator
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jddp.models import get_model_factory
+
+    factory = get_model_factory(model)
+    abstract = nnx.eval_shape(
+        lambda: factory(num_classes=num_classes, stem=stem, width=width, rngs=nnx.Rngs(0))
+    )
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+
+    def forward(params, rest, x):
+        net = nnx.merge(graphdef, params, rest)
+        net.eval()
+        return net(x)
+
+    image = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
+    macs = 0
+
+    def walk(jaxpr) -> None:
+        nonlocal macs
+        for eqn in jaxpr.eqns:
+            out = eqn.outvars[0].aval
+            if eqn.primitive.name == "conv_general_dilated":
+                kernel = eqn.invars[1].aval
+                out_dim = eqn.params["dimension_numbers"].rhs_spec[0]
+                macs += math.prod(out.shape) * math.prod(kernel.shape) // kernel.shape[out_dim]
+            elif eqn.primitive.name == "dot_general":
+                (contracted, _), _ = eqn.params["dimension_numbers"]
+                lhs = eqn.invars[0].aval.shape
+                macs += math.prod(out.shape) * math.prod(lhs[d] for d in contracted)
+            for value in eqn.params.values():  # nested calls (jit, custom_jvp, ...)
+                inner = getattr(value, "jaxpr", None)
+                if inner is not None:
+                    walk(getattr(inner, "jaxpr", inner))
+
+    walk(jax.make_jaxpr(forward)(params, rest, image).jaxpr)
+    shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(params)]
+    return {
+        "params": sum(math.prod(s) for s in shapes),
+        "param_shapes": shapes,
+        "forward_macs": macs,
+    }
+
+
+def train_step_flops(figures: dict[str, Any], global_batch: int) -> float:
+    """Model FLOPs of one training step: 3 (forward + backward counted as 2 x forward) x 2
+    (multiply and add) x forward MACs x global batch."""
+    return 3 * 2 * figures["forward_macs"] * global_batch

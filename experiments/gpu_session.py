@@ -9,9 +9,8 @@ numbers mean nothing and every JSON says ``"smoke": true``. Each command prints 
 last and writes one JSON into OUT_DIR; the run folders (logs, metrics.jsonl) go to
 ``--logs DIR`` for the shell script to bundle.
 
-The trainer is what is measured: every run is ``python -m jddp.train`` through
-``bench_xla.run_trainer`` (the JPEG folder is ``bench_input.make_jpeg_folder``'s; the MPI
-commands and the loss comparison are ``tests/helpers.py``'s).
+The trainer is what is measured: every run is a case of ``cases.py`` through
+:func:`benchlib.run_trainer` (the JPEG folder is ``bench_input.make_jpeg_folder``'s).
 """
 
 from __future__ import annotations
@@ -26,16 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: benchlib, bench_*
 import benchlib  # noqa: E402
-from bench_xla import (  # noqa: E402
-    COMMON,
-    GPU_WORKLOAD,
-    SMOKE_WORKLOAD,
-    run_trainer,
-    trainer_env,
-    workload_value,
-)
-
-sys.path.insert(0, str(benchlib.REPO))  # tests.helpers
+from bench_xla import run_case, trainer_env  # noqa: E402
+from cases import case, value, with_overrides  # noqa: E402
 
 SMOKE = os.environ.get("JDDP_GPU_SMOKE") == "1"
 # Distributions the record names, beyond benchlib.VERSIONED.
@@ -97,40 +88,24 @@ def env_record(out: Path) -> int:
 
 
 # ----------------------------------------------------------------------------- e2e
-def _with(base: list[str], *overrides: str) -> list[str]:
-    from tests.helpers import with_overrides
-
-    return with_overrides(base, *overrides)
-
-
 def e2e_cases(smoke: bool, jpeg_root: Path) -> dict[str, dict]:
     """The end-to-end trainer runs and their img/s targets (H100; None: no target)."""
-    rn50 = _with(GPU_WORKLOAD, "log.every_steps=10")
-    # configs/cifar10_resnet18.yaml's model, batch, augmentation and precision (float32).
-    cifar = [
-        "data.name=synthetic", "data.image_size=32", "data.global_batch_size=128",
-        "data.augment=cifar", "model.name=resnet18", "model.stem=cifar", "model.width=64",
-        "model.num_classes=10", "log.every_steps=50", *COMMON,
-    ]  # fmt: skip
-    jpeg = _with(rn50, "data.name=imagefolder", f"data.path={jpeg_root}", "data.augment=imagenet",
-                 "data.workers=14")  # fmt: skip
+    rn50 = case("rn50-gpu", "log.every_steps=10")
+    jpeg = ["data.name=imagefolder", f"data.path={jpeg_root}", "data.augment=imagenet"]
     cases = {
         "rn50-mem224": dict(workload=rn50, steps=60, every=10, target=5200),
-        "rn18-cifar": dict(workload=cifar, steps=400, every=50, target=68000),
-        "rn50-jpeg": dict(workload=jpeg, steps=40, every=10, target=None, jpegs=1024),
-    }
+        "rn18-cifar": dict(workload=case("cifar-recipe"), steps=400, every=50, target=68000),
+        "rn50-jpeg": dict(workload=with_overrides(rn50, *jpeg, "data.workers=14"), steps=40,
+                          every=10, target=None, jpegs=1024),
+    }  # fmt: skip
     if smoke:
-        tiny = [w for w in SMOKE_WORKLOAD if not w.startswith("log.every_steps")]
-        cases["rn50-mem224"].update(workload=_with(tiny, "log.every_steps=3"), steps=12, every=3)
-        cases["rn18-cifar"].update(
-            workload=_with(cifar, "model.width=8", "data.global_batch_size=16",
-                           "log.every_steps=3"), steps=12, every=3,
-        )  # fmt: skip
-        cases["rn50-jpeg"].update(
-            workload=_with(tiny, "log.every_steps=3", "data.name=imagefolder",
-                           f"data.path={jpeg_root}", "data.augment=imagenet", "data.workers=2"),
-            steps=9, every=3, jpegs=48,
-        )  # fmt: skip
+        tiny = case("smoke", "log.every_steps=3")
+        cifar = case("cifar-recipe", "model.width=8", "data.global_batch_size=16",
+                     "log.every_steps=3")  # fmt: skip
+        cases["rn50-mem224"].update(workload=tiny, steps=12, every=3)
+        cases["rn18-cifar"].update(workload=cifar, steps=12, every=3)
+        cases["rn50-jpeg"].update(workload=with_overrides(tiny, *jpeg, "data.workers=2"),
+                                  steps=9, every=3, jpegs=48)  # fmt: skip
     return cases
 
 
@@ -141,22 +116,20 @@ def e2e(out: Path, logs: Path, cases_wanted: list[str] | None) -> int:
     rows, runs = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         cases = e2e_cases(SMOKE, Path(tmp) / "jpeg")
-        for name, case in cases.items():
+        for name, one in cases.items():
             if cases_wanted and name not in cases_wanted:
                 continue
-            if "jpegs" in case:
+            if "jpegs" in one:
                 start = time.perf_counter()
-                make_jpeg_folder(Path(tmp) / "jpeg", case["jpegs"])
-                print(f"e2e: {case['jpegs']} JPEGs made in {time.perf_counter() - start:.0f} s")
-            wl = case["workload"]
-            batch = int(workload_value(wl, "data.global_batch_size"))
-            run = run_trainer(
-                # one cache for all cases: a case compiling the step another did starts warm
-                logs / f"e2e-{name}", Path(tmp) / "cache", case["steps"], workload=wl,
-                env=trainer_env(platform), skip_steps=case["every"], check=False,
-            )  # fmt: skip
+                make_jpeg_folder(Path(tmp) / "jpeg", one["jpegs"])
+                print(f"e2e: {one['jpegs']} JPEGs made in {time.perf_counter() - start:.0f} s")
+            wl = one["workload"]
+            batch = int(value(wl, "data.global_batch_size"))
+            # one cache for all cases: a case compiling the step another did starts warm
+            run = run_case(logs / f"e2e-{name}", Path(tmp) / "cache", one["steps"], wl,
+                           trainer_env(platform), one["every"], check=False)  # fmt: skip
             runs[name] = {**run, "workload": wl}
-            row = {"case": name, "global_batch": batch, "target_img_per_s": case["target"]}
+            row = {"case": name, "global_batch": batch, "target_img_per_s": one["target"]}
             if "error" in run:
                 row["error"] = run["error"].splitlines()[-1][:200]
             elif not run["step_s"]:
@@ -171,8 +144,8 @@ def e2e(out: Path, logs: Path, cases_wanted: list[str] | None) -> int:
                     compile_s=run["compile_s"],
                     windows=len(run["step_s"]),
                 )
-                if case["target"]:
-                    row["meets_target"] = row["img_per_s"] >= case["target"]
+                if one["target"]:
+                    row["meets_target"] = row["img_per_s"] >= one["target"]
             rows.append(row)
             print(f"e2e: {name}: {row}", flush=True)
     mem = next((r for r in rows if r["case"] == "rn50-mem224" and "img_per_s" in r), None)
@@ -203,7 +176,7 @@ def e2e(out: Path, logs: Path, cases_wanted: list[str] | None) -> int:
         )
     if any("vs_in_memory" in r for r in rows):
         jpeg = next(r for r in rows if "vs_in_memory" in r)
-        workers = workload_value(runs["rn50-jpeg"]["workload"], "data.workers")
+        workers = value(runs["rn50-jpeg"]["workload"], "data.workers")
         print(f"JPEG folder (data.workers={workers}) / in-memory img/s: {jpeg['vs_in_memory']:.2f}")
     if SMOKE:
         print("(smoke: tiny sizes on the CPU; the numbers mean nothing)")
@@ -215,55 +188,44 @@ def mpi_compare(out: Path, logs: Path, steps: int) -> int:
     """``mpirun -np 2`` with ``dist.backend=mpi`` (two ranks sharing the one GPU) against one
     process with the xla backend and ``train.grad_accum_steps=2``: the same two halves of every
     global batch, each normalised by its own BatchNorm statistics (the rank's rows there, the
-    micro-batch here), gradients averaged over the two; so per-step losses must agree. Both
-    run with float32 matmul precision ``highest`` (TF32 rounding would otherwise mask or fake a
-    difference) and the test suite's MPI config (``tests/test_mpi.py``'s ``TINY``)."""
-    import pytest  # noqa: F401 - tests.test_mpi needs it; fail here if missing
-
-    from tests.helpers import assert_losses_match, mpirun_cmd, read_losses, run, train_cmd
-    from tests.test_mpi import TINY
-
+    micro-batch here), gradients averaged over the two; so per-step losses must agree (relative
+    1e-4). Both run with float32 matmul precision ``highest`` (TF32 rounding would otherwise mask
+    or fake a difference) and the MPI tests' config (``cases.py``'s ``mpi-tiny``)."""
     platform = "cpu" if SMOKE else "gpu"
     common = {"JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     env_x = trainer_env(platform, extra=common)
     # Two processes on one GPU: neither may take JAX's default 75% of its memory.
     env_m = trainer_env(platform, extra={**common, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4"})
     env_m.pop("MPI4JAX_USE_CUDA_MPI", None)  # mpi4jax stages GPU buffers through the host
-    overrides = [f"train.steps={steps}", "train.compilation_cache_dir=null"]
-    wd_x, wd_m = logs / "mpi-xla-1proc", logs / "mpi-mpi-2ranks"
-    result = {"benchmark": "gpu_mpi", "smoke": SMOKE, "steps": steps, "base": TINY}
-    timings = {}
-    for name, wd, cmd, env in (
-        ("xla", wd_x, train_cmd(wd_x, *overrides, "train.grad_accum_steps=2", base=TINY), env_x),
-        ("mpi", wd_m, mpirun_cmd(2, wd_m, "dist.backend=mpi", *overrides, base=TINY), env_m),
-    ):
-        start = time.perf_counter()
-        proc = run(cmd, env=env, timeout=480)
-        timings[name] = time.perf_counter() - start
-        wd.mkdir(parents=True, exist_ok=True)
-        (wd / "train.log").write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
-        result[f"{name}_command"] = " ".join(cmd)
-        if proc.returncode != 0:
-            result["error"] = f"{name} run failed (exit {proc.returncode}): {proc.stderr[-1500:]}"
-            print(result["error"])
-            break
-    result["wall_s"] = timings
+    overrides = case("mpi-tiny", f"train.steps={steps}", "train.compilation_cache_dir=null")
+    result = {"benchmark": "gpu_mpi", "smoke": SMOKE, "steps": steps, "base": overrides}
+    accum = [*overrides, "train.grad_accum_steps=2"]
+    runs = {
+        "xla": benchlib.run_trainer(logs / "mpi-xla-1proc", accum, env=env_x, check=False,
+                                    timeout=480),
+        "mpi": benchlib.run_trainer(logs / "mpi-mpi-2ranks", overrides, nproc=2, backend="mpi",
+                                    env=env_m, check=False, timeout=480),
+    }  # fmt: skip
+    for name, run in runs.items():
+        result[f"{name}_command"] = " ".join(run["command"])
+        result.setdefault("wall_s", {})[name] = run["wall_s"]
+        if "error" in run:
+            result["error"] = f"{name} run failed: {run['error'][-1500:]}"
     result["env"] = {
         "MPI4JAX_USE_CUDA_MPI": env_m.get("MPI4JAX_USE_CUDA_MPI"),
         "XLA_PYTHON_CLIENT_MEM_FRACTION (mpi ranks)": env_m["XLA_PYTHON_CLIENT_MEM_FRACTION"],
         "JAX_DEFAULT_MATMUL_PRECISION": "highest",
     }
     if "error" not in result:
-        got, want = read_losses(wd_m), read_losses(wd_x)
+        got, want = runs["mpi"]["losses"], runs["xla"]["losses"]
         rel = {s: abs(got[s] - want[s]) / abs(want[s]) for s in want if s in got}
         worst = max(rel.values(), default=float("nan"))
+        missing = [s for s in range(1, steps + 1) if s not in rel]
+        bad = [s for s, r in rel.items() if r > 1e-4]
         result.update(losses_mpi=got, losses_xla=want, max_rel_diff=worst)
-        try:
-            assert_losses_match(got, want, range(1, steps + 1), rel=1e-4)
-            result["match_rel_1e-4"] = True
-        except (AssertionError, KeyError) as e:  # KeyError: a step missing from a run's log
-            result["match_rel_1e-4"] = False
-            result["first_mismatch_step"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        result["match_rel_1e-4"] = not missing and not bad
+        if missing or bad:
+            result["first_mismatch_step"] = min(missing + bad)
     result["machine"] = benchlib.machine_info(None)
     benchlib.write_json(out / "mpi.json", result)
     print(f"\nmpi vs xla, {steps} steps, {platform}{' (smoke)' if SMOKE else ''}")
@@ -271,13 +233,13 @@ def mpi_compare(out: Path, logs: Path, steps: int) -> int:
         print(f"FAILED: {result['error'][:500]}")
         return 1
     print(f"{'step':>4} {'xla (1 proc, accum 2)':>22} {'mpi (2 ranks)':>14} {'rel diff':>9}")
-    for s in sorted(result["losses_xla"]):
-        if s in (1, 2, steps // 2, steps) and s in result["losses_mpi"]:
-            print(f"{s:>4} {result['losses_xla'][s]:>22.6f} {result['losses_mpi'][s]:>14.6f} "
-                  f"{rel[s]:>9.1e}")  # fmt: skip
-    print(f"max rel diff {result['max_rel_diff']:.2e}; match at rel 1e-4: "
-          f"{result['match_rel_1e-4']}; wall s: xla {timings['xla']:.0f}, mpi "
-          f"{timings['mpi']:.0f}; MPI4JAX_USE_CUDA_MPI unset: staged through the host")  # fmt: skip
+    for s in sorted(want):
+        if s in (1, 2, steps // 2, steps) and s in got:
+            print(f"{s:>4} {want[s]:>22.6f} {got[s]:>14.6f} {rel[s]:>9.1e}")
+    wall = result["wall_s"]
+    print(f"max rel diff {worst:.2e}; match at rel 1e-4: {result['match_rel_1e-4']}; wall s: "
+          f"xla {wall['xla']:.0f}, mpi {wall['mpi']:.0f}; MPI4JAX_USE_CUDA_MPI unset: staged "
+          "through the host")  # fmt: skip
     return 0 if result["match_rel_1e-4"] else 1
 
 

@@ -85,7 +85,7 @@ else
     fi
   fi
   # MPICH's libmpi and mpirun must sit in the interpreter's prefix (lib/, bin/): mpi4py looks
-  # for libmpi there, tests/helpers.py and bench.py for mpirun next to sys.executable; pip
+  # for libmpi there, tests/helpers.py and benchlib.mpirun for mpirun next to sys.executable; pip
   # --target would drop the wheel's lib/.
   if $PY -m pip install -q --no-index --no-deps --no-cache-dir .whl/mpich-*.whl; then
     MPI_BIN=$(dirname "$($PY -c 'import sys; print(sys.executable)')")
@@ -161,29 +161,9 @@ part_mpi() {
   bundle mpi
 }
 
-junit_summary() {  # $1: junit.xml -> totals and failures
-  $PY - "$1" << 'PYJUNIT'
-import sys, xml.etree.ElementTree as ET
-try:
-    root = ET.parse(sys.argv[1]).getroot()
-except (OSError, ET.ParseError) as e:
-    sys.exit(f"gpu_session: no {sys.argv[1]} ({e})")
-suites = [root] if root.tag == "testsuite" else list(root)
-tot = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-secs = sum(float(s.get("time", 0)) for s in suites)
-print(f"{sys.argv[1].rsplit('/', 1)[-1]}: {tot['tests']} tests, {tot['failures']} failed, "
-      f"{tot['errors']} errors, {tot['skipped']} skipped, {secs:.0f} s")
-for case in root.iter("testcase"):
-    bad = next((c for c in case if c.tag in ("failure", "error")), None)
-    if bad is not None:
-        msg = (bad.get("message") or "")[:150]
-        print(f"  FAILED {case.get('classname')}::{case.get('name')}: {msg}")
-PYJUNIT
-}
-
 part_suite() {
   local budget n=${JDDP_SUITE_WORKERS:-8} args=() files=(tests)
-  [ "$SMOKE" = 1 ] && files=(tests/test_gpu_kit.py tests/test_xla_setup.py)
+  [ "$SMOKE" = 1 ] && files=(tests/test_bench.py tests/test_xla_setup.py)
   # First, alone: the one test that trains on the GPU (skips without a GPU plugin).
   note "suite: tests/test_gpu.py first"
   timeout -s INT -k 30 $(($(left) - 60)) $PY -m pytest -q -p no:cacheprovider -rA \
@@ -200,15 +180,15 @@ part_suite() {
   [ "$SMOKE" = 1 ] && note "smoke: only ${files[*]}"
   note "suite: pytest ${args[*]} ${files[*]} with $budget s (SIGINT at the deadline keeps junit.xml)"
   # The suite forces JAX_PLATFORMS=cpu itself (tests/conftest.py).
-  timeout -s INT -k 30 "$budget" $PY -m pytest -q -p no:cacheprovider --durations=30 \
+  timeout -s INT -k 30 "$budget" $PY -m pytest -q -p no:cacheprovider --durations=30 -rfE \
     --junitxml="$OUT/junit.xml" --ignore=tests/test_gpu.py "${args[@]}" "${files[@]}" 2>&1 \
     | tee -a "$OUT/suite.log"
   RC[suite]=${PIPESTATUS[0]}
   case ${RC[suite]} in
     124 | 130 | 2) note "suite: CUT at the deadline (exit ${RC[suite]}): run the rest in a call of its own" ;;
   esac
-  junit_summary "$OUT/junit-gpu.xml"
-  junit_summary "$OUT/junit.xml"
+  # pytest's last lines (-rfE) name every failure and the totals; junit.xml has the rest
+  grep -E '^(FAILED|ERROR) |[0-9]+ (passed|failed)' "$OUT/suite.log" | tail -40
 }
 
 part_torch() {  # (a)
@@ -217,16 +197,16 @@ part_torch() {  # (a)
   budget=$(($(left) - reserve))
   if [ "$SMOKE" = 1 ]; then
     note "smoke: (a) as bench.py --quick on the CPU (the torch GPU rows need CUDA; torch is skipped when missing)"
-    $PY experiments/bench.py --quick --no-plot --configs jddp-1x1,torch-ddp-1x1 \
+    $PY experiments/bench.py --quick --configs jddp-1x1,torch-ddp-1x1 \
       --out "$OUT/bench-rn50.json" 2>&1 | tee "$WORK/bench/bench.log"
   else
     note "(a) bench.py ResNet-50 bf16, jddp vs torch eager vs torch.compile, $budget s at most"
-    # SIGINT: the driver's cleanup ends its worker processes (they hold the GPU)
+    # 3 rounds x (jddp, torch eager, torch.compile): each run starts, compiles and trains anew
     timeout -s INT -k 20 "$budget" $PY experiments/bench.py --platform gpu \
       --preset resnet50-imagenet --dtypes bfloat16 \
       --configs jddp-1x1,torch-ddp-1x1,torch-ddp-1x1-compile --peak-tflops 989 \
-      --rounds 5 --steps-per-round 10 --warmup 5 --machine "$MACHINE" \
-      --out "$OUT/bench-rn50.json" --no-plot --no-results-md 2>&1 | tee "$WORK/bench/bench.log"
+      --rounds 3 --steps-per-round 20 --warmup 5 --machine "$MACHINE" \
+      --out "$OUT/bench-rn50.json" 2>&1 | tee "$WORK/bench/bench.log"
   fi
   RC[torch]=${PIPESTATUS[0]}
   [ "${RC[torch]}" = 124 ] && note "(a) CUT at the deadline: no bench-rn50.json; run 'torch' in a call of its own"
@@ -244,7 +224,7 @@ part_bench() {  # (a) then (c), which needs ~3 minutes
   part_e2e
   bundle bench
   # (a)'s table again, last, next to (c)'s (the tool returns only the output's tail)
-  grep -A3 -- '^config ' "$WORK/bench/bench.log" | tail -6 || true
+  grep -A5 -- '^| config ' "$WORK/bench/bench.log" | tail -6 || true
 }
 
 part_bench2() {

@@ -1,58 +1,30 @@
 """Scaling model (not a measurement): data-parallel efficiency from step time and all-reduce cost.
 
-Usage (repo root; standard library only, matplotlib for the plot; no GPU needed):
-
     .venv/bin/python experiments/scaling_model.py                  # table, JSON and PNG
     .venv/bin/python experiments/scaling_model.py --resnet50-step-ms 51 --overlap 0.5
     .venv/bin/python experiments/scaling_model.py --bench-json experiments/results/<gpu run>.json
 
-The model. Weak scaling: every GPU keeps its own batch, so its compute time per step, t_c, does
-not change with the GPU count n; the only new cost is the gradient all-reduce, of which a part
-t_x is exposed (not hidden under computation). Then
-
-    efficiency(n) = t_c / (t_c + t_x(n)),      speed-up(n) = n * efficiency(n).
-
-All-reduce time t_ar of S gradient bytes (nccl-tests' bus bandwidth B: busbw = algbw * 2(n-1)/n,
-so a ring all-reduce of S bytes takes 2(n-1)/n * S / B):
+Weak scaling: every GPU keeps its batch, so its step's compute t_c does not change with the GPU
+count n; the exposed part t_x of the gradient all-reduce is the new cost:
+efficiency(n) = t_c / (t_c + t_x(n)). All-reduce of S bytes (nccl-tests' busbw B):
 
 * n <= g (one node of g = 8 GPUs, NVLink):  t_ar = 2(n-1)/n * S / B_nvl + k * 2(n-1) * a_nvl
-* n > g (N = n/g nodes, hierarchical, not pipelined): reduce-scatter in the node, an all-reduce
-  of each GPU's S/g shard across the N nodes through that GPU's own NIC, all-gather in the node:
+* n > g (N = n/g nodes, hierarchical, not pipelined: reduce-scatter in the node, all-reduce of
+  each GPU's S/g shard across nodes through its own NIC, all-gather in the node):
+  t_ar = 2(g-1)/g * S / B_nvl + 2(N-1)/N * (S/g) / B_ib + k * (2(g-1) * a_nvl + 2(N-1) * a_ib)
 
-      t_ar = 2(g-1)/g * S / B_nvl + 2(N-1)/N * (S/g) / B_ib
-             + k * (2(g-1) * a_nvl + 2(N-1) * a_ib)
+with a ring's latency (a per step, 2(r-1) steps for r ranks, once per bucket, k = ceil(S /
+bucket); a tree, ~2 log2(r) steps, is a sensitivity row). Exposed part: t_x = t_ar without
+overlap (jddp's compiled CPU step), else t_x = max((1 - overlap) * t_ar, t_ar - 2/3 t_c). Not
+modelled: contention, stragglers, input pipelines, BatchNorm sync: an upper bound.
 
-  B_ib is the bus bandwidth of one GPU's NIC. The latency term is a ring's, linear in the ranks:
-  a per step, 2(r-1) steps for r ranks, paid once per bucket (k = ceil(S / bucket)); a tree
-  would pay ~2 log2(r) steps instead (a sensitivity row), so the ring is the pessimistic choice.
-  NCCL pipelines the in-node and cross-node phases; the plain sum above is an upper bound on
-  time (``allreduce_ms_if_pipelined`` in the JSON gives the pipelined figure, 2(n-1)/n * S /
-  min(B_nvl, g * B_ib)).
-
-Exposed part: without overlap (jddp's compiled CPU step: one all-reduce after the whole backward
-pass, seen in the profiles of RESULTS.md) t_x = t_ar. With overlap (DDP-style buckets launched
-during the backward pass) a fraction ``--overlap`` (default 0.75) of t_ar can hide, but only
-under the backward pass, taken as 2/3 of t_c:  t_x = max((1 - overlap) * t_ar, t_ar - 2/3 t_c).
-Not modelled: slower kernels while communication shares the GPU, stragglers, input pipelines,
-BatchNorm synchronisation. The model is an upper bound on efficiency.
-
-Inputs and where they come from (all printed and stored in the JSON):
-
-* Gradient bytes: parameter counts of jddp's models (equal to torchvision's): ResNet-50
-  25,557,032, ResNet-18 11,689,512 (ImageNet, 1000 classes), ResNet-18 with the CIFAR stem
-  11,173,962; x 4 bytes (float32) or x 2 (bfloat16, ``dist.grad_allreduce_dtype=bfloat16``).
-* Single-GPU step time: an ASSUMPTION unless ``--bench-json`` names a results file of
-  ``experiments/bench.py`` with a 1-process x 1-device jddp record. No GPU has been measured here.
-* Bandwidths, latencies, bucket size, overlap: ASSUMPTIONS, the defaults below, each a flag.
-* CPU check: this repo's measured 2-process numbers (``experiments/results/``) run through the
-  same formula, printed next to what was measured.
-* Anchors: NVIDIA's ResNet-50 v1.5 on 8x A100 80GB (DeepLearningExamples, PyTorch, 21.03
-  container: 1 -> 8 GPUs 938 -> 7,248 img/s TF32 = 7.72x, 2,470 -> 16,621 img/s mixed precision
-  = 6.72x; 256 images per GPU); Horovod's 512-GPU benchmark (128 servers x 4 Pascal GPUs, 25 Gbit/s
-  RoCE: 90% for ResNet-101 and Inception V3). The model is also run on those set-ups, with their
-  own stated assumptions, to see whether it reproduces them.
-
-Writes ``experiments/results/scaling-model-<date>.json`` and ``.png`` (``--out`` to change).
+Inputs (printed and stored with their sources): gradient bytes from the parameter counts of
+``jddp.models`` (:func:`benchlib.model_figures`; x 4 float32, x 2 bfloat16); the single-GPU step
+time, an ASSUMPTION unless ``--bench-json`` names a ``bench.py`` file with a 1x1 jddp record;
+bandwidths, latencies, bucket and overlap, ASSUMPTIONS (flags). Checks: this VM's measured
+2-process CPU numbers (``results/``) and two published anchors (NVIDIA's ResNet-50 on 8x A100,
+Horovod's 512 GPUs) run through the same formula. Writes ``results/scaling-model-<date>.json``
+and ``.png``; the results and caveats are in ``experiments/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -65,18 +37,24 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+import benchlib
+from benchlib import RESULTS_DIR
+
 GPU_COUNTS = (8, 64, 512)
 PLOT_COUNTS = tuple(2**i for i in range(11))  # 1 .. 1024
-PARAMS = {
-    "resnet50": 25_557_032,
-    "resnet18": 11_689_512,
-    "resnet101": 44_549_160,
-    "resnet18-cifar": 11_173_962,
-}
 BYTES = {"float32": 4, "bfloat16": 2}
-# torchvision's model docs: GFLOPS (multiply-adds) per 224x224 image, forward pass.
-FWD_GMAC = {"resnet50": 4.09, "resnet18": 1.81}
+# Parameter count and forward GMAC per 224x224 image of jddp's ImageNet ResNets (1000
+# classes), filled by read_models() from jddp.models.
+PARAMS: dict[str, int] = {}
+FWD_GMAC: dict[str, float] = {}
+
+
+def read_models() -> None:
+    for model in ("resnet50", "resnet18", "resnet101"):
+        figures = benchlib.model_figures(model, "imagenet", 64, 1000, 224)
+        PARAMS[model], FWD_GMAC[model] = figures["params"], figures["forward_macs"] / 1e9
+
+
 # ASSUMPTION: ResNet-50, bf16 mixed precision, 256 images per GPU on one H100 SXM at ~3,000 img/s.
 # Basis: 2,470 img/s on one A100 80GB (NVIDIA DeepLearningExamples, PyTorch AMP) x ~1.2 for H100;
 # vendor figures for H100 vision training go up to ~2x A100 (~5,000 img/s = 51 ms, see the
@@ -359,10 +337,7 @@ def measured_step(path: str) -> tuple[str, dict]:
     ones = [
         r
         for r in data["records"]
-        if r["framework"] == "jddp"
-        and r["processes"] == 1
-        and r.get("devices_per_process") == 1
-        and "median_step_s" in r
+        if r["framework"] == "jddp" and r["nproc"] == r["per_proc"] == 1 and "median_step_s" in r
     ]
     ones.sort(key=lambda r: r["dtype"] != "bfloat16")  # prefer the bf16 (mixed precision) step
     if work["model"] not in FWD_GMAC or not ones:
@@ -379,7 +354,7 @@ def measured_step(path: str) -> tuple[str, dict]:
         print(f"note: --bench-json: {note}", file=sys.stderr)
     return work["model"], {
         "step_ms": 1e3 * r["median_step_s"],
-        "source": f"measured: {path} {r['config']} {r['dtype']} median "
+        "source": f"measured: {path} {r['name']} {r['dtype']} median "
         f"({data['machine'].get('name')}, {data['date_utc'][:10]})"
         + "".join(f"; {n}" for n in notes),
     }
@@ -408,7 +383,8 @@ def step_times(args) -> dict:
         steps["resnet18"] = {
             "step_ms": steps["resnet50"]["step_ms"] * ratio,
             "source": f"ASSUMPTION: ResNet-50's step ({steps['resnet50']['source'].split(':')[0]})"
-            f" x {ratio:.3f} (forward GMAC per image 1.81 / 4.09, torchvision); ResNet-18 "
+            f" x {ratio:.3f} (forward GMAC per 224 px image {FWD_GMAC['resnet18']:.2f} / "
+            f"{FWD_GMAC['resnet50']:.2f}, jddp.models); ResNet-18 "
             "usually runs at a lower fraction of peak, so its real step is likely longer",
         }
     return steps
@@ -585,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 0 <= args.overlap < 1:
         ap.error("--overlap must be in [0, 1)")
+    read_models()
     a_nvl, a_ib = (float(x) for x in args.alpha_us.split(","))
     fabric = Fabric(
         name="H100 SXM nodes: 8 GPUs on NVLink4/NVSwitch, one InfiniBand NDR 400 Gb/s NIC per GPU",

@@ -26,17 +26,12 @@ import time
 from pathlib import Path
 
 import benchlib
-
-sys.path.insert(0, str(benchlib.REPO))  # tests.helpers: the test suite's tiny config
-from tests.helpers import TINY as TEST_TINY  # noqa: E402
-
-TINY = [*TEST_TINY, "model.sync_batchnorm=true", "checkpoint.every_steps=2"]
+from cases import case
 
 
 def command(workdir: Path, steps: int) -> list[str]:
-    py = sys.executable
-    launcher = [py, "-m", "jddp.launch", "--nproc", "2", "--devices-per-proc", "1", "--"]
-    return [*launcher, py, "-m", "jddp.train", f"workdir={workdir}", *TINY, f"train.steps={steps}"]
+    """``python -m jddp.launch --nproc 2 --devices-per-proc 1 -- python -m jddp.train ...``."""
+    return benchlib.trainer_command(workdir, case("tiny", f"train.steps={steps}"), 2, 1)
 
 
 def losses(workdir: Path) -> dict[int, float]:

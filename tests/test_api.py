@@ -100,7 +100,7 @@ def test_user_model_factory_from_the_cli(tmp_path):
 )
 def test_examples_run(tmp_path, launcher, script, min_accuracy):
     out = subprocess.run(
-        [*launcher, sys.executable, str(ROOT / "experiments" / "examples" / script)],
+        [*launcher, sys.executable, str(ROOT / "examples" / script)],
         capture_output=True,
         text=True,
         cwd=tmp_path,

@@ -1,48 +1,29 @@
 """PyTorch DistributedDataParallel peer of jddp: same ResNet, same optimizer, synthetic data.
 
-Usage (repo root; needs ``pip install -r experiments/requirements-bench.txt``):
-
-    .venv/bin/python experiments/peers/torch_ddp.py [--nproc 2] [--threads 1]
+    .venv/bin/python experiments/peers/torch_ddp.py [--nproc 2] [--threads 1] [--pin]
         [--steps 8] [--warmup 2] [--dtype float32|bfloat16] [--global-batch 128]
-        [--model resnet18|resnet50] [--stem cifar|imagenet] [--image-size 32]
-        [--width 64] [--num-classes 10] [--device cpu|cuda] [--channels-last]
-        [--impl own|torchvision] [--compile] [--cudnn-benchmark]
+        [--model resnet18|resnet50] [--stem cifar|imagenet] [--image-size 32] [--width 64]
+        [--num-classes 10] [--device cpu|cuda] [--channels-last] [--impl own|torchvision]
+        [--compile] [--cudnn-benchmark]
 
-It starts ``--nproc`` processes itself with ``torch.multiprocessing`` (``MASTER_ADDR``,
-``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set like ``torchrun`` does). Run under
-``torchrun`` (those variables already set) it is one worker and starts nothing. Process group:
-gloo on CPU, NCCL on CUDA (one GPU per process, ``cuda:LOCAL_RANK``).
+(needs ``pip install -r experiments/requirements-bench.txt``). It starts ``--nproc`` processes
+(``torch.multiprocessing``, torchrun's variables); under ``torchrun`` it is one worker. gloo on
+CPU, NCCL on CUDA (one GPU per process). ``--pin``: process i on CPU i.
 
-What a step is: ``zero_grad`` -> forward -> cross-entropy -> ``backward`` (DDP all-reduces the
-gradient buckets, averaged over ranks, overlapped with the backward pass) -> ``SGD.step``.
-The model is written out here (torchvision has no CPU build for this torch): torchvision's
-ResNet layout (``conv1/bn1/layer1..4/fc``, BasicBlock for ResNet-18, Bottleneck v1.5 for
-ResNet-50), with jddp's options: ``stem="cifar"`` is a 3x3/1 conv with no max-pool, BatchNorm
-momentum 0.1 (= flax 0.9) and eps 1e-5, conv init kaiming_normal(fan_out), last BN of each block
-zero-initialised (jddp's ``zero_init_residual=True``). Optimizer: ``SGD(lr=0.1, momentum=0.9,
-weight_decay=5e-4)``, i.e. jddp's ``optax.chain(add_decayed_weights(5e-4), sgd(0.1, 0.9))``
-(weight decay on every parameter, added to the gradient before momentum).
+A step: ``zero_grad`` -> forward -> cross-entropy -> ``backward`` (DDP all-reduces gradient
+buckets, overlapped with the backward pass) -> ``SGD.step``. The model is written out here
+(torchvision has no CPU build for this torch): torchvision's ResNet layout with jddp's options
+(``stem="cifar"``: 3x3/1 conv, no max-pool; BatchNorm momentum 0.1, eps 1e-5; kaiming_normal
+fan_out; the last BN of each block zero-initialised). ``SGD(lr=0.1, momentum=0.9,
+weight_decay=5e-4)`` = jddp's ``sgd``. ``--impl torchvision``: torchvision's model (what users
+run on a GPU; the CIFAR stem as CIFAR recipes adapt it), falling back to the one here, saying
+why. ``--compile``: ``torch.compile`` around the DDP model (compiled in the first step). On
+CUDA float32 matmuls may use TF32, as JAX's default. ``bfloat16``: ``torch.autocast`` around
+forward and loss (parameters, gradients, all-reduce stay float32, as in jddp).
 
-``--impl torchvision`` takes torchvision's ``resnet18``/``resnet50`` instead (what users run on a
-GPU; ``bench.py --platform gpu`` uses it with ``--channels-last --cudnn-benchmark``), the CIFAR
-stem adapted as common CIFAR recipes do (``conv1`` a 3x3/1 conv, ``maxpool`` an identity); when
-torchvision is missing or cannot build the model (a width other than 64) the model above is used
-and the record says why. ``--compile`` wraps the DDP model in ``torch.compile`` (compiled
-during the first step). On CUDA, float32 matmuls may use TF32
-(``torch.set_float32_matmul_precision("high")``, as JAX's default precision; cuDNN convolutions
-use TF32 by default).
-
-``bfloat16`` is ``torch.autocast(device_type, dtype=torch.bfloat16)`` around forward and loss
-(parameters, gradients and the all-reduce stay float32, as in jddp).
-
-Data: one fixed random batch per rank (``global_batch // world`` images, NCHW float32, labels
-in ``[0, num_classes)``) reused every step; loading is not timed (jddp's benchmark does the
-same). Threads: ``torch.set_num_threads(--threads)`` and ``set_num_interop_threads(1)`` in every
-worker; use 1 thread per process when 2 processes share 2 cores.
-
-Timing: wall time of each step (CPU ops are synchronous; on CUDA a ``synchronize`` ends the
-step). A step's time is the slowest rank's (``all_reduce(MAX)`` over the recorded times after
-the loop). Rank 0 prints one JSON line: per-step times, losses, ``ru_maxrss`` of every rank.
+Data: one fixed random batch per rank, reused; loading not timed. Timing: wall time of each
+step (CUDA: synchronised); a step's time is the slowest rank's. Rank 0 prints one JSON line:
+per-step times, losses, ``ru_maxrss`` of every rank.
 """
 
 from __future__ import annotations
@@ -51,10 +32,10 @@ import argparse
 import json
 import os
 import resource
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -359,7 +340,11 @@ def run_worker(cfg: PeerConfig, steps: int, warmup: int) -> dict | None:
         dist.destroy_process_group()
 
 
-def _spawned(local_rank: int, world: int, port: int, cfg: PeerConfig, steps: int, warmup: int):
+def _spawned(
+    local_rank: int, world: int, port: int, cfg: PeerConfig, steps: int, warmup: int, pin: bool
+):
+    if pin:
+        os.sched_setaffinity(0, {local_rank % (os.cpu_count() or 1)})
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -372,17 +357,11 @@ def _spawned(local_rank: int, world: int, port: int, cfg: PeerConfig, steps: int
         print(json.dumps(record), flush=True)
 
 
-def free_port() -> int:
-    """A localhost TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    p.add_argument("--pin", action="store_true", help="process i on CPU i")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -398,27 +377,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
     p.add_argument("--cudnn-benchmark", action="store_true")
     a = p.parse_args(argv)
-    cfg = PeerConfig(
-        model=a.model,
-        stem=a.stem,
-        width=a.width,
-        num_classes=a.num_classes,
-        image_size=a.image_size,
-        global_batch=a.global_batch,
-        dtype=a.dtype,
-        device=a.device,
-        threads=a.threads,
-        channels_last=a.channels_last,
-        impl=a.impl,
-        compile=a.compile,
-        cudnn_benchmark=a.cudnn_benchmark,
-    )
+    cfg = PeerConfig(**{k: v for k, v in vars(a).items() if k in PeerConfig.__dataclass_fields__})
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: one worker
         record = run_worker(cfg, a.steps, a.warmup)
         if record is not None:
             print(json.dumps(record), flush=True)
         return
-    mp.spawn(_spawned, args=(a.nproc, free_port(), cfg, a.steps, a.warmup), nprocs=a.nproc)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo: jddp
+    from jddp.launch import find_free_port
+
+    port = find_free_port()
+    mp.spawn(_spawned, args=(a.nproc, port, cfg, a.steps, a.warmup, a.pin), nprocs=a.nproc)
 
 
 if __name__ == "__main__":

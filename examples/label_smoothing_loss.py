@@ -1,6 +1,6 @@
 """A custom loss (label smoothing) and a custom metric with the built-in ResNet-18.
 
-    python experiments/examples/label_smoothing_loss.py
+    python examples/label_smoothing_loss.py
 
 Expected: `jddp: done step=150 eval/accuracy=0.95...` (about 30 s on 2 CPU cores);
 metrics.jsonl also holds `train/confidence` (mean max-softmax probability) for every logged step.

@@ -1,7 +1,7 @@
 """A custom Flax NNX CNN on scikit-learn's digits through the library API.
 
-    python experiments/examples/custom_cnn_digits.py
-    python -m jddp.launch --nproc 2 -- python experiments/examples/custom_cnn_digits.py
+    python examples/custom_cnn_digits.py
+    python -m jddp.launch --nproc 2 -- python examples/custom_cnn_digits.py
 
 Expected: `jddp: done step=1000 eval/accuracy=0.94...` (held-out digits) in about 15 s on 2 CPU
 cores; the same accuracy with 2 processes.
