@@ -46,6 +46,11 @@ class NonFiniteLoss(JddpError):
     """``train.on_nonfinite=halt`` and a step's loss or gradient was not finite (exit 1)."""
 
 
+class EvalFailed(JddpError):
+    """The final eval of a run failed after its final checkpoint was saved (exit 1); the message
+    names the checkpoint and the command that evaluates it again."""
+
+
 class ReplicasDiverged(JddpError):
     """``dist.check_sync_every`` found devices or processes holding different parameters."""
 

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 from flax import nnx
 
+from jddp.cli import one_line
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.distributed import Job, current_job
-from jddp.errors import ConfigError, NonFiniteLoss, Preempted
+from jddp.errors import ConfigError, EvalFailed, JddpError, NonFiniteLoss, Preempted
 from jddp.hooks import StopRequest
 from jddp.loop import train_loop
 from jddp.mesh import to_host
@@ -108,13 +109,11 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
             )
             raise Preempted(step)
         check_some_step_counted(run, state, step)
-        eval_metrics = run.evaluate(state)
-        if not run.log.logged(step, "eval/loss"):  # a rerun of a finished run logs it once
-            run.log.write(step, eval_metrics)
+        # The final checkpoint before the final eval: an eval that fails (a corrupt image, OOM,
+        # a kill) must not take the training with it.
         ckpts.save(step, state, run.config_dict)
         ckpts.close()
         comm.barrier()  # nobody leaves before rank 0's checkpoint is complete
-        run.log.close()
     except NonFiniteLoss:
         ckpts.close()  # every process raised at the same step: finish the saves in flight
         raise
@@ -122,6 +121,8 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
         if comm.process_count == 1:  # with peers gone, waiting on them could hang
             ckpts.close()
         raise
+    eval_metrics = _final_eval(run, state, step)
+    run.log.close()
     result = RunResult(
         step=step,
         eval=eval_metrics,
@@ -133,6 +134,29 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
     )
     _summarise(run, result)
     return result
+
+
+def _final_eval(run: Run, state: TrainState, step: int) -> dict[str, float]:
+    """Evaluate the saved final state and log it; a failure says the training is saved and how
+    to evaluate it again."""
+    try:
+        eval_metrics = run.evaluate(state)
+    except Exception as e:  # noqa: BLE001 - whatever failed, the run's checkpoint is on disk
+        cause = one_line(e) if isinstance(e, JddpError) else f"{type(e).__name__}: {one_line(e)}"
+        saved = run.checkpoints.directory / str(step)
+        again = (
+            f"jddp.evaluate(jddp.load({str(saved)!r}, model=model), data), model built as "
+            f"the one given to jddp.fit"
+            if run.user_model is not None
+            else f"python -m jddp.evaluate --workdir {run.folder.root}"
+        )
+        raise EvalFailed(
+            f"the final eval failed ({cause}); the training is saved in checkpoint {saved}; "
+            f"evaluate it again with: {again}"
+        ) from e
+    if not run.log.logged(step, "eval/loss"):  # a rerun of a finished run logs it once
+        run.log.write(step, eval_metrics)
+    return eval_metrics
 
 
 def check_some_step_counted(run: Run, state: TrainState, step: int) -> None:

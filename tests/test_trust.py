@@ -1,6 +1,7 @@
 """Runs that must not lose work or report a false success: starting over, rerunning a finished
 run, changed configs on resume, every step skipped, Ctrl-C."""
 
+import importlib
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ import pytest
 from flax import nnx
 
 import jddp
-from jddp.errors import ConfigError, NonFiniteLoss
+from jddp.errors import ConfigError, EvalFailed, NonFiniteLoss
 from jddp.hooks import STOP_SIGNALS, StopRequest
 from tests.helpers import (
     TINY,
@@ -143,3 +144,23 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_older_ones(sm
     assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
     assert "checkpoints/4 could not be written (No space left on device)" in lines[0]
     assert "intact: [2]" in lines[0] and steps_saved(wd) == [2]
+
+
+def test_a_failing_final_eval_keeps_the_training(tmp_path, monkeypatch):
+    """The final checkpoint is on disk before the final eval runs; the error says so."""
+
+    def broken_eval(*args, **kwargs):
+        raise OSError("image file is truncated (3 bytes not processed)")
+
+    monkeypatch.setattr(importlib.import_module("jddp.evaluate"), "evaluate", broken_eval)
+    wd = tmp_path / "run"
+    with pytest.raises(EvalFailed) as failed:
+        fit(wd, "train.steps=3")
+    message = str(failed.value)
+    assert "OSError: image file is truncated" in message
+    assert f"checkpoint {wd.absolute() / 'checkpoints' / '3'}" in message
+    assert "jddp.evaluate(jddp.load(" in message  # a jddp.fit model: the library call
+    assert steps_saved(wd) == [3] and sorted(read_losses(wd)) == [1, 2, 3]
+    monkeypatch.undo()  # the advertised call evaluates the saved run
+    model = jddp.load(str(wd / "checkpoints" / "3"), model=TinyMLP(192, 2, nnx.Rngs(5)))
+    assert jddp.evaluate(model, data(64))["eval/count"] == 64
