@@ -20,7 +20,7 @@ import numpy as np
 
 from jddp.checkpoint import Checkpoints
 from jddp.comm import Comm
-from jddp.errors import NonFiniteLoss, ReplicasDiverged
+from jddp.errors import STOP_SIGNALS, NonFiniteLoss, ReplicasDiverged
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, MetricsLog
 from jddp.state import TrainState
@@ -232,11 +232,9 @@ class Profiler:
             )
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
 class StopRequest:
-    """Records SIGTERM/SIGUSR1 (SLURM's warning before a time-out) and Ctrl-C (SIGINT) while
+    """Records SIGTERM/SIGUSR1 (SLURM's warning before a time-out), Ctrl-C (SIGINT) and SIGHUP
+    (:data:`~jddp.errors.STOP_SIGNALS`) while
     installed; every batch carries the flag so all processes agree on the step at which to stop
     and save. A second SIGINT raises ``KeyboardInterrupt`` at once (no checkpoint)."""
 

@@ -7,11 +7,13 @@ ties them together with the workdir lock, preemption and the end-of-run summary.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 from flax import nnx
 
+from jddp import config as config_lib
 from jddp.cli import one_line
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
@@ -22,6 +24,7 @@ from jddp.loop import train_loop
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, describe_eval
 from jddp.preflight import check_same_config
+from jddp.resume import changed_keys
 from jddp.setup import Parts, Run, build_run
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
@@ -57,7 +60,7 @@ def train_and_evaluate(
 
     ``parts`` replaces the model, optimizer, data or loss that ``cfg`` names; ``job`` is what
     :func:`jddp.distributed.initialize` returned (default: the processes as they run now).
-    Raises :class:`~jddp.errors.Preempted` after saving when SIGTERM/SIGUSR1/SIGINT arrives,
+    Raises :class:`~jddp.errors.Preempted` after saving when a stop signal arrives,
     :class:`~jddp.errors.NonFiniteLoss` for a non-finite step under ``train.on_nonfinite=halt``,
     :class:`~jddp.errors.ConfigError` for bad input.
     """
@@ -67,6 +70,7 @@ def train_and_evaluate(
     folder = RunFolder(cfg.workdir)
     lock = WorkdirLock(folder.lock_file)
     problem: ConfigError | None = None
+    continues = False
     if comm.process_index == 0:
         try:
             folder.prepare()
@@ -74,7 +78,8 @@ def train_and_evaluate(
         except ConfigError as e:
             problem = e
         if problem is None and not cfg.checkpoint.resume:
-            moved = folder.set_aside_previous_run()
+            continues = continues_preempted_run(folder, cfg)
+            moved = None if continues else folder.set_aside_previous_run()
             if moved is not None:
                 Console().say(
                     f"jddp: checkpoint.resume=false: the earlier run's outputs in this workdir "
@@ -82,6 +87,8 @@ def train_and_evaluate(
                 )
     if not comm.agree(problem is None):
         raise problem or ConfigError(f"process 0 could not use workdir={cfg.workdir!r}")
+    if comm.allgather_int(int(continues))[0]:  # process 0 decides for everyone
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
     try:
         with StopRequest() as stop:
             wall_start = time.perf_counter()
@@ -89,6 +96,23 @@ def train_and_evaluate(
             return _finish(run, comm, wall_start)
     finally:
         lock.release()
+
+
+def continues_preempted_run(folder: RunFolder, cfg: Config) -> bool:
+    """Under ``checkpoint.resume=false``: whether the folder holds this same run, preempted and
+    not finished since, which a rerun of the same command continues (``resume=false`` starts
+    over only after an earlier finished run, or another config's)."""
+    preempted = folder.preempted_run()
+    if preempted is None:
+        return False
+    step, saved = preempted
+    if changed_keys(saved, config_lib.to_dict(cfg)):
+        return False
+    Console().say(
+        f"jddp: checkpoint.resume=false, but this workdir's run (same config) was preempted at "
+        f"step {step}: continuing it"
+    )
+    return True
 
 
 def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
@@ -101,6 +125,8 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
             ckpts.save(step, state, run.config_dict)
             ckpts.close()
             comm.barrier()
+            if comm.process_index == 0:
+                run.folder.mark_preempted(step, run.config_dict)
             run.log.close()
             by = run.stop.signal_name or "signal on another process"
             run.console.say(
@@ -114,6 +140,8 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
         ckpts.save(step, state, run.config_dict)
         ckpts.close()
         comm.barrier()  # nobody leaves before rank 0's checkpoint is complete
+        if comm.process_index == 0:
+            run.folder.clear_preempted()
     except NonFiniteLoss:
         ckpts.close()  # every process raised at the same step: finish the saves in flight
         raise

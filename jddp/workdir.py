@@ -3,6 +3,7 @@ two live runs never share one workdir."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 from jddp.errors import ConfigError
 
 LOCK_NAME = ".jddp.lock"
+PREEMPTED_NAME = ".jddp.preempted"
 
 
 class RunFolder:
@@ -56,6 +58,31 @@ class RunFolder:
         return self.root / LOCK_NAME
 
     @property
+    def preempted_marker(self) -> Path:
+        """Present while the folder's run was preempted and has not finished since: holds the
+        step and the config it stopped with (so a rerun continues it, see
+        :meth:`preempted_run`)."""
+        return self.root / PREEMPTED_NAME
+
+    def mark_preempted(self, step: int, config: dict) -> None:
+        """Record that the run stopped at ``step`` on a stop signal (written atomically)."""
+        tmp = self.preempted_marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": step, "config": config}))
+        tmp.replace(self.preempted_marker)
+
+    def preempted_run(self) -> tuple[int, dict] | None:
+        """``(step, config)`` of the folder's preempted, unfinished run, or None."""
+        try:
+            record = json.loads(self.preempted_marker.read_text())
+            return int(record["step"]), dict(record["config"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def clear_preempted(self) -> None:
+        """The run finished: a later rerun under ``checkpoint.resume=false`` starts over."""
+        self.preempted_marker.unlink(missing_ok=True)
+
+    @property
     def previous_runs(self) -> Path:
         """Where ``checkpoint.resume=false`` moves an earlier run's outputs."""
         return self.root / "previous"
@@ -75,6 +102,7 @@ class RunFolder:
             self.checkpoints,
             self.damaged_checkpoints,
             self.profile,
+            self.preempted_marker,
         ]
         present = [p for p in outputs if p.exists()]
         if not present:

@@ -5,23 +5,26 @@ import importlib
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
 from flax import nnx
 
 import jddp
-from jddp.errors import ConfigError, EvalFailed, NonFiniteLoss
+from jddp.errors import ConfigError, EvalFailed, NonFiniteLoss, Preempted
 from jddp.hooks import STOP_SIGNALS, StopRequest
 from tests.helpers import (
     TINY,
     data,
+    launch_cmd,
     read_losses,
     run,
     start_training,
     steps_saved,
     train,
     train_cmd,
+    wait_for,
 )
 from tests.user_models import NanModel, TinyMLP
 
@@ -100,6 +103,10 @@ def test_ctrl_c_saves_like_sigterm(tmp_path):
     assert steps_saved(wd)[-1] == stopped and not (wd / ".jddp.lock").exists()
 
 
+def test_the_stop_signals_are_those_a_scheduler_or_terminal_sends():
+    assert set(STOP_SIGNALS) == {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP}
+
+
 @pytest.mark.parametrize("sig", STOP_SIGNALS)
 def test_every_stop_signal_is_recorded(sig):
     with StopRequest() as stop:
@@ -164,3 +171,55 @@ def test_a_failing_final_eval_keeps_the_training(tmp_path, monkeypatch):
     monkeypatch.undo()  # the advertised call evaluates the saved run
     model = jddp.load(str(wd / "checkpoints" / "3"), model=TinyMLP(192, 2, nnx.Rngs(5)))
     assert jddp.evaluate(model, data(64))["eval/count"] == 64
+
+
+def preempt_when_logged(workdir, steps=2, sig=signal.SIGTERM) -> threading.Thread:
+    """Send ``sig`` to this process once ``workdir`` holds ``steps`` train lines (the run in the
+    main thread then saves and raises ``Preempted``)."""
+
+    def watch():
+        metrics = workdir / "metrics.jsonl"
+        if wait_for(lambda: metrics.exists() and len(read_losses(workdir)) >= steps, 120):
+            os.kill(os.getpid(), sig)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_preempted_run_continues_under_resume_false(tmp_path, capsys):
+    """``checkpoint.resume=false`` starts over after a finished or foreign run, never after
+    its own preemption: rerunning the same command continues."""
+    wd = tmp_path / "run"
+    preempt_when_logged(wd)
+    with pytest.raises(Preempted) as preempted:
+        fit(wd, "train.steps=100000", "checkpoint.resume=false")
+    stopped = preempted.value.step
+    assert steps_saved(wd) == [stopped]
+    capsys.readouterr()
+    result = fit(wd, f"train.steps={stopped + 2}", "checkpoint.resume=false")
+    assert f"preempted at step {stopped}: continuing it" in capsys.readouterr().out
+    assert result.step == stopped + 2 and not (wd / "previous").exists()
+    assert steps_saved(wd) == [stopped, stopped + 2]
+    assert min(read_losses(wd)) == 1 and max(read_losses(wd)) == stopped + 2  # one log
+    # Finished now: the same command starts over, the finished run set aside.
+    again = fit(wd, f"train.steps={stopped + 2}", "checkpoint.resume=false")
+    assert again.step == stopped + 2 and len(list((wd / "previous").iterdir())) == 1
+
+
+@pytest.mark.slow
+def test_sigusr1_to_the_launcher_saves_and_the_same_command_continues(tmp_path):
+    """SLURM's ``--signal=USR1@120`` reaches the launcher only: it forwards it, every rank saves,
+    the launcher exits 75, and the same command (``checkpoint.resume=false``, as in the shipped
+    examples) continues the run."""
+    wd = tmp_path / "run"
+    cmd = launch_cmd(2, 1, wd, "train.steps=100000", "checkpoint.resume=false", base=TINY)
+    job = start_training(cmd, wd, steps=2)
+    job.send_signal(signal.SIGUSR1)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 75, err[-3000:]
+    stopped = int(out.split("preempted at step ")[1].split()[0])
+    assert steps_saved(wd) == [stopped] and not (wd / ".jddp.lock").exists()
+    again = run(cmd[:-2] + [f"train.steps={stopped + 1}", "checkpoint.resume=false"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"at step {stopped}" in again.stdout and steps_saved(wd) == [stopped, stopped + 1]
