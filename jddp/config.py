@@ -94,6 +94,10 @@ def validate(cfg: Config) -> Config:
     for key, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{key}: must be >= 0, got {v}")
+    if not 0.0 <= cfg.train.max_skipped_fraction <= 1.0:
+        raise ConfigError(
+            f"train.max_skipped_fraction: must be in [0, 1], got {cfg.train.max_skipped_fraction}"
+        )
     if not 0.0 <= cfg.train.label_smoothing < 1.0:
         raise ConfigError(
             f"train.label_smoothing: must be in [0, 1), got {cfg.train.label_smoothing}"

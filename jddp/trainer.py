@@ -39,6 +39,9 @@ class RunResult:
     and ``model``: the trained module (the one given to :func:`jddp.fit`, updated in place, or
     the one the config built), in the mode training left it (call ``model.eval()`` to infer).
 
+    ``skipped_steps``: steps of the whole run (resumed ones included) whose update was dropped
+    for a non-finite loss or gradient (``train.on_nonfinite=skip``).
+
     ``input_wait_fraction``: the share of the timed train wall time (the first step, which
     compiles, and eval excluded) that process 0's loop spent blocked waiting for the next batch
     from the input pipeline.
@@ -51,6 +54,7 @@ class RunResult:
     checkpoint_dir: str
     input_wait_fraction: float = 0.0
     model: nnx.Module | None = None
+    skipped_steps: int = 0
 
 
 def train_and_evaluate(
@@ -149,6 +153,8 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
         if comm.process_count == 1:  # with peers gone, waiting on them could hang
             ckpts.close()
         raise
+    skipped_steps = int(to_host(state.skipped_steps))
+    check_skipped_fraction(run, skipped_steps, step)
     eval_metrics = _final_eval(run, state, step)
     run.log.close()
     result = RunResult(
@@ -159,6 +165,7 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
         checkpoint_dir=str(ckpts.directory / str(step)),
         input_wait_fraction=run.meter.input_wait.mean_fraction,
         model=run.trained_model(state),
+        skipped_steps=skipped_steps,
     )
     _summarise(run, result)
     return result
@@ -200,12 +207,27 @@ def check_some_step_counted(run: Run, state: TrainState, step: int) -> None:
         )
 
 
+def check_skipped_fraction(run: Run, skipped_steps: int, step: int) -> None:
+    """A run that dropped more than ``train.max_skipped_fraction`` of its updates failed, even
+    though it reached its last step (its final checkpoint is saved already)."""
+    limit = run.cfg.train.max_skipped_fraction
+    if step > 0 and skipped_steps > limit * step:
+        raise NonFiniteLoss(
+            f"{skipped_steps} of {step} steps ({100 * skipped_steps / step:.0f}%) had a "
+            f"non-finite loss or gradient and were skipped (train.on_nonfinite=skip), more than "
+            f"train.max_skipped_fraction={limit}; the run failed; its checkpoint "
+            f"{run.checkpoints.directory / str(step)} is saved"
+        )
+
+
 def _summarise(run: Run, result: RunResult) -> None:
     ev = result.eval
     run.console.say(
         "jddp: summary\n"
         f"  steps          {run.start_step} -> {result.step} of {run.total_steps}\n"
         f"  eval           {describe_eval(ev)}\n"
+        f"  skipped        {result.skipped_steps} of {result.step} steps (non-finite loss or "
+        f"gradient, train.on_nonfinite=skip)\n"
         f"  throughput     {result.img_per_s:.1f} img/s on {run.num_devices} devices "
         f"({run.comm.process_count} processes)\n"
         f"  input wait     {100 * result.input_wait_fraction:.2f}% of the timed step wall time "
@@ -218,5 +240,6 @@ def _summarise(run: Run, result: RunResult) -> None:
     run.console.say(
         f"jddp: done step={result.step} eval/accuracy={ev['eval/accuracy']:.4f} "
         f"eval/loss={ev['eval/loss']:.4f} img_per_s={result.img_per_s:.1f} "
-        f"wall_s={result.wall_s:.1f} checkpoint={result.checkpoint_dir}"
+        f"wall_s={result.wall_s:.1f} checkpoint={result.checkpoint_dir} "
+        f"skipped={result.skipped_steps}"
     )

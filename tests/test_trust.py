@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -223,3 +224,40 @@ def test_sigusr1_to_the_launcher_saves_and_the_same_command_continues(tmp_path):
     again = run(cmd[:-2] + [f"train.steps={stopped + 1}", "checkpoint.resume=false"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"at step {stopped}" in again.stdout and steps_saved(wd) == [stopped, stopped + 1]
+
+
+def one_nan_image(n=64):
+    """``data(n)`` with image 0 all NaN: one batch of every epoch (of 4) has a NaN loss."""
+    x, y = data(n)
+    x[0] = np.nan
+    return x, y
+
+
+def test_skipped_steps_are_counted_and_too_many_fail_after_saving(tmp_path, capsys):
+    common = dict(eval_data=data(64), config={"workdir": str(tmp_path / "ok")})
+    overrides = [
+        "data.global_batch_size=16",
+        "log.progress=off",
+        "train.steps=8",
+        "train.on_nonfinite=skip",
+    ]
+    model = TinyMLP(192, 2, nnx.Rngs(0))
+    ok = jddp.fit(
+        model,
+        train_data=one_nan_image(),
+        overrides=[*overrides, "train.max_skipped_fraction=0.25"],
+        **common,
+    )
+    out = capsys.readouterr().out
+    assert ok.skipped_steps == 2  # 2 epochs of 4 batches, one with the NaN image each
+    assert "skipped        2 of 8 steps" in out and out.rstrip().endswith("skipped=2")
+    wd = tmp_path / "too_many"
+    with pytest.raises(NonFiniteLoss, match=r"2 of 8 steps \(25%\).*max_skipped_fraction=0.1"):
+        jddp.fit(
+            TinyMLP(192, 2, nnx.Rngs(0)),
+            train_data=one_nan_image(),
+            eval_data=data(64),
+            config={"workdir": str(wd)},
+            overrides=overrides,
+        )
+    assert steps_saved(wd) == [8]  # failed, but nothing trained is lost
