@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jddp
-from jddp.errors import ConfigError, EvalFailed, NonFiniteLoss, Preempted
+from jddp.errors import ConfigError, DataConfigError, EvalFailed, NonFiniteLoss, Preempted
 from jddp.hooks import STOP_SIGNALS, StopRequest
 from tests.helpers import (
     TINY,
@@ -261,3 +261,39 @@ def test_skipped_steps_are_counted_and_too_many_fail_after_saving(tmp_path, caps
             overrides=overrides,
         )
     assert steps_saved(wd) == [8]  # failed, but nothing trained is lost
+
+
+def with_labels(labels_at: dict[int, int], n=64):
+    x, y = data(n)
+    for index, label in labels_at.items():
+        y[index] = label
+    return x, y
+
+
+def test_labels_outside_the_classes_are_refused(tmp_path):
+    with pytest.raises(
+        DataConfigError,
+        match=r"train_data: 2 of 64 labels are outside \[0, 2\) "
+        r"\(the first at index 5: -1\)",
+    ):
+        jddp.fit(
+            TinyMLP(192, 2, nnx.Rngs(0)),
+            train_data=with_labels({5: -1, 9: -1}),
+            config={"workdir": str(tmp_path / "a")},
+            overrides=["log.progress=off", "data.global_batch_size=16", "train.steps=1"],
+        )
+    with pytest.raises(DataConfigError, match=r"eval_data: 1 of 64 labels .* index 3: 7\)"):
+        jddp.fit(
+            TinyMLP(192, 2, nnx.Rngs(0)),
+            train_data=data(64),
+            eval_data=with_labels({3: 7}),
+            config={"workdir": str(tmp_path / "b")},
+            overrides=["log.progress=off", "data.global_batch_size=16", "train.steps=1"],
+        )
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    model = TinyMLP(192, 2, nnx.Rngs(0))
+    with pytest.raises(DataConfigError, match=r"data: 1 of 64 labels .* index 0: 50\)"):
+        jddp.evaluate(model, with_labels({0: 50}))
+    with pytest.raises(DataConfigError, match=r"data: 1 of 64 labels .* index 63: -3\)"):
+        jddp.evaluate(model, with_labels({63: -3}))
+    assert jddp.evaluate(model, data(64))["eval/count"] == 64
