@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -297,3 +298,44 @@ def test_labels_outside_the_classes_are_refused(tmp_path):
     with pytest.raises(DataConfigError, match=r"data: 1 of 64 labels .* index 63: -3\)"):
         jddp.evaluate(model, with_labels({63: -3}))
     assert jddp.evaluate(model, data(64))["eval/count"] == 64
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_trainer_leaves_no_process(tmp_path):
+    """What the OOM killer does: the input worker processes and multiprocessing's resource
+    tracker go with the trainer."""
+    wd = tmp_path / "run"
+    cmd = train_cmd(wd, "train.steps=100000", "data.worker_kind=process", "data.workers=2")
+    job = start_training(cmd, wd, steps=2)
+    started = descendants(job.pid)
+    assert len(started) >= 3, started  # 2 workers and the resource tracker at least
+    job.kill()
+    job.wait()  # not communicate(): surviving workers would hold its pipes open
+    assert wait_for(lambda: not any(alive(p) for p in started), 10), [
+        Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in started if alive(p)
+    ]
