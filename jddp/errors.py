@@ -58,6 +58,11 @@ class EvalFailed(JddpError):
     names the checkpoint and the command that evaluates it again."""
 
 
+class WorkdirLost(JddpError):
+    """The run's workdir lock was removed or taken by another run while it trained: it stops
+    without writing or deleting anything more (exit 1)."""
+
+
 class ReplicasDiverged(JddpError):
     """``dist.check_sync_every`` found devices or processes holding different parameters."""
 

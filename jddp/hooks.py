@@ -177,6 +177,21 @@ class CheckpointHook(Every):
             self.checkpoints.save(step, state, self.config)
 
 
+class LockCheck:
+    """Every ``every_s`` seconds (checked after a step): stop the run when its workdir lock was
+    removed or taken (:meth:`jddp.workdir.WorkdirLock.verify`); before the step's saves."""
+
+    def __init__(self, lock: Any, every_s: float = 1.0):
+        self.lock, self.every_s = lock, every_s
+        self.last_s = time.monotonic()
+
+    def __call__(self, step: int, state: TrainState) -> None:
+        now = time.monotonic()
+        if now - self.last_s >= self.every_s:
+            self.last_s = now
+            self.lock.verify()
+
+
 class SyncCheck(Every):
     """``dist.check_sync_every``: stop the run when replicas hold different parameters."""
 

@@ -19,7 +19,7 @@ from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.distributed import Job, current_job
 from jddp.errors import ConfigError, EvalFailed, JddpError, NonFiniteLoss, Preempted
-from jddp.hooks import StopRequest
+from jddp.hooks import LockCheck, StopRequest
 from jddp.loop import train_loop
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, describe_eval
@@ -97,7 +97,8 @@ def train_and_evaluate(
         with StopRequest() as stop:
             wall_start = time.perf_counter()
             run = build_run(cfg, comm, folder, stop, parts or Parts())
-            return _finish(run, comm, wall_start)
+            run.hooks.insert(0, LockCheck(lock))  # a no-op where the lock is not held
+            return _finish(run, comm, wall_start, lock)
     finally:
         lock.release()
 
@@ -119,12 +120,13 @@ def continues_preempted_run(folder: RunFolder, cfg: Config) -> bool:
     return True
 
 
-def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
+def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunResult:
     """Loop, then save (and stop, if preempted) or evaluate, save and summarise."""
     ckpts = run.checkpoints
     try:
         state, step, stopped = train_loop(run)
         run.progress.close()
+        lock.verify()  # the last save only into a folder that is still this run's
         if stopped:
             ckpts.save(step, state, run.config_dict)
             ckpts.close()

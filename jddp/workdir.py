@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from jddp.errors import ConfigError
+from jddp.errors import ConfigError, WorkdirLost
 
 LOCK_NAME = ".jddp.lock"
 PREEMPTED_NAME = ".jddp.preempted"
@@ -173,6 +173,7 @@ class WorkdirLock:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.held = False
+        self.owner = ""  # what this process wrote into the lock file
 
     def acquire(self) -> None:
         """Take the lock or raise ``ConfigError``."""
@@ -200,12 +201,44 @@ class WorkdirLock:
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(me + "\n")
-            self.held = True
+            self.held, self.owner = True, me + "\n"
             return
         raise ConfigError(f"cannot take the workdir lock {self.path}")
 
+    def verify(self) -> None:
+        """Raise :class:`WorkdirLost` when the lock this process holds was removed or now
+        belongs to another run (a cleanup script, a user, a second run that then started):
+        two runs in one folder would delete each other's checkpoints."""
+        if not self.held:
+            return
+        try:
+            now = self.path.read_text()
+        except FileNotFoundError:
+            now = None
+        except OSError:
+            return  # unreadable for a moment (a network file system): check again later
+        if now == self.owner:
+            return
+        self.held = False  # not ours any more: never delete it
+        owner = now.split() if now else []
+        what = (
+            f"was taken by another run (pid {owner[1]} on {owner[0]})"
+            if len(owner) >= 2
+            else "was removed"
+        )
+        raise WorkdirLost(
+            f"the workdir lock {self.path} {what} while this run trained: this run stops so "
+            "that two runs never write one workdir (nothing was deleted; its checkpoints so far "
+            "stay); rerun when the folder is free, or use another workdir"
+        )
+
     def release(self) -> None:
-        """Remove the lock if this process holds it."""
+        """Remove the lock if this process holds it (and it still holds what we wrote)."""
         if self.held:
-            self.path.unlink(missing_ok=True)
+            try:
+                ours = self.path.read_text() == self.owner
+            except OSError:
+                ours = False
+            if ours:
+                self.path.unlink(missing_ok=True)
             self.held = False

@@ -4,6 +4,7 @@ run, changed configs on resume, every step skipped, Ctrl-C."""
 import importlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -14,7 +15,14 @@ import pytest
 from flax import nnx
 
 import jddp
-from jddp.errors import ConfigError, DataConfigError, EvalFailed, NonFiniteLoss, Preempted
+from jddp.errors import (
+    ConfigError,
+    DataConfigError,
+    EvalFailed,
+    NonFiniteLoss,
+    Preempted,
+    WorkdirLost,
+)
 from jddp.hooks import STOP_SIGNALS, StopRequest
 from tests.helpers import (
     TINY,
@@ -339,3 +347,27 @@ def test_kill_9_of_the_trainer_leaves_no_process(tmp_path):
     assert wait_for(lambda: not any(alive(p) for p in started), 10), [
         Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in started if alive(p)
     ]
+
+
+@pytest.mark.parametrize("how", ["removed", "taken"])
+def test_a_run_whose_lock_goes_stops_without_deleting(tmp_path, how):
+    wd = tmp_path / "run"
+    lock = wd / ".jddp.lock"
+    other = "otherhost 4242 1\n"
+
+    def take_away():
+        metrics = wd / "metrics.jsonl"
+        if wait_for(lambda: metrics.exists() and len(read_losses(wd)) >= 3, 120):
+            lock.unlink() if how == "removed" else lock.write_text(other)
+            taken_at.append(time.monotonic())
+
+    taken_at: list[float] = []
+    threading.Thread(target=take_away, daemon=True).start()
+    with pytest.raises(
+        WorkdirLost, match=f"lock {re.escape(str(lock))} (was removed|was taken by another run)"
+    ):
+        fit(wd, "train.steps=400", "checkpoint.every_steps=1")
+    assert time.monotonic() - taken_at[0] < 10  # noticed within seconds
+    saved = steps_saved(wd)
+    assert saved and max(saved) <= max(read_losses(wd)) + 1  # its checkpoints stay
+    assert (lock.read_text() == other) if how == "taken" else not lock.exists()
