@@ -248,7 +248,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--workdir", required=True, help="the run's folder")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.*")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides before and after the flags
 
 
 def main(argv: list[str] | None = None) -> int:

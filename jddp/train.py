@@ -40,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "(= checkpoint.allow_config_change=true)",
     )
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, YAML-typed")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides before and after the flags
 
 
 def main(argv: list[str] | None = None) -> int:

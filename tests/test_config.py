@@ -314,3 +314,15 @@ def test_cli_new_checks_exit_2_with_one_line(args, words):
     assert len(lines) == 1 and lines[0].startswith("jddp: error: "), out.stderr
     for w in words:
         assert w in lines[0]
+
+
+def test_a_config_that_never_ends_is_refused():
+    with pytest.raises(ConfigError, match="^--config '/dev/zero': larger than 1 MiB"):
+        config_lib.load("/dev/zero")
+
+
+def test_overrides_may_follow_the_flags():
+    from jddp.train import parse_args
+
+    args = parse_args(["train.steps=3", "--print-config", "optim.lr=0.5", "--allow-config-change"])
+    assert args.overrides == ["train.steps=3", "optim.lr=0.5"] and args.print_config

@@ -371,3 +371,8 @@ def test_a_run_whose_lock_goes_stops_without_deleting(tmp_path, how):
     saved = steps_saved(wd)
     assert saved and max(saved) <= max(read_losses(wd)) + 1  # its checkpoints stay
     assert (lock.read_text() == other) if how == "taken" else not lock.exists()
+
+
+def test_fit_of_no_examples_is_one_line(tmp_path):
+    with pytest.raises(DataConfigError, match=r"^train_data: no examples \(an empty list\)$"):
+        jddp.fit(TinyMLP(192, 2, nnx.Rngs(0)), train_data=[], config={"workdir": str(tmp_path)})

@@ -252,6 +252,8 @@ def as_source(
     who = label or name
     if hasattr(data, "get_batch"):
         return data
+    if isinstance(data, list | tuple) and not data:
+        raise DataConfigError(f"{who}: no examples (an empty {type(data).__name__})")
     if isinstance(data, tuple) and len(data) == 2 and hasattr(data[0], "shape"):
         images, labels = np.asarray(data[0]), class_labels(data[1], who)
     elif hasattr(data, "__len__") and hasattr(data, "__getitem__") and not _is_batch_list(data):
