@@ -19,6 +19,7 @@ from jddp.errors import (
     ConfigError,
     DataConfigError,
     EvalFailed,
+    JddpError,
     NonFiniteLoss,
     Preempted,
     WorkdirLost,
@@ -376,3 +377,20 @@ def test_a_run_whose_lock_goes_stops_without_deleting(tmp_path, how):
 def test_fit_of_no_examples_is_one_line(tmp_path):
     with pytest.raises(DataConfigError, match=r"^train_data: no examples \(an empty list\)$"):
         jddp.fit(TinyMLP(192, 2, nnx.Rngs(0)), train_data=[], config={"workdir": str(tmp_path)})
+
+
+def test_metrics_jsonl_deleted_or_unwritable(tmp_path):
+    from jddp.metrics import MetricsLog
+    from jddp.workdir import RunFolder
+
+    folder = RunFolder(tmp_path / "run")
+    log = MetricsLog(folder)
+    log.write(1, {"train/loss": 1.0})
+    folder.metrics_jsonl.unlink()  # a user or script deletes it mid-run
+    log.write(2, {"train/loss": 2.0})
+    assert read_losses(folder.root) == {2: 2.0}  # written again, not into the deleted file
+    log.close()
+    folder.metrics_jsonl.unlink()
+    folder.metrics_jsonl.mkdir()  # unwritable even for root
+    with pytest.raises(JddpError, match=f"{re.escape(str(folder.metrics_jsonl))}: cannot write"):
+        MetricsLog(folder, resume_step=1)
