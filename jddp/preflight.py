@@ -54,11 +54,15 @@ def output_shape(model_def: ModelDef, state: TrainState, image_shape: tuple[int,
     )
 
 
-def check_model_output(cfg: Config, model_def: ModelDef, state: TrainState, splits: Splits) -> int:
+def check_model_output(
+    cfg: Config, model_def: ModelDef, state: TrainState, splits: Splits, user_model: bool = False
+) -> int:
     """Refuse a model whose output is not ``[B, K]`` logits with ``K`` >= the data's classes
-    (otherwise the loss fails deep inside optax, or trains on garbage); returns ``K``."""
+    (otherwise the loss fails deep inside optax, or trains on garbage); returns ``K``.
+    ``user_model``: the model was given to :func:`jddp.fit` (errors name it, not model.name)."""
     shape = (2, *splits.train.image_shape)
-    where = f"model.name={cfg.model.name}"
+    # A module given to jddp.fit is not the config's model.name: name what the user passed.
+    where = "the model given to jddp.fit" if user_model else f"model.name={cfg.model.name}"
     try:
         out = output_shape(model_def, state, shape)
     except Exception as e:  # noqa: BLE001 - any failure here means "cannot take these images"

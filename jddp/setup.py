@@ -276,7 +276,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
     model_def, state = create_train_state(model, tx, mesh)
     del model
-    num_outputs = check_model_output(cfg, model_def, state, splits)
+    num_outputs = check_model_output(cfg, model_def, state, splits, parts.model is not None)
 
     pixel_norm = PixelNorm.of(splits.train)
     ckpts = Checkpoints.of(

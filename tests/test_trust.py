@@ -394,3 +394,18 @@ def test_metrics_jsonl_deleted_or_unwritable(tmp_path):
     folder.metrics_jsonl.mkdir()  # unwritable even for root
     with pytest.raises(JddpError, match=f"{re.escape(str(folder.metrics_jsonl))}: cannot write"):
         MetricsLog(folder, resume_step=1)
+
+
+def test_a_fit_model_that_does_not_fit_the_data_is_named_as_such(tmp_path):
+    from tests.user_models import ThreeLogits
+
+    x, y = data(64)
+    y[:10] = np.arange(10)  # 10 classes, the model has 3 logits
+    with pytest.raises(ConfigError, match="^the model given to jddp.fit: the model maps images") as e:
+        jddp.fit(
+            ThreeLogits(nnx.Rngs(0)),
+            train_data=(x, y),
+            config={"workdir": str(tmp_path)},
+            overrides=["data.global_batch_size=16"],
+        )
+    assert "resnet18" not in str(e.value)
