@@ -401,7 +401,8 @@ def test_a_fit_model_that_does_not_fit_the_data_is_named_as_such(tmp_path):
 
     x, y = data(64)
     y[:10] = np.arange(10)  # 10 classes, the model has 3 logits
-    with pytest.raises(ConfigError, match="^the model given to jddp.fit: the model maps images") as e:
+    expected = "^the model given to jddp.fit: the model maps images"
+    with pytest.raises(ConfigError, match=expected) as e:
         jddp.fit(
             ThreeLogits(nnx.Rngs(0)),
             train_data=(x, y),
