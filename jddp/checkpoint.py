@@ -279,7 +279,8 @@ class Checkpoints:
             if self._saving is not None and self._saving not in done:
                 step = self._saving  # a save in the background failed; it surfaces now
             where = self.directory / (str(step) if step is not None else "?")
-            intact = [s for s in done if s != step]
+            # orbax's list is cached: name only the checkpoints still on disk
+            intact = [s for s in done if s != step and (self.directory / str(s)).is_dir()]
             self._failed = CheckpointError(
                 f"checkpoint {where} could not be written ({_cause(e)}); the checkpoints "
                 f"before it are intact: {intact or 'none'}"

@@ -71,13 +71,14 @@ def one_line(e: BaseException) -> str:
 
 def stop_peers(job: Any, exit_code: int) -> int:
     """Take the job's other processes down where they would otherwise wait (MPI), then return
-    ``exit_code``; after a runtime failure, skip the interpreter's teardown."""
+    ``exit_code``; after a runtime failure or Ctrl-C, skip the interpreter's teardown."""
     sys.stdout.flush()
     sys.stderr.flush()
     if job is not None:
         sys.modules["jddp.distributed"].abort_job(job, exit_code)
-    if exit_code == errors.FAILURE and "jax" in sys.modules:
+    if exit_code in (errors.FAILURE, errors.INTERRUPTED) and "jax" in sys.modules:
         # Background checkpoint threads would print tracebacks after our one line, and
-        # jax.distributed's shutdown would wait for peers that may be gone.
+        # jax.distributed's shutdown would wait for peers that may be gone; after Ctrl-C, the
+        # teardown of XLA and input threads interrupted mid-work could crash (SIGSEGV).
         os._exit(exit_code)
     return exit_code

@@ -55,8 +55,27 @@ __all__ = [
 ]
 
 
+# The step counter, the seed and every count are int32 on the devices.
+MAX_INT = 2**31 - 1
+
+
+def _check_numbers(cfg: Config) -> None:
+    """Every numeric key within int32 (what the devices count in); finiteness is checked as
+    the values are read (:mod:`jddp.config_parse`)."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(values):
+            continue
+        for f in dataclasses.fields(values):
+            v = getattr(values, f.name)
+            key = f"{section.name}.{f.name}"
+            if isinstance(v, int | float) and not isinstance(v, bool) and abs(v) > MAX_INT:
+                raise ConfigError(f"{key}: must be at most {MAX_INT} in size, got {v:g}")
+
+
 def validate(cfg: Config) -> Config:
     """Check value ranges that the types alone cannot express."""
+    _check_numbers(cfg)
     positive = {
         "data.global_batch_size": cfg.data.global_batch_size,
         "model.num_classes": cfg.model.num_classes,
@@ -73,6 +92,8 @@ def validate(cfg: Config) -> Config:
         "dist.num_local_devices": cfg.dist.num_local_devices,
         "dist.num_processes": cfg.dist.num_processes,
         "log.baseline_img_per_s": cfg.log.baseline_img_per_s,
+        "dist.heartbeat_timeout_s": cfg.dist.heartbeat_timeout_s,
+        "dist.init_timeout_s": cfg.dist.init_timeout_s,
     }.items():
         if opt_val is not None:
             positive[opt_key] = opt_val
@@ -87,13 +108,16 @@ def validate(cfg: Config) -> Config:
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
         "data.prefetch_batches": cfg.data.prefetch_batches,
         "dist.process_id": cfg.dist.process_id or 0,
-        "dist.init_timeout_s": cfg.dist.init_timeout_s,
         "dist.check_sync_every": cfg.dist.check_sync_every,
-        "dist.heartbeat_timeout_s": cfg.dist.heartbeat_timeout_s,
+        "train.seed": cfg.train.seed,
     }
     for key, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{key}: must be >= 0, got {v}")
+    if not 0.0 <= cfg.train.max_skipped_fraction <= 1.0:
+        raise ConfigError(
+            f"train.max_skipped_fraction: must be in [0, 1], got {cfg.train.max_skipped_fraction}"
+        )
     if not 0.0 <= cfg.train.label_smoothing < 1.0:
         raise ConfigError(
             f"train.label_smoothing: must be in [0, 1), got {cfg.train.label_smoothing}"

@@ -236,6 +236,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+MAX_CONFIG_BYTES = 2**20  # a config file is a few KiB
+
+
 def read_file(path: str | Path) -> dict[str, Any]:
     """The mapping in a YAML config file; ``ConfigError`` naming the file when it cannot be
     read, is not UTF-8, is not valid YAML, names a key twice or is not a mapping."""
@@ -246,9 +249,14 @@ def read_file(path: str | Path) -> dict[str, Any]:
     if not p.exists():
         raise ConfigError(f"{where}: no such file")
     try:
-        raw = p.read_bytes()
+        with p.open("rb") as f:  # bounded: /dev/zero or a data file would read until OOM
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"{where}: cannot read: {e.strerror or e}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{where}: larger than {MAX_CONFIG_BYTES // 2**20} MiB; not a config file"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -98,6 +98,11 @@ class TrainConfig:
         "a step with a non-finite loss/gradient: halt (error, exit 1, last checkpoint kept) or "
         "skip (drop that update on every replica; counted in train/skipped_steps)",
     )
+    max_skipped_fraction: float = _f(
+        0.1,
+        "under on_nonfinite=skip: a run that skipped a larger share of its steps fails (exit 1, "
+        "after saving its final checkpoint), in [0, 1]",
+    )
 
 
 @dataclass

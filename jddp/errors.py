@@ -7,11 +7,18 @@ attributes: the class says what kind of failure it is.
 
 from __future__ import annotations
 
+import signal
+
 SUCCESS = 0
 FAILURE = 1  # any other failure; one-line cause on stderr
 BAD_INPUT = 2  # bad config or command line; the message names the key
 PREEMPTED = 75  # EX_TEMPFAIL: a stop signal arrived, a checkpoint was saved; rerun to continue
 INTERRUPTED = 130  # a second Ctrl-C: stopped at once, without a checkpoint
+
+# The signals a run treats as preemption (save, exit PREEMPTED) and that ``jddp.launch``
+# forwards to its ranks: SIGTERM (schedulers, ``kill``), SIGUSR1 (SLURM's warning before a
+# time limit), SIGINT (Ctrl-C), SIGHUP (the terminal or ssh session went away).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
 class JddpError(Exception):
@@ -44,6 +51,16 @@ class CheckpointError(JddpError):
 
 class NonFiniteLoss(JddpError):
     """``train.on_nonfinite=halt`` and a step's loss or gradient was not finite (exit 1)."""
+
+
+class EvalFailed(JddpError):
+    """The final eval of a run failed after its final checkpoint was saved (exit 1); the message
+    names the checkpoint and the command that evaluates it again."""
+
+
+class WorkdirLost(JddpError):
+    """The run's workdir lock was removed or taken by another run while it trained: it stops
+    without writing or deleting anything more (exit 1)."""
 
 
 class ReplicasDiverged(JddpError):

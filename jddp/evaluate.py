@@ -94,7 +94,7 @@ def evaluate_model(
     from jddp import config as config_lib
     from jddp.comm import make_comm
     from jddp.data.loader import batch_layout
-    from jddp.data.source import as_source
+    from jddp.data.source import as_source, check_label_range
     from jddp.distributed import current_job
     from jddp.errors import ConfigError
     from jddp.inference import as_model
@@ -125,6 +125,8 @@ def evaluate_model(
     global_batch = -(-batch_size // devices) * devices
     layout = batch_layout(mesh, global_batch, comm.process_index, comm.process_count)
     model_def, state = create_train_state(model, optax.identity(), mesh)
+    if data is not None and hasattr(source, "labels"):  # the user's labels vs the model's K
+        check_label_range(source.labels, num_logits(model_def, state, source), "data")
     eval_step = make_eval_step(
         model_def,
         mesh,
@@ -140,6 +142,18 @@ def evaluate_model(
     )
     pipeline = pipeline_options(cfg) if cfg is not None and data is None else None
     return evaluate(eval_step, state, source, global_batch, mesh, layout, comm, pipeline)
+
+
+def num_logits(model_def: Any, state: TrainState, source: Any) -> int:
+    """How many classes the model scores (its output's last axis) for ``source``'s images;
+    the source's own class count where the model's output is not ``[B, K]`` logits."""
+    from jddp.preflight import output_shape
+
+    try:
+        shape = output_shape(model_def, state, (2, *source.image_shape)).shape
+    except Exception:  # noqa: BLE001 - the eval itself reports a model that cannot run
+        return source.num_classes
+    return int(shape[-1]) if len(shape) == 2 else source.num_classes
 
 
 def run_config(path: Path, overrides: Iterable[str] = ()):
@@ -234,7 +248,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--workdir", required=True, help="the run's folder")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.*")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides before and after the flags
 
 
 def main(argv: list[str] | None = None) -> int:

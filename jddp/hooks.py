@@ -20,7 +20,7 @@ import numpy as np
 
 from jddp.checkpoint import Checkpoints
 from jddp.comm import Comm
-from jddp.errors import NonFiniteLoss, ReplicasDiverged
+from jddp.errors import STOP_SIGNALS, NonFiniteLoss, ReplicasDiverged
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, MetricsLog
 from jddp.state import TrainState
@@ -177,6 +177,21 @@ class CheckpointHook(Every):
             self.checkpoints.save(step, state, self.config)
 
 
+class LockCheck:
+    """Every ``every_s`` seconds (checked after a step): stop the run when its workdir lock was
+    removed or taken (:meth:`jddp.workdir.WorkdirLock.verify`); before the step's saves."""
+
+    def __init__(self, lock: Any, every_s: float = 1.0):
+        self.lock, self.every_s = lock, every_s
+        self.last_s = time.monotonic()
+
+    def __call__(self, step: int, state: TrainState) -> None:
+        now = time.monotonic()
+        if now - self.last_s >= self.every_s:
+            self.last_s = now
+            self.lock.verify()
+
+
 class SyncCheck(Every):
     """``dist.check_sync_every``: stop the run when replicas hold different parameters."""
 
@@ -232,11 +247,9 @@ class Profiler:
             )
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
 class StopRequest:
-    """Records SIGTERM/SIGUSR1 (SLURM's warning before a time-out) and Ctrl-C (SIGINT) while
+    """Records SIGTERM/SIGUSR1 (SLURM's warning before a time-out), Ctrl-C (SIGINT) and SIGHUP
+    (:data:`~jddp.errors.STOP_SIGNALS`) while
     installed; every batch carries the flag so all processes agree on the step at which to stop
     and save. A second SIGINT raises ``KeyboardInterrupt`` at once (no checkpoint)."""
 

@@ -15,8 +15,10 @@ environment that :mod:`jddp.distributed` reads:
   (replacing any existing value of that flag) and ``JAX_PLATFORMS=cpu`` unless already set.
 
 Every line a child writes is forwarded to the launcher's stdout / stderr with a ``[rank i] ``
-prefix. Children read from ``/dev/null``. SIGINT and SIGTERM received by the launcher are
-forwarded to every child's process group (a second signal escalates to SIGKILL).
+prefix. Children read from ``/dev/null``. The signals ``jddp.train`` treats as preemption
+(SIGINT, SIGTERM, SIGUSR1, SIGHUP; :data:`jddp.errors.STOP_SIGNALS`) received by the launcher are
+forwarded to every child's process group (a second signal escalates to SIGKILL); when every rank
+then exits 75 (preempted: checkpoint saved), so does the launcher, else it exits 128 + signal.
 
 Fail-fast: when a child exits nonzero, the launcher reports it on stderr, sends SIGTERM to the
 other children's process groups, SIGKILLs whatever is still alive after ``--kill-timeout``
@@ -41,6 +43,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
+from jddp.errors import STOP_SIGNALS
 from jddp.lifeline import LAUNCHER_PID_ENV, watch_launcher
 from jddp.procs import PROG, _Launcher, describe_exit, exit_code_for
 
@@ -196,8 +199,8 @@ def launch(
 ) -> int:
     """Run ``nproc`` copies of ``command`` wired for ``jax.distributed``; return the exit code.
 
-    SIGINT / SIGTERM handlers are installed for the duration of the call when it runs on the
-    main thread (and restored afterwards).
+    Handlers for the stop signals (SIGINT, SIGTERM, SIGUSR1, SIGHUP) are installed for the
+    duration of the call when it runs on the main thread (and restored afterwards).
     """
     if port is None:
         port = find_free_port()
@@ -208,7 +211,7 @@ def launch(
     launcher = _Launcher(list(command), nproc, kill_timeout)
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             previous[sig] = signal.signal(sig, launcher.on_signal)
     try:
         try:

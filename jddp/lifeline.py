@@ -1,5 +1,6 @@
 """Ranks die with their launcher: ``PR_SET_PDEATHSIG`` set between fork and exec, and a parent
-watch in the rank (where the platform has no prctl, or behind a wrapper that forks)."""
+watch in the rank (where the platform has no prctl, or behind a wrapper that forks). Input
+worker processes die with their rank the same way (:func:`worker_lifeline`)."""
 
 from __future__ import annotations
 
@@ -63,11 +64,27 @@ def watch_launcher(interval: float = _WATCH_INTERVAL) -> threading.Thread | None
     except OSError:
         pass
 
+    return _die_when_parent_changes(parent, interval, "jddp.launch-watch")
+
+
+def _die_when_parent_changes(parent: int, interval: float, name: str) -> threading.Thread:
+    """A daemon thread that SIGKILLs this process once its parent is no longer ``parent``."""
+
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    thread = threading.Thread(target=watch, name="jddp.launch-watch", daemon=True)
+    thread = threading.Thread(target=watch, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def worker_lifeline(worker_index: int = 0, worker_count: int = 0) -> None:
+    """grain's ``worker_init_fn`` for jddp's input worker processes: the worker ends (SIGKILL)
+    within a second of its run's process, whatever ended that (``kill -9``, the OOM killer,
+    the launcher's PDEATHSIG); with the workers gone, multiprocessing's resource tracker sees
+    its last user go and exits too. Ctrl-C is the run's to handle (it saves, then stops the
+    workers): a worker ignores SIGINT instead of printing a traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_when_parent_changes(os.getppid(), _WATCH_INTERVAL, "jddp.worker-lifeline")

@@ -12,6 +12,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from jddp.errors import JddpError
 from jddp.workdir import RunFolder
 
 
@@ -42,20 +43,23 @@ class MetricsLog:
         if not writer:
             return
         kept = []
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if row.get("step", 0) <= resume_step:
-                    kept.append(line)
-                    self._keys_at.setdefault(row.get("step", 0), set()).update(row)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(self.path)
-        self._file = self.path.open("a", buffering=1)
+        try:
+            if self.path.exists():
+                for line in self.path.read_text().splitlines():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if row.get("step", 0) <= resume_step:
+                        kept.append(line)
+                        self._keys_at.setdefault(row.get("step", 0), set()).update(row)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.path)
+            self._file = self.path.open("a", buffering=1)
+        except OSError as e:
+            raise self._cannot_write(e) from None
         # TensorBoard event files next to metrics.jsonl (tensorboard --logdir WORKDIR).
         from tensorboardX import SummaryWriter
 
@@ -70,10 +74,19 @@ class MetricsLog:
         if self._file is not None:
             self._keys_at.setdefault(int(step), set()).update(values)
             row = _row(step, values)
-            self._file.write(json.dumps(row) + "\n")
+            try:
+                if not self.path.exists():  # deleted while the run writes: lines would vanish
+                    self._file.close()
+                    self._file = self.path.open("a", buffering=1)
+                self._file.write(json.dumps(row) + "\n")
+            except OSError as e:
+                raise self._cannot_write(e) from None
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, int(step))
+
+    def _cannot_write(self, e: OSError) -> JddpError:
+        return JddpError(f"{self.path}: cannot write the run's metrics ({e.strerror or e})")
 
     def close(self) -> None:
         """Flush and close the files."""

@@ -4,6 +4,8 @@ data, a profile range inside the run."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -38,21 +40,31 @@ def check_profile_steps(profile_steps: str | None, steps: int) -> None:
         )
 
 
-def check_model_output(cfg: Config, model_def: ModelDef, state: TrainState, splits: Splits) -> int:
-    """Refuse a model whose output is not ``[B, K]`` logits with ``K`` >= the data's classes
-    (otherwise the loss fails deep inside optax, or trains on garbage); returns ``K``."""
-    shape = (2, *splits.train.image_shape)
+def output_shape(model_def: ModelDef, state: TrainState, image_shape: tuple[int, ...]) -> Any:
+    """What the model (in eval mode) returns for float32 images of ``image_shape``, as shapes
+    (nothing is computed)."""
 
     def forward(params, model_state, images):
         model = model_def.merge(params, model_state)
         model.eval()
         return model(images)
 
-    where = f"model.name={cfg.model.name}"
+    return jax.eval_shape(
+        forward, state.params, state.model_state, jax.ShapeDtypeStruct(image_shape, jnp.float32)
+    )
+
+
+def check_model_output(
+    cfg: Config, model_def: ModelDef, state: TrainState, splits: Splits, user_model: bool = False
+) -> int:
+    """Refuse a model whose output is not ``[B, K]`` logits with ``K`` >= the data's classes
+    (otherwise the loss fails deep inside optax, or trains on garbage); returns ``K``.
+    ``user_model``: the model was given to :func:`jddp.fit` (errors name it, not model.name)."""
+    shape = (2, *splits.train.image_shape)
+    # A module given to jddp.fit is not the config's model.name: name what the user passed.
+    where = "the model given to jddp.fit" if user_model else f"model.name={cfg.model.name}"
     try:
-        out = jax.eval_shape(
-            forward, state.params, state.model_state, jax.ShapeDtypeStruct(shape, jnp.float32)
-        )
+        out = output_shape(model_def, state, shape)
     except Exception as e:  # noqa: BLE001 - any failure here means "cannot take these images"
         error = " ".join(str(e).split())[:300]
         raise ConfigError(

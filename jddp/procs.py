@@ -13,6 +13,7 @@ import threading
 import time
 from typing import IO
 
+from jddp.errors import PREEMPTED
 from jddp.lifeline import _die_with_parent, _load_prctl
 
 PROG = "jddp.launch"
@@ -180,7 +181,7 @@ class _Launcher:
         self.signal_groups(signal.SIGKILL)
 
     def on_signal(self, signum: int, frame: object) -> None:
-        """Signal handler: forward the first SIGINT/SIGTERM, escalate to SIGKILL on the next."""
+        """Signal handler: forward the first stop signal, escalate to SIGKILL on the next."""
         if self.signal_received is None and self.stop_deadline is None:
             self.signal_received = signum
             self.stderr.write(
@@ -278,6 +279,9 @@ class _Launcher:
         if failure is not None:
             return failure
         if self.signal_received is not None:
+            codes = {exit_code_for(rc) for rc in self.returncodes.values()}
+            if codes == {PREEMPTED}:  # every rank saved and stopped: rerun to continue
+                return PREEMPTED
             return 128 + self.signal_received
         return 0
 

@@ -22,6 +22,7 @@ FREE_KEYS = (
     "data.worker_kind",
     "train.eval_every_steps",
     "train.on_nonfinite",
+    "train.max_skipped_fraction",
     "train.compilation_cache_dir",
     "dist.backend",
     "dist.num_local_devices",

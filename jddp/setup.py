@@ -91,7 +91,13 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
     """``train.steps``, or ``train.epochs`` converted to steps (default: one epoch)."""
     if cfg.train.steps is not None:
         return cfg.train.steps
-    return max(1, math.ceil((cfg.train.epochs or 1.0) * steps_per_epoch))
+    steps = max(1, math.ceil((cfg.train.epochs or 1.0) * steps_per_epoch))
+    if steps > config_lib.MAX_INT:  # the step counter is int32 on the devices
+        raise ConfigError(
+            f"train.epochs={cfg.train.epochs:g} is {steps} steps of {steps_per_epoch} per epoch; "
+            f"at most {config_lib.MAX_INT} steps fit: choose fewer epochs"
+        )
+    return steps
 
 
 def load_data(cfg: Config) -> Splits:
@@ -270,7 +276,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
     model_def, state = create_train_state(model, tx, mesh)
     del model
-    num_outputs = check_model_output(cfg, model_def, state, splits)
+    num_outputs = check_model_output(cfg, model_def, state, splits, parts.model is not None)
 
     pixel_norm = PixelNorm.of(splits.train)
     ckpts = Checkpoints.of(

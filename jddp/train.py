@@ -1,7 +1,8 @@
 """CLI: ``python -m jddp.train --config FILE.yaml [key.sub=value ...]``.
 
 Exit codes: 0 success; 2 bad config or command line (the message names the key);
-75 preempted (SIGTERM/SIGUSR1): a checkpoint was saved, rerun the same command to continue;
+75 preempted (SIGTERM/SIGUSR1/SIGINT/SIGHUP): a checkpoint was saved, rerun the same command to
+continue;
 1 any other failure, with a one-line cause on stderr.
 """
 
@@ -39,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "(= checkpoint.allow_config_change=true)",
     )
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, YAML-typed")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides before and after the flags
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,20 +7,24 @@ ties them together with the workdir lock, preemption and the end-of-run summary.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 from flax import nnx
 
+from jddp import config as config_lib
+from jddp.cli import one_line
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.distributed import Job, current_job
-from jddp.errors import ConfigError, NonFiniteLoss, Preempted
-from jddp.hooks import StopRequest
+from jddp.errors import ConfigError, EvalFailed, JddpError, NonFiniteLoss, Preempted
+from jddp.hooks import LockCheck, StopRequest
 from jddp.loop import train_loop
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, describe_eval
 from jddp.preflight import check_same_config
+from jddp.resume import changed_keys
 from jddp.setup import Parts, Run, build_run
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
@@ -35,6 +39,9 @@ class RunResult:
     and ``model``: the trained module (the one given to :func:`jddp.fit`, updated in place, or
     the one the config built), in the mode training left it (call ``model.eval()`` to infer).
 
+    ``skipped_steps``: steps of the whole run (resumed ones included) whose update was dropped
+    for a non-finite loss or gradient (``train.on_nonfinite=skip``).
+
     ``input_wait_fraction``: the share of the timed train wall time (the first step, which
     compiles, and eval excluded) that process 0's loop spent blocked waiting for the next batch
     from the input pipeline.
@@ -47,6 +54,7 @@ class RunResult:
     checkpoint_dir: str
     input_wait_fraction: float = 0.0
     model: nnx.Module | None = None
+    skipped_steps: int = 0
 
 
 def train_and_evaluate(
@@ -56,7 +64,7 @@ def train_and_evaluate(
 
     ``parts`` replaces the model, optimizer, data or loss that ``cfg`` names; ``job`` is what
     :func:`jddp.distributed.initialize` returned (default: the processes as they run now).
-    Raises :class:`~jddp.errors.Preempted` after saving when SIGTERM/SIGUSR1/SIGINT arrives,
+    Raises :class:`~jddp.errors.Preempted` after saving when a stop signal arrives,
     :class:`~jddp.errors.NonFiniteLoss` for a non-finite step under ``train.on_nonfinite=halt``,
     :class:`~jddp.errors.ConfigError` for bad input.
     """
@@ -66,6 +74,7 @@ def train_and_evaluate(
     folder = RunFolder(cfg.workdir)
     lock = WorkdirLock(folder.lock_file)
     problem: ConfigError | None = None
+    continues = False
     if comm.process_index == 0:
         try:
             folder.prepare()
@@ -73,7 +82,8 @@ def train_and_evaluate(
         except ConfigError as e:
             problem = e
         if problem is None and not cfg.checkpoint.resume:
-            moved = folder.set_aside_previous_run()
+            continues = continues_preempted_run(folder, cfg)
+            moved = None if continues else folder.set_aside_previous_run()
             if moved is not None:
                 Console().say(
                     f"jddp: checkpoint.resume=false: the earlier run's outputs in this workdir "
@@ -81,25 +91,48 @@ def train_and_evaluate(
                 )
     if not comm.agree(problem is None):
         raise problem or ConfigError(f"process 0 could not use workdir={cfg.workdir!r}")
+    if comm.allgather_int(int(continues))[0]:  # process 0 decides for everyone
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
     try:
         with StopRequest() as stop:
             wall_start = time.perf_counter()
             run = build_run(cfg, comm, folder, stop, parts or Parts())
-            return _finish(run, comm, wall_start)
+            run.hooks.insert(0, LockCheck(lock))  # a no-op where the lock is not held
+            return _finish(run, comm, wall_start, lock)
     finally:
         lock.release()
 
 
-def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
+def continues_preempted_run(folder: RunFolder, cfg: Config) -> bool:
+    """Under ``checkpoint.resume=false``: whether the folder holds this same run, preempted and
+    not finished since, which a rerun of the same command continues (``resume=false`` starts
+    over only after an earlier finished run, or another config's)."""
+    preempted = folder.preempted_run()
+    if preempted is None:
+        return False
+    step, saved = preempted
+    if changed_keys(saved, config_lib.to_dict(cfg)):
+        return False
+    Console().say(
+        f"jddp: checkpoint.resume=false, but this workdir's run (same config) was preempted at "
+        f"step {step}: continuing it"
+    )
+    return True
+
+
+def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunResult:
     """Loop, then save (and stop, if preempted) or evaluate, save and summarise."""
     ckpts = run.checkpoints
     try:
         state, step, stopped = train_loop(run)
         run.progress.close()
+        lock.verify()  # the last save only into a folder that is still this run's
         if stopped:
             ckpts.save(step, state, run.config_dict)
             ckpts.close()
             comm.barrier()
+            if comm.process_index == 0:
+                run.folder.mark_preempted(step, run.config_dict)
             run.log.close()
             by = run.stop.signal_name or "signal on another process"
             run.console.say(
@@ -108,13 +141,13 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
             )
             raise Preempted(step)
         check_some_step_counted(run, state, step)
-        eval_metrics = run.evaluate(state)
-        if not run.log.logged(step, "eval/loss"):  # a rerun of a finished run logs it once
-            run.log.write(step, eval_metrics)
+        # The final checkpoint before the final eval: an eval that fails (a corrupt image, OOM,
+        # a kill) must not take the training with it.
         ckpts.save(step, state, run.config_dict)
         ckpts.close()
         comm.barrier()  # nobody leaves before rank 0's checkpoint is complete
-        run.log.close()
+        if comm.process_index == 0:
+            run.folder.clear_preempted()
     except NonFiniteLoss:
         ckpts.close()  # every process raised at the same step: finish the saves in flight
         raise
@@ -122,6 +155,10 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
         if comm.process_count == 1:  # with peers gone, waiting on them could hang
             ckpts.close()
         raise
+    skipped_steps = int(to_host(state.skipped_steps))
+    check_skipped_fraction(run, skipped_steps, step)
+    eval_metrics = _final_eval(run, state, step)
+    run.log.close()
     result = RunResult(
         step=step,
         eval=eval_metrics,
@@ -130,9 +167,33 @@ def _finish(run: Run, comm: Comm, wall_start: float) -> RunResult:
         checkpoint_dir=str(ckpts.directory / str(step)),
         input_wait_fraction=run.meter.input_wait.mean_fraction,
         model=run.trained_model(state),
+        skipped_steps=skipped_steps,
     )
     _summarise(run, result)
     return result
+
+
+def _final_eval(run: Run, state: TrainState, step: int) -> dict[str, float]:
+    """Evaluate the saved final state and log it; a failure says the training is saved and how
+    to evaluate it again."""
+    try:
+        eval_metrics = run.evaluate(state)
+    except Exception as e:  # noqa: BLE001 - whatever failed, the run's checkpoint is on disk
+        cause = one_line(e) if isinstance(e, JddpError) else f"{type(e).__name__}: {one_line(e)}"
+        saved = run.checkpoints.directory / str(step)
+        again = (
+            f"jddp.evaluate(jddp.load({str(saved)!r}, model=model), data), model built as "
+            f"the one given to jddp.fit"
+            if run.user_model is not None
+            else f"python -m jddp.evaluate --workdir {run.folder.root}"
+        )
+        raise EvalFailed(
+            f"the final eval failed ({cause}); the training is saved in checkpoint {saved}; "
+            f"evaluate it again with: {again}"
+        ) from e
+    if not run.log.logged(step, "eval/loss"):  # a rerun of a finished run logs it once
+        run.log.write(step, eval_metrics)
+    return eval_metrics
 
 
 def check_some_step_counted(run: Run, state: TrainState, step: int) -> None:
@@ -148,12 +209,27 @@ def check_some_step_counted(run: Run, state: TrainState, step: int) -> None:
         )
 
 
+def check_skipped_fraction(run: Run, skipped_steps: int, step: int) -> None:
+    """A run that dropped more than ``train.max_skipped_fraction`` of its updates failed, even
+    though it reached its last step (its final checkpoint is saved already)."""
+    limit = run.cfg.train.max_skipped_fraction
+    if step > 0 and skipped_steps > limit * step:
+        raise NonFiniteLoss(
+            f"{skipped_steps} of {step} steps ({100 * skipped_steps / step:.0f}%) had a "
+            f"non-finite loss or gradient and were skipped (train.on_nonfinite=skip), more than "
+            f"train.max_skipped_fraction={limit}; the run failed; its checkpoint "
+            f"{run.checkpoints.directory / str(step)} is saved"
+        )
+
+
 def _summarise(run: Run, result: RunResult) -> None:
     ev = result.eval
     run.console.say(
         "jddp: summary\n"
         f"  steps          {run.start_step} -> {result.step} of {run.total_steps}\n"
         f"  eval           {describe_eval(ev)}\n"
+        f"  skipped        {result.skipped_steps} of {result.step} steps (non-finite loss or "
+        f"gradient, train.on_nonfinite=skip)\n"
         f"  throughput     {result.img_per_s:.1f} img/s on {run.num_devices} devices "
         f"({run.comm.process_count} processes)\n"
         f"  input wait     {100 * result.input_wait_fraction:.2f}% of the timed step wall time "
@@ -166,5 +242,6 @@ def _summarise(run: Run, result: RunResult) -> None:
     run.console.say(
         f"jddp: done step={result.step} eval/accuracy={ev['eval/accuracy']:.4f} "
         f"eval/loss={ev['eval/loss']:.4f} img_per_s={result.img_per_s:.1f} "
-        f"wall_s={result.wall_s:.1f} checkpoint={result.checkpoint_dir}"
+        f"wall_s={result.wall_s:.1f} checkpoint={result.checkpoint_dir} "
+        f"skipped={result.skipped_steps}"
     )

@@ -3,15 +3,17 @@ two live runs never share one workdir."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
 import time
 from pathlib import Path
 
-from jddp.errors import ConfigError
+from jddp.errors import ConfigError, WorkdirLost
 
 LOCK_NAME = ".jddp.lock"
+PREEMPTED_NAME = ".jddp.preempted"
 
 
 class RunFolder:
@@ -56,6 +58,31 @@ class RunFolder:
         return self.root / LOCK_NAME
 
     @property
+    def preempted_marker(self) -> Path:
+        """Present while the folder's run was preempted and has not finished since: holds the
+        step and the config it stopped with (so a rerun continues it, see
+        :meth:`preempted_run`)."""
+        return self.root / PREEMPTED_NAME
+
+    def mark_preempted(self, step: int, config: dict) -> None:
+        """Record that the run stopped at ``step`` on a stop signal (written atomically)."""
+        tmp = self.preempted_marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": step, "config": config}))
+        tmp.replace(self.preempted_marker)
+
+    def preempted_run(self) -> tuple[int, dict] | None:
+        """``(step, config)`` of the folder's preempted, unfinished run, or None."""
+        try:
+            record = json.loads(self.preempted_marker.read_text())
+            return int(record["step"]), dict(record["config"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def clear_preempted(self) -> None:
+        """The run finished: a later rerun under ``checkpoint.resume=false`` starts over."""
+        self.preempted_marker.unlink(missing_ok=True)
+
+    @property
     def previous_runs(self) -> Path:
         """Where ``checkpoint.resume=false`` moves an earlier run's outputs."""
         return self.root / "previous"
@@ -75,6 +102,7 @@ class RunFolder:
             self.checkpoints,
             self.damaged_checkpoints,
             self.profile,
+            self.preempted_marker,
         ]
         present = [p for p in outputs if p.exists()]
         if not present:
@@ -145,6 +173,7 @@ class WorkdirLock:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.held = False
+        self.owner = ""  # what this process wrote into the lock file
 
     def acquire(self) -> None:
         """Take the lock or raise ``ConfigError``."""
@@ -172,12 +201,44 @@ class WorkdirLock:
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(me + "\n")
-            self.held = True
+            self.held, self.owner = True, me + "\n"
             return
         raise ConfigError(f"cannot take the workdir lock {self.path}")
 
+    def verify(self) -> None:
+        """Raise :class:`WorkdirLost` when the lock this process holds was removed or now
+        belongs to another run (a cleanup script, a user, a second run that then started):
+        two runs in one folder would delete each other's checkpoints."""
+        if not self.held:
+            return
+        try:
+            now = self.path.read_text()
+        except FileNotFoundError:
+            now = None
+        except OSError:
+            return  # unreadable for a moment (a network file system): check again later
+        if now == self.owner:
+            return
+        self.held = False  # not ours any more: never delete it
+        owner = now.split() if now else []
+        what = (
+            f"was taken by another run (pid {owner[1]} on {owner[0]})"
+            if len(owner) >= 2
+            else "was removed"
+        )
+        raise WorkdirLost(
+            f"the workdir lock {self.path} {what} while this run trained: this run stops so "
+            "that two runs never write one workdir (nothing was deleted; its checkpoints so far "
+            "stay); rerun when the folder is free, or use another workdir"
+        )
+
     def release(self) -> None:
-        """Remove the lock if this process holds it."""
+        """Remove the lock if this process holds it (and it still holds what we wrote)."""
         if self.held:
-            self.path.unlink(missing_ok=True)
+            try:
+                ours = self.path.read_text() == self.owner
+            except OSError:
+                ours = False
+            if ours:
+                self.path.unlink(missing_ok=True)
             self.held = False

@@ -149,6 +149,32 @@ def test_non_finite_numbers_are_refused(override, key):
     assert msg.startswith(key + ":") and "finite" in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("train.seed=-1", "train.seed: must be >= 0, got -1"),
+        ("train.epochs=1e300", "train.epochs: must be at most 2147483647"),
+        ("train.steps=3000000000", "train.steps: must be at most 2147483647"),
+        ("dist.heartbeat_timeout_s=0", "dist.heartbeat_timeout_s: must be > 0, got 0"),
+        ("dist.init_timeout_s=0", "dist.init_timeout_s: must be > 0, got 0"),
+        ("train.max_skipped_fraction=1.5", "train.max_skipped_fraction: must be in [0, 1]"),
+    ],
+)
+def test_numeric_ranges_are_checked_at_load(override, words):
+    with pytest.raises(ConfigError) as e:
+        config_lib.load(None, [override])
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_epochs_whose_step_count_does_not_fit_are_refused():
+    from jddp.setup import total_steps
+
+    cfg = config_lib.load(None, ["train.epochs=2e9"])
+    assert total_steps(config_lib.load(None, ["train.epochs=2"]), 3) == 6
+    with pytest.raises(ConfigError, match="^train.epochs=2e[+]09 is 6000000000 steps"):
+        total_steps(cfg, 3)
+
+
 def test_every_float_key_must_be_finite(tmp_path):
     float_keys = [
         k for k, tp, *_ in config_lib.iter_keys() if tp is float or float in typing.get_args(tp)
@@ -288,3 +314,15 @@ def test_cli_new_checks_exit_2_with_one_line(args, words):
     assert len(lines) == 1 and lines[0].startswith("jddp: error: "), out.stderr
     for w in words:
         assert w in lines[0]
+
+
+def test_a_config_that_never_ends_is_refused():
+    with pytest.raises(ConfigError, match="^--config '/dev/zero': larger than 1 MiB"):
+        config_lib.load("/dev/zero")
+
+
+def test_overrides_may_follow_the_flags():
+    from jddp.train import parse_args
+
+    args = parse_args(["train.steps=3", "--print-config", "optim.lr=0.5", "--allow-config-change"])
+    assert args.overrides == ["train.steps=3", "optim.lr=0.5"] and args.print_config

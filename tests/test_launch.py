@@ -284,6 +284,29 @@ def test_signal_to_launcher_is_forwarded(tmp_path: Path, sig: signal.Signals) ->
         assert pid_gone(pid), pid
 
 
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGHUP], ids=["SIGUSR1", "SIGHUP"])
+def test_a_preemption_signal_is_forwarded_and_the_ranks_75_returned(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """What SLURM's ``--signal=USR1@120`` and a closed terminal send: each rank gets it, saves
+    (here: exits 75, as ``jddp.train`` does), and the launcher exits 75 too."""
+    body = """
+    def handler(signum, frame):
+        print("got", signal.Signals(signum).name, flush=True)
+        sys.exit(75)
+    signal.signal(signal.SIGUSR1, handler)
+    signal.signal(signal.SIGHUP, handler)
+    mark(f"ready{RANK}")
+    time.sleep(600)
+    """
+    launcher = _start_and_wait_ready(tmp_path, body, nproc=2)
+    launcher.send_signal(sig)
+    out, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 75, err
+    assert f"[rank 0] got {sig.name}" in out and f"[rank 1] got {sig.name}" in out
+    assert f"jddp.launch: received {sig.name}; forwarding to 2 processes" in err
+
+
 def test_second_signal_escalates_to_sigkill(tmp_path: Path) -> None:
     body = """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,26 +1,41 @@
 """Runs that must not lose work or report a false success: starting over, rerunning a finished
 run, changed configs on resume, every step skipped, Ctrl-C."""
 
+import importlib
 import json
 import os
+import re
 import signal
+import threading
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 from flax import nnx
 
 import jddp
-from jddp.errors import ConfigError, NonFiniteLoss
+from jddp.errors import (
+    ConfigError,
+    DataConfigError,
+    EvalFailed,
+    JddpError,
+    NonFiniteLoss,
+    Preempted,
+    WorkdirLost,
+)
 from jddp.hooks import STOP_SIGNALS, StopRequest
 from tests.helpers import (
     TINY,
     data,
+    launch_cmd,
     read_losses,
     run,
     start_training,
     steps_saved,
     train,
     train_cmd,
+    wait_for,
 )
 from tests.user_models import NanModel, TinyMLP
 
@@ -99,6 +114,10 @@ def test_ctrl_c_saves_like_sigterm(tmp_path):
     assert steps_saved(wd)[-1] == stopped and not (wd / ".jddp.lock").exists()
 
 
+def test_the_stop_signals_are_those_a_scheduler_or_terminal_sends():
+    assert set(STOP_SIGNALS) == {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP}
+
+
 @pytest.mark.parametrize("sig", STOP_SIGNALS)
 def test_every_stop_signal_is_recorded(sig):
     with StopRequest() as stop:
@@ -143,3 +162,251 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_older_ones(sm
     assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
     assert "checkpoints/4 could not be written (No space left on device)" in lines[0]
     assert "intact: [2]" in lines[0] and steps_saved(wd) == [2]
+
+
+def test_a_failing_final_eval_keeps_the_training(tmp_path, monkeypatch):
+    """The final checkpoint is on disk before the final eval runs; the error says so."""
+
+    def broken_eval(*args, **kwargs):
+        raise OSError("image file is truncated (3 bytes not processed)")
+
+    monkeypatch.setattr(importlib.import_module("jddp.evaluate"), "evaluate", broken_eval)
+    wd = tmp_path / "run"
+    with pytest.raises(EvalFailed) as failed:
+        fit(wd, "train.steps=3")
+    message = str(failed.value)
+    assert "OSError: image file is truncated" in message
+    assert f"checkpoint {wd.absolute() / 'checkpoints' / '3'}" in message
+    assert "jddp.evaluate(jddp.load(" in message  # a jddp.fit model: the library call
+    assert steps_saved(wd) == [3] and sorted(read_losses(wd)) == [1, 2, 3]
+    monkeypatch.undo()  # the advertised call evaluates the saved run
+    model = jddp.load(str(wd / "checkpoints" / "3"), model=TinyMLP(192, 2, nnx.Rngs(5)))
+    assert jddp.evaluate(model, data(64))["eval/count"] == 64
+
+
+def preempt_when_logged(workdir, steps=2, sig=signal.SIGTERM) -> threading.Thread:
+    """Send ``sig`` to this process once ``workdir`` holds ``steps`` train lines (the run in the
+    main thread then saves and raises ``Preempted``)."""
+
+    def watch():
+        metrics = workdir / "metrics.jsonl"
+        if wait_for(lambda: metrics.exists() and len(read_losses(workdir)) >= steps, 120):
+            os.kill(os.getpid(), sig)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_preempted_run_continues_under_resume_false(tmp_path, capsys):
+    """``checkpoint.resume=false`` starts over after a finished or foreign run, never after
+    its own preemption: rerunning the same command continues."""
+    wd = tmp_path / "run"
+    preempt_when_logged(wd)
+    with pytest.raises(Preempted) as preempted:
+        fit(wd, "train.steps=100000", "checkpoint.resume=false")
+    stopped = preempted.value.step
+    assert steps_saved(wd) == [stopped]
+    capsys.readouterr()
+    result = fit(wd, f"train.steps={stopped + 2}", "checkpoint.resume=false")
+    assert f"preempted at step {stopped}: continuing it" in capsys.readouterr().out
+    assert result.step == stopped + 2 and not (wd / "previous").exists()
+    assert steps_saved(wd) == [stopped, stopped + 2]
+    assert min(read_losses(wd)) == 1 and max(read_losses(wd)) == stopped + 2  # one log
+    # Finished now: the same command starts over, the finished run set aside.
+    again = fit(wd, f"train.steps={stopped + 2}", "checkpoint.resume=false")
+    assert again.step == stopped + 2 and len(list((wd / "previous").iterdir())) == 1
+
+
+@pytest.mark.slow
+def test_sigusr1_to_the_launcher_saves_and_the_same_command_continues(tmp_path):
+    """SLURM's ``--signal=USR1@120`` reaches the launcher only: it forwards it, every rank saves,
+    the launcher exits 75, and the same command (``checkpoint.resume=false``, as in the shipped
+    examples) continues the run."""
+    wd = tmp_path / "run"
+    cmd = launch_cmd(2, 1, wd, "train.steps=100000", "checkpoint.resume=false", base=TINY)
+    job = start_training(cmd, wd, steps=2)
+    job.send_signal(signal.SIGUSR1)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 75, err[-3000:]
+    stopped = int(out.split("preempted at step ")[1].split()[0])
+    assert steps_saved(wd) == [stopped] and not (wd / ".jddp.lock").exists()
+    again = run(cmd[:-2] + [f"train.steps={stopped + 1}", "checkpoint.resume=false"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"at step {stopped}" in again.stdout and steps_saved(wd) == [stopped, stopped + 1]
+
+
+def one_nan_image(n=64):
+    """``data(n)`` with image 0 all NaN: one batch of every epoch (of 4) has a NaN loss."""
+    x, y = data(n)
+    x[0] = np.nan
+    return x, y
+
+
+def test_skipped_steps_are_counted_and_too_many_fail_after_saving(tmp_path, capsys):
+    common = dict(eval_data=data(64), config={"workdir": str(tmp_path / "ok")})
+    overrides = [
+        "data.global_batch_size=16",
+        "log.progress=off",
+        "train.steps=8",
+        "train.on_nonfinite=skip",
+    ]
+    model = TinyMLP(192, 2, nnx.Rngs(0))
+    ok = jddp.fit(
+        model,
+        train_data=one_nan_image(),
+        overrides=[*overrides, "train.max_skipped_fraction=0.25"],
+        **common,
+    )
+    out = capsys.readouterr().out
+    assert ok.skipped_steps == 2  # 2 epochs of 4 batches, one with the NaN image each
+    assert "skipped        2 of 8 steps" in out and out.rstrip().endswith("skipped=2")
+    wd = tmp_path / "too_many"
+    with pytest.raises(NonFiniteLoss, match=r"2 of 8 steps \(25%\).*max_skipped_fraction=0.1"):
+        jddp.fit(
+            TinyMLP(192, 2, nnx.Rngs(0)),
+            train_data=one_nan_image(),
+            eval_data=data(64),
+            config={"workdir": str(wd)},
+            overrides=overrides,
+        )
+    assert steps_saved(wd) == [8]  # failed, but nothing trained is lost
+
+
+def with_labels(labels_at: dict[int, int], n=64):
+    x, y = data(n)
+    for index, label in labels_at.items():
+        y[index] = label
+    return x, y
+
+
+def test_labels_outside_the_classes_are_refused(tmp_path):
+    with pytest.raises(
+        DataConfigError,
+        match=r"train_data: 2 of 64 labels are outside \[0, 2\) "
+        r"\(the first at index 5: -1\)",
+    ):
+        jddp.fit(
+            TinyMLP(192, 2, nnx.Rngs(0)),
+            train_data=with_labels({5: -1, 9: -1}),
+            config={"workdir": str(tmp_path / "a")},
+            overrides=["log.progress=off", "data.global_batch_size=16", "train.steps=1"],
+        )
+    with pytest.raises(DataConfigError, match=r"eval_data: 1 of 64 labels .* index 3: 7\)"):
+        jddp.fit(
+            TinyMLP(192, 2, nnx.Rngs(0)),
+            train_data=data(64),
+            eval_data=with_labels({3: 7}),
+            config={"workdir": str(tmp_path / "b")},
+            overrides=["log.progress=off", "data.global_batch_size=16", "train.steps=1"],
+        )
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    model = TinyMLP(192, 2, nnx.Rngs(0))
+    with pytest.raises(DataConfigError, match=r"data: 1 of 64 labels .* index 0: 50\)"):
+        jddp.evaluate(model, with_labels({0: 50}))
+    with pytest.raises(DataConfigError, match=r"data: 1 of 64 labels .* index 63: -3\)"):
+        jddp.evaluate(model, with_labels({63: -3}))
+    assert jddp.evaluate(model, data(64))["eval/count"] == 64
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_trainer_leaves_no_process(tmp_path):
+    """What the OOM killer does: the input worker processes and multiprocessing's resource
+    tracker go with the trainer."""
+    wd = tmp_path / "run"
+    cmd = train_cmd(wd, "train.steps=100000", "data.worker_kind=process", "data.workers=2")
+    job = start_training(cmd, wd, steps=2)
+    started = descendants(job.pid)
+    assert len(started) >= 3, started  # 2 workers and the resource tracker at least
+    job.kill()
+    job.wait()  # not communicate(): surviving workers would hold its pipes open
+    assert wait_for(lambda: not any(alive(p) for p in started), 10), [
+        Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in started if alive(p)
+    ]
+
+
+@pytest.mark.parametrize("how", ["removed", "taken"])
+def test_a_run_whose_lock_goes_stops_without_deleting(tmp_path, how):
+    wd = tmp_path / "run"
+    lock = wd / ".jddp.lock"
+    other = "otherhost 4242 1\n"
+
+    def take_away():
+        metrics = wd / "metrics.jsonl"
+        if wait_for(lambda: metrics.exists() and len(read_losses(wd)) >= 3, 120):
+            lock.unlink() if how == "removed" else lock.write_text(other)
+            taken_at.append(time.monotonic())
+
+    taken_at: list[float] = []
+    threading.Thread(target=take_away, daemon=True).start()
+    with pytest.raises(
+        WorkdirLost, match=f"lock {re.escape(str(lock))} (was removed|was taken by another run)"
+    ):
+        fit(wd, "train.steps=400", "checkpoint.every_steps=1")
+    assert time.monotonic() - taken_at[0] < 10  # noticed within seconds
+    saved = steps_saved(wd)
+    assert saved and max(saved) <= max(read_losses(wd)) + 1  # its checkpoints stay
+    assert (lock.read_text() == other) if how == "taken" else not lock.exists()
+
+
+def test_fit_of_no_examples_is_one_line(tmp_path):
+    with pytest.raises(DataConfigError, match=r"^train_data: no examples \(an empty list\)$"):
+        jddp.fit(TinyMLP(192, 2, nnx.Rngs(0)), train_data=[], config={"workdir": str(tmp_path)})
+
+
+def test_metrics_jsonl_deleted_or_unwritable(tmp_path):
+    from jddp.metrics import MetricsLog
+    from jddp.workdir import RunFolder
+
+    folder = RunFolder(tmp_path / "run")
+    log = MetricsLog(folder)
+    log.write(1, {"train/loss": 1.0})
+    folder.metrics_jsonl.unlink()  # a user or script deletes it mid-run
+    log.write(2, {"train/loss": 2.0})
+    assert read_losses(folder.root) == {2: 2.0}  # written again, not into the deleted file
+    log.close()
+    folder.metrics_jsonl.unlink()
+    folder.metrics_jsonl.mkdir()  # unwritable even for root
+    with pytest.raises(JddpError, match=f"{re.escape(str(folder.metrics_jsonl))}: cannot write"):
+        MetricsLog(folder, resume_step=1)
+
+
+def test_a_fit_model_that_does_not_fit_the_data_is_named_as_such(tmp_path):
+    from tests.user_models import ThreeLogits
+
+    x, y = data(64)
+    y[:10] = np.arange(10)  # 10 classes, the model has 3 logits
+    expected = "^the model given to jddp.fit: the model maps images"
+    with pytest.raises(ConfigError, match=expected) as e:
+        jddp.fit(
+            ThreeLogits(nnx.Rngs(0)),
+            train_data=(x, y),
+            config={"workdir": str(tmp_path)},
+            overrides=["data.global_batch_size=16"],
+        )
+    assert "resnet18" not in str(e.value)

@@ -158,6 +158,10 @@ def host_iterator(
         # (os._exit); its warning about freeing them would only add lines to the one-line error.
         if _QUIET_TRACKER not in sys.warnoptions:
             sys.warnoptions.append(_QUIET_TRACKER)
+        from jddp.lifeline import worker_lifeline
+
         options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=buffer)
-        return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0)).mp_prefetch(options))
+        local = ds.to_iter_dataset(grain.ReadOptions(num_threads=0))
+        # The workers die with this process whatever kills it (no orphan holds memory).
+        return iter(local.mp_prefetch(options, worker_init_fn=worker_lifeline))
     raise ValueError(f"data.worker_kind={kind!r}: expected one of {', '.join(WORKER_KINDS)}")

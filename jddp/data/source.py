@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from jddp.errors import ConfigError
+from jddp.errors import ConfigError, DataConfigError
 
 __all__ = ["ArraySource", "RecordSource", "Source", "Splits", "as_source"]
 
@@ -223,6 +223,20 @@ def class_labels(labels: Any, who: str) -> np.ndarray:
     return labels.astype(np.int32)
 
 
+def check_label_range(labels: np.ndarray, num_classes: int, who: str) -> None:
+    """Refuse labels outside ``[0, num_classes)`` (``DataConfigError`` naming ``who``, how many
+    and the first one): the loss would be NaN, or silently wrong, for them."""
+    labels = np.asarray(labels)
+    bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+    if bad.size:
+        first = int(bad[0])
+        raise DataConfigError(
+            f"{who}: {bad.size} of {labels.size} labels are outside [0, {num_classes}) (the "
+            f"first at index {first}: {int(labels[first])}); labels are class indices "
+            f"0..{num_classes - 1}"
+        )
+
+
 def as_source(
     data: Any, num_classes: int | None = None, name: str = "data", *, label: str | None = None
 ) -> Source:
@@ -238,6 +252,8 @@ def as_source(
     who = label or name
     if hasattr(data, "get_batch"):
         return data
+    if isinstance(data, list | tuple) and not data:
+        raise DataConfigError(f"{who}: no examples (an empty {type(data).__name__})")
     if isinstance(data, tuple) and len(data) == 2 and hasattr(data[0], "shape"):
         images, labels = np.asarray(data[0]), class_labels(data[1], who)
     elif hasattr(data, "__len__") and hasattr(data, "__getitem__") and not _is_batch_list(data):
@@ -260,10 +276,12 @@ def as_source(
     if images.dtype != np.uint8:
         images = images.astype(np.float32)
     channels = images.shape[-1]
+    classes = num_classes or int(labels.max(initial=0)) + 1
+    check_label_range(labels, classes, who)
     return ArraySource(
         images,
         labels,
-        num_classes or int(labels.max()) + 1,
+        classes,
         mean=np.zeros(channels, np.float32),
         std=np.ones(channels, np.float32),
         name=name,
