@@ -23,11 +23,11 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jddp.api import load_config  # noqa: E402
+from jddp.build import build_steps  # noqa: E402
 from jddp.comm import XlaComm  # noqa: E402
 from jddp.data.loader import batch_layout, place_batch  # noqa: E402
 from jddp.mesh import DATA_AXIS, make_mesh  # noqa: E402
 from jddp.models import resnet18  # noqa: E402
-from jddp.setup import build_steps  # noqa: E402
 from jddp.state import create_train_state  # noqa: E402
 
 COLLECTIVES = {

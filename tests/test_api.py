@@ -1,6 +1,7 @@
 """The library API: jddp.fit with custom models, losses, metrics and data; user model factories
 from the CLI; the runnable examples (also under jddp.launch)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -111,3 +112,13 @@ def test_examples_run(tmp_path, launcher, script, min_accuracy):
     assert len(done) == 1
     accuracy = float(done[0].split("eval/accuracy=")[1].split()[0])
     assert accuracy >= min_accuracy
+
+
+def test_evaluate_is_the_library_call_and_the_cli_module():
+    """``jddp.evaluate`` is the documented function, and ``python -m jddp.evaluate`` finds the
+    CLI module of that name (runpy resolves it without binding ``jddp.evaluate``)."""
+    from jddp.evaluation import evaluate_model
+
+    assert jddp.evaluate is evaluate_model
+    assert importlib.util.find_spec("jddp.evaluate").origin.endswith("jddp/evaluate.py")
+    assert jddp.evaluate is evaluate_model

@@ -1,6 +1,10 @@
 """Before and after the loop: the trained model in hand (fit, load), predict, evaluate,
 warm start, progress lines."""
 
+import runpy
+import sys
+from unittest import mock
+
 import jax
 import numpy as np
 import pytest
@@ -75,7 +79,7 @@ def test_load_builds_the_model_the_checkpoint_config_names(tmp_path):
 
     # Raw uint8 pixels given with the run are normalised as the run trained (its checkpoint
     # records the train split's mean/std), not merely scaled to [0, 1].
-    from jddp.setup import load_data
+    from jddp.build import load_data
 
     splits = load_data(cfg)
     raw, labels = splits.eval.images[:24], splits.eval.labels[:24]
@@ -125,10 +129,15 @@ def test_train_progress_lines_then_evaluate_cli(tmp_path):
     grad/param norms. Evaluating its checkpoint from the CLI gives the run's final eval (loss,
     top-5 for 10 classes), appended to metrics.jsonl; a missing step or checkpoint is exit 2."""
     import subprocess
-    import sys
 
-    from jddp.evaluate import main
     from tests.helpers import read_metrics
+
+    def main(argv: list[str]) -> int:
+        """``python -m jddp.evaluate ARGV``, run in this process: its exit code."""
+        with mock.patch.object(sys, "argv", ["jddp.evaluate", *argv]):
+            with pytest.raises(SystemExit) as stop:
+                runpy.run_module("jddp.evaluate", run_name="__main__")
+        return stop.value.code
 
     workdir = tmp_path / "run"
     train = [
