@@ -24,8 +24,8 @@ programs. One step's time is the wall time of the call until its outputs are rea
 median and p10-p90 of each, and for ``jddp/plain`` and ``plain-copy/plain`` the ratio of the
 medians and the median of the per-round ratios (which pair steps run seconds apart), each with
 a 95% bootstrap interval over rounds. The trainer also places a tiny ``sys/stop`` flag array on
-the devices each step (``StopRequest.flags`` in ``jddp/hooks.py``, placed by
-``jddp/loop.py``); its host cost is timed apart.
+the devices each step (``StopRequest.flags`` in ``jddp/run/hooks.py``, placed by
+``jddp/run/loop.py``); its host cost is timed apart.
 
 **2. Input wait.** The real trainer, ``python -m jddp.train``, in a subprocess, on (a) the
 default config ``configs/digits.yaml`` shortened to ``--trainer-steps`` steps and (b) synthetic
@@ -87,12 +87,12 @@ def build_steps(
     from flax import nnx
 
     from jddp.api import load_config
+    from jddp.build import build_steps
     from jddp.comm import XlaComm
     from jddp.data.loader import batch_layout, place_batch
-    from jddp.hooks import StopRequest
     from jddp.mesh import make_mesh
     from jddp.models import resnet18
-    from jddp.setup import build_steps
+    from jddp.run.hooks import StopRequest
     from jddp.state import create_train_state
 
     dtype = jnp.float32
@@ -108,7 +108,7 @@ def build_steps(
     labels = rng.integers(0, num_classes, batch).astype(np.int32)
     tx = optax.sgd(lr, momentum=0.9)
 
-    # A: jddp, as the trainer builds it (jddp.setup.build_steps on a 1-device mesh + stop flags).
+    # A: jddp, as the trainer builds it (jddp.build.build_steps on a 1-device mesh + stop flags).
     mesh = make_mesh(jax.devices()[:1])
     layout = batch_layout(mesh, batch)
     model_def, jstate = create_train_state(model(), tx, mesh)

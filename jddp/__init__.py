@@ -23,7 +23,7 @@ _EXPORTS = {
     "load": "jddp.inference",
     "evaluate": "jddp.evaluation:evaluate_model",
     "predict": "jddp.inference",
-    "RunResult": "jddp.trainer",
+    "RunResult": "jddp.run.trainer",
     "Config": "jddp.config",
     "ConfigError": "jddp.config",
     "make_mesh": "jddp.mesh",
@@ -35,7 +35,7 @@ _EXPORTS = {
     "Comm": "jddp.comm",
     "XlaComm": "jddp.comm",
     "MpiComm": "jddp.comm",
-    "build_run": "jddp.setup",
+    "build_run": "jddp.run.setup",
     "build_steps": "jddp.build",
     "models": "jddp.models",
 }

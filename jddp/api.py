@@ -19,7 +19,7 @@ from jddp import distributed
 from jddp.build import Parts
 from jddp.config import Config
 from jddp.data.source import Splits, as_source
-from jddp.trainer import RunResult, train_and_evaluate
+from jddp.run.trainer import RunResult, train_and_evaluate
 
 ConfigLike = Config | dict[str, Any] | str | Path | None
 

@@ -17,9 +17,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from jddp.checkpoint.weights import find_checkpoint
 from jddp.cli import OneLineParser, Session, run
 from jddp.evaluation import evaluate_checkpoint, run_config
-from jddp.weights import find_checkpoint
 
 USAGE = "python -m jddp.evaluate --workdir W [--step N] [key.sub=value ...]"
 

@@ -2,7 +2,7 @@
 
 One eval run (:class:`EvalRun`: the eval step, the data and where they run) serves three callers:
 
-* the trainer's periodic and final evals (:meth:`jddp.setup.Run.evaluate`);
+* the trainer's periodic and final evals (:meth:`jddp.run.setup.Run.evaluate`);
 * the library call ``jddp.evaluate(model_or_workdir, data=None, ...)`` (:func:`evaluate_model`);
 * the CLI ``python -m jddp.evaluate`` (:mod:`jddp.evaluate`, :func:`evaluate_checkpoint`).
 """
@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from jddp import config as config_lib
 from jddp.build import build_mesh, build_model, load_data, pipeline_options
+from jddp.checkpoint.weights import reader
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, batch_layout, eval_batches
@@ -33,7 +34,6 @@ from jddp.metrics import Console, append_metrics, describe_eval
 from jddp.preflight import check_same_config
 from jddp.state import TrainState, create_train_state
 from jddp.step import LossFn, PixelNorm, cross_entropy_loss, make_eval_step
-from jddp.weights import reader
 from jddp.workdir import RunFolder
 
 

@@ -12,7 +12,7 @@ import sys
 
 from jddp import config as config_lib
 from jddp.cli import OneLineParser, Session, run
-from jddp.lifeline import watch_launcher
+from jddp.launch.lifeline import watch_launcher
 
 USAGE = (
     "python -m jddp.train --config FILE.yaml [key.sub=value ...] [--print-config] "
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             print(config_lib.dump(cfg), end="")
             return 0
         job = session.start_jax(cfg.dist)  # before any computation
-        from jddp.trainer import train_and_evaluate  # flax: after start_jax's version check
+        from jddp.run.trainer import train_and_evaluate  # flax: after start_jax's version check
 
         train_and_evaluate(cfg, job=job)
         return 0

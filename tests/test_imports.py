@@ -78,7 +78,7 @@ def test_import_graph_is_read():
     graph = import_graph()
     assert "jddp.config" in graph["jddp.train"]  # from jddp import config as config_lib
     assert "jddp.comm" in graph["jddp.step"]
-    assert "jddp.data.loader" in graph["jddp.loop"]
+    assert "jddp.data.loader" in graph["jddp.run.loop"]
 
 
 def test_no_import_cycle():

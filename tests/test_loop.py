@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from jddp.errors import NonFiniteLoss
-from jddp.hooks import CheckpointHook, EvalHook, Every, StepReporter, ThroughputMeter
+from jddp.run.hooks import CheckpointHook, EvalHook, Every, StepReporter, ThroughputMeter
 from jddp.step import NONFINITE_KEY, STOP_KEY
 from tests.helpers import TINY
 
@@ -22,7 +22,7 @@ def test_every_is_due_on_multiples_and_never_at_zero():
 class FakeClock:
     def __init__(self, monkeypatch):
         self.now = 100.0
-        monkeypatch.setattr("jddp.hooks.time.perf_counter", lambda: self.now)
+        monkeypatch.setattr("jddp.run.hooks.time.perf_counter", lambda: self.now)
 
 
 def test_throughput_windows_count_finished_steps(monkeypatch):
@@ -116,9 +116,9 @@ import jax
 from jddp import config as config_lib
 from jddp.comm import XlaComm
 from jddp.errors import ReplicasDiverged
-from jddp.hooks import StopRequest
-from jddp.loop import train_loop
-from jddp.setup import Parts, build_run
+from jddp.run.hooks import StopRequest
+from jddp.run.loop import train_loop
+from jddp.run.setup import Parts, build_run
 from jddp.workdir import RunFolder
 
 for check_every in (2, 0):  # with the check, then the same drift without it

@@ -168,7 +168,7 @@ DIVERGED = """
 import jax, jax.numpy as jnp, numpy as np
 from jddp.comm import XlaComm
 from jddp.mesh import make_mesh, replicated
-from jddp.hooks import check_replicas_in_sync
+from jddp.run.hooks import check_replicas_in_sync
 from jddp.state import TrainState
 mesh = make_mesh()
 a, b = jax.device_put(jnp.ones(3), jax.devices()[0]), jax.device_put(jnp.ones(3) * 2,

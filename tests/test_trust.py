@@ -11,7 +11,7 @@ from flax import nnx
 
 import jddp
 from jddp.errors import ConfigError, NonFiniteLoss
-from jddp.hooks import STOP_SIGNALS, StopRequest
+from jddp.run.hooks import STOP_SIGNALS, StopRequest
 from tests.helpers import (
     TINY,
     data,

@@ -57,7 +57,7 @@ def test_fit_leaves_the_trained_weights_in_the_passed_model_and_load_gives_them_
 
 
 def test_load_builds_the_model_the_checkpoint_config_names(tmp_path):
-    from jddp.trainer import train_and_evaluate
+    from jddp.run.trainer import train_and_evaluate
 
     cfg = jddp.load_config(
         {"workdir": str(tmp_path / "run")},

@@ -1,4 +1,4 @@
-"""One jddp worker process: build the step as the trainer does (``jddp.setup.build_steps``),
+"""One jddp worker process: build the step as the trainer does (``jddp.build.build_steps``),
 compile, warm up, then serve the driver's timing commands (:mod:`.protocol`).
 
 ``backend == "mpi"``: one rank of ``mpirun`` (see :mod:`.mpi_worker`), built as jddp's trainer
@@ -33,9 +33,9 @@ def _build(spec: dict) -> SimpleNamespace:
     import jddp.models
     import jddp.state
     from jddp.api import load_config
+    from jddp.build import build_steps
     from jddp.config import DistConfig
     from jddp.data.loader import batch_layout, place_batch
-    from jddp.setup import build_steps
 
     w = Workload(**spec["work"])
     mpi = spec.get("backend") == "mpi"

@@ -1,7 +1,7 @@
 """Assemble a training run from its config: the pieces of :mod:`jddp.build`, the restored
 state, the outputs (checkpoints, metrics log) and the loop's hooks.
 
-:func:`build_run` reads the config; the loop (:mod:`jddp.loop`) only uses what it built.
+:func:`build_run` reads the config; the loop (:mod:`jddp.run.loop`) only uses what it built.
 """
 
 from __future__ import annotations
@@ -24,13 +24,18 @@ from jddp.build import (
     total_steps,
 )
 from jddp.checkpoint import Checkpoints
+from jddp.checkpoint.start import restore, warm_start
 from jddp.comm import Comm
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, TrainBatches
 from jddp.data.source import Splits
 from jddp.errors import ConfigError
 from jddp.evaluation import EvalRun
-from jddp.hooks import (
+from jddp.mesh import to_host
+from jddp.metrics import Console, MetricsLog, Progress
+from jddp.optimizer import make_optimizer
+from jddp.preflight import check_model_output, check_profile_steps
+from jddp.run.hooks import (
     CheckpointHook,
     EvalHook,
     Profiler,
@@ -39,11 +44,6 @@ from jddp.hooks import (
     SyncCheck,
     ThroughputMeter,
 )
-from jddp.mesh import to_host
-from jddp.metrics import Console, MetricsLog, Progress
-from jddp.optimizer import make_optimizer
-from jddp.preflight import check_model_output, check_profile_steps
-from jddp.start import restore, warm_start
 from jddp.state import ModelDef, TrainState, create_train_state
 from jddp.step import PixelNorm, TrainStep
 from jddp.workdir import RunFolder

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import IO
 
-from jddp.lifeline import _die_with_parent, _load_prctl
+from jddp.launch.lifeline import _die_with_parent, _load_prctl
 
 PROG = "jddp.launch"
 _POLL_INTERVAL = 0.05
