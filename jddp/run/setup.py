@@ -56,34 +56,41 @@ def _first_copy(x: Any) -> Any:
     return x.addressable_data(0) if isinstance(x, jax.Array) else x
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
-    """Everything the loop uses, built from the config by :func:`build_run`."""
+    """Everything the loop uses, built from the config by :func:`build_run` (every part
+    named: ``Run(cfg=..., comm=..., ...)``)."""
 
+    # Where it runs: the config, the processes, the devices and this process's batch rows.
     cfg: Config
     comm: Comm
-    folder: RunFolder
-    console: Console
     mesh: Mesh
     layout: BatchLayout
+    # What it trains: the data, the model and its state, from which step to which.
     splits: Splits
     batches: TrainBatches
     model_def: ModelDef
     state: TrainState
     start_step: int
     total_steps: int
+    start_skipped_steps: int = 0  # skipped before this run resumed
+    user_model: nnx.Module | None = None  # the module jddp.fit was given: trained in place
+    # How: the steps, and the eval pass (``run.evaluate(state)``: metrics over every example).
     train_step: TrainStep
     eval_step: Any
+    evaluate: EvalRun
+    # What it writes: the run folder, console lines, checkpoints, metrics.jsonl, progress.
+    folder: RunFolder
+    console: Console
     checkpoints: Checkpoints
     log: MetricsLog
     progress: Any
+    # The periodic work around each step.
     meter: ThroughputMeter
     stop: StopRequest
     reporter: StepReporter
     profiler: Profiler
     hooks: list = field(default_factory=list)
-    start_skipped_steps: int = 0  # skipped before this run resumed
-    user_model: nnx.Module | None = None  # the module jddp.fit was given: trained in place
 
     def trained_model(self, state: TrainState) -> nnx.Module:
         """The module holding ``state``'s parameters and model state (this process's first
@@ -105,18 +112,6 @@ class Run:
     def config_dict(self) -> dict[str, Any]:
         """The resolved config, as saved next to every checkpoint."""
         return config_lib.to_dict(self.cfg)
-
-    def evaluate(self, state: TrainState) -> dict:
-        """Eval metrics of ``state`` over every eval example once."""
-        return EvalRun(
-            self.eval_step,
-            self.splits.eval,
-            self.cfg.data.global_batch_size,
-            self.mesh,
-            self.layout,
-            self.comm,
-            pipeline_options(self.cfg),
-        )(state)
 
 
 def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, parts: Parts) -> Run:
@@ -185,16 +180,43 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         cfg.log.baseline_img_per_s,
         len(mesh.local_devices) * comm.process_count,
     )
-    run = Run(
-        cfg, comm, folder, console, mesh, layout, splits, batches, model_def, state,
-        start_step, steps, train_step, eval_step, ckpts, log, progress, meter, stop, reporter,
-        Profiler(cfg.log.profile_steps, folder.profile, console),
-    )  # fmt: skip
-    run.start_skipped_steps = int(to_host(state.skipped_steps))
-    run.user_model = parts.model
-    run.hooks = [
-        EvalHook(cfg.train.eval_every_steps, steps, run.evaluate, log, meter, progress),
-        CheckpointHook(ckpts, run.config_dict),
-        SyncCheck(cfg.dist.check_sync_every, comm),
-    ]
-    return run
+    evaluate = EvalRun(
+        eval_step,
+        splits.eval,
+        cfg.data.global_batch_size,
+        mesh,
+        layout,
+        comm,
+        pipeline_options(cfg),
+    )
+    return Run(
+        cfg=cfg,
+        comm=comm,
+        mesh=mesh,
+        layout=layout,
+        splits=splits,
+        batches=batches,
+        model_def=model_def,
+        state=state,
+        start_step=start_step,
+        total_steps=steps,
+        start_skipped_steps=int(to_host(state.skipped_steps)),
+        user_model=parts.model,
+        train_step=train_step,
+        eval_step=eval_step,
+        evaluate=evaluate,
+        folder=folder,
+        console=console,
+        checkpoints=ckpts,
+        log=log,
+        progress=progress,
+        meter=meter,
+        stop=stop,
+        reporter=reporter,
+        profiler=Profiler(cfg.log.profile_steps, folder.profile, console),
+        hooks=[
+            EvalHook(cfg.train.eval_every_steps, steps, evaluate, log, meter, progress),
+            CheckpointHook(ckpts, config_lib.to_dict(cfg)),
+            SyncCheck(cfg.dist.check_sync_every, comm),
+        ],
+    )
