@@ -3,7 +3,6 @@ from the CLI; the runnable examples (also under jddp.launch)."""
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 from flax import nnx
 
 import jddp
-from tests.helpers import data
+from tests.helpers import data, run, run_python
 from tests.user_models import TinyMLP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,21 +68,10 @@ def test_fit_with_grain_source_record_list_and_iterable(tmp_path):
 
 @pytest.mark.slow
 def test_user_model_factory_from_the_cli(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jddp.train",
-            f"workdir={tmp_path / 'run'}",
-            "model.name=tests.user_models:tiny_mlp",
-            "data.name=synthetic",
-            "data.image_size=8",
-            "data.global_batch_size=16",
-            "train.steps=3",
-            "log.progress=off",
-        ],
-        capture_output=True,
-        text=True,
+    out = run_python(
+        *("-m", "jddp.train", f"workdir={tmp_path / 'run'}"),
+        *("model.name=tests.user_models:tiny_mlp", "data.name=synthetic", "data.image_size=8"),
+        *("data.global_batch_size=16", "train.steps=3", "log.progress=off"),
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-2000:]
@@ -100,10 +88,8 @@ def test_user_model_factory_from_the_cli(tmp_path):
     ],
 )
 def test_examples_run(tmp_path, launcher, script, min_accuracy):
-    out = subprocess.run(
+    out = run(
         [*launcher, sys.executable, str(ROOT / "experiments" / "examples" / script)],
-        capture_output=True,
-        text=True,
         cwd=tmp_path,
         timeout=900,
     )

@@ -128,9 +128,7 @@ def test_train_progress_lines_then_evaluate_cli(tmp_path):
     """A CLI run with stdout piped prints progress lines (train, eval, epoch end) and logs
     grad/param norms. Evaluating its checkpoint from the CLI gives the run's final eval (loss,
     top-5 for 10 classes), appended to metrics.jsonl; a missing step or checkpoint is exit 2."""
-    import subprocess
-
-    from tests.helpers import read_metrics
+    from tests.helpers import read_metrics, run_python
 
     def main(argv: list[str]) -> int:
         """``python -m jddp.evaluate ARGV``, run in this process: its exit code."""
@@ -145,11 +143,7 @@ def test_train_progress_lines_then_evaluate_cli(tmp_path):
         *("data.global_batch_size=128", "train.steps=10", "train.eval_every_steps=5"),
         "log.every_steps=4",  # 1024 examples: 8 steps per epoch
     ]
-    out = subprocess.run(
-        [sys.executable, "-m", "jddp.train", f"workdir={workdir}", *train],
-        capture_output=True,
-        text=True,
-    )
+    out = run_python("-m", "jddp.train", f"workdir={workdir}", *train)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "jddp: step 8/10 epoch 1.00, loss " in out.stdout, out.stdout
     assert ", lr 0.0" in out.stdout and " img/s, ETA 0:00:" in out.stdout
@@ -159,11 +153,7 @@ def test_train_progress_lines_then_evaluate_cli(tmp_path):
     assert [r["step"] for r in rows] == [4, 8, 10]
     assert all(r["train/grad_norm"] > 0 and r["train/param_norm"] > 0 for r in rows)
 
-    out = subprocess.run(
-        [sys.executable, "-m", "jddp.evaluate", "--workdir", str(workdir)],
-        capture_output=True,
-        text=True,
-    )
+    out = run_python("-m", "jddp.evaluate", "--workdir", str(workdir))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "jddp: eval step=10 " in out.stdout
     final, appended = [r for r in read_metrics(workdir) if "eval/loss" in r][-2:]
