@@ -3,7 +3,7 @@
     .venv/bin/python experiments/bench_overhead.py                  # ~3-4 min on a 2-core VM
     .venv/bin/python experiments/bench_overhead.py --width 16 --rounds 10 --no-trainer  # quick
 
-1. **Step overhead**: jddp's train step as the trainer builds it (``jddp.setup.build_steps`` on
+1. **Step overhead**: jddp's train step as the trainer builds it (``jddp.build.build_steps`` on
    a 1-device mesh, ``XlaComm``, the ``sys/stop`` flag column in the batch) against a plain
    ``jax.jit`` step written out by hand (same ResNet-18, weights, optax SGD-momentum update,
    BatchNorm statistics carried, state donated, the same batch on the device), each compiled
@@ -59,8 +59,8 @@ def build_steps(
 
     from jddp import XlaComm, build_steps, create_train_state, load_config, make_mesh
     from jddp.data.loader import batch_layout, place_batch  # jddp-internal: the trainer's
-    from jddp.hooks import StopRequest  # placement and its per-step stop flag, as it adds them
     from jddp.models import resnet18
+    from jddp.run.hooks import StopRequest  # placement and its per-step stop flag, as it adds them
 
     dtype = jnp.float32
     num_classes = 10
@@ -75,7 +75,7 @@ def build_steps(
     labels = rng.integers(0, num_classes, batch).astype(np.int32)
     tx = optax.sgd(lr, momentum=0.9)
 
-    # A: jddp, as the trainer builds it (jddp.setup.build_steps on a 1-device mesh + stop flags).
+    # A: jddp, as the trainer builds it (jddp.build.build_steps on a 1-device mesh + stop flags).
     mesh = make_mesh(jax.devices()[:1])
     layout = batch_layout(mesh, batch)
     model_def, jstate = create_train_state(model(), tx, mesh)

@@ -4,7 +4,8 @@ The few public names: :func:`fit` and :func:`initialize` to train your own model
 :func:`load`, :func:`predict` and :func:`evaluate` to use a trained model;
 the building blocks :func:`make_mesh`, :func:`create_train_state`, :func:`make_train_step`,
 :func:`make_eval_step`; the models in :mod:`jddp.models`; :class:`Config` and
-:func:`load_config`. Imports are lazy so ``python -m jddp.train --help`` stays fast.
+:func:`load_config`. Imports are lazy so ``python -m jddp.train --help`` stays fast;
+``_EXPORTS`` maps a name to ``"module"`` (the same name there) or ``"module:attribute"``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ _EXPORTS = {
     "load_config": "jddp.api",
     "as_source": "jddp.api",
     "load": "jddp.inference",
-    "evaluate": "jddp.evaluate",
+    "evaluate": "jddp.evaluation:evaluate_model",
     "predict": "jddp.inference",
-    "RunResult": "jddp.trainer",
+    "RunResult": "jddp.run.trainer",
     "Config": "jddp.config",
     "ConfigError": "jddp.config",
     "make_mesh": "jddp.mesh",
@@ -34,8 +35,8 @@ _EXPORTS = {
     "Comm": "jddp.comm",
     "XlaComm": "jddp.comm",
     "MpiComm": "jddp.comm",
-    "build_run": "jddp.setup",
-    "build_steps": "jddp.setup",
+    "build_run": "jddp.run.setup",
+    "build_steps": "jddp.build",
     "models": "jddp.models",
 }
 
@@ -45,7 +46,10 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jddp' has no attribute {name!r}")
-    module = importlib.import_module(_EXPORTS[name])
-    if name in ("models", "evaluate"):  # jddp.evaluate: a callable module (the CLI's too)
+    module_name, _, attribute = _EXPORTS[name].partition(":")
+    module = importlib.import_module(module_name)
+    if name == "models":
         return module
-    return getattr(module, name)
+    # ``jddp.evaluate`` is the library call; ``python -m jddp.evaluate`` runs the CLI module of
+    # that name (runpy does not bind it here).
+    return getattr(module, attribute or name)

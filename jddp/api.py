@@ -16,10 +16,10 @@ from flax import nnx
 
 from jddp import config as config_lib
 from jddp import distributed
+from jddp.build import Parts
 from jddp.config import Config
 from jddp.data.source import Splits, as_source
-from jddp.setup import Parts
-from jddp.trainer import RunResult, train_and_evaluate
+from jddp.run.trainer import RunResult, train_and_evaluate
 
 ConfigLike = Config | dict[str, Any] | str | Path | None
 

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from jddp import errors
+from jddp.compat import check_versions
 from jddp.errors import ConfigError, JddpError, Preempted
+from jddp.xla_setup import apply_cpu_flags
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -31,12 +33,9 @@ class Session:
     def start_jax(self, dist_cfg: Any) -> Any:
         """A known-broken jax/flax pair stops here in one line; then jddp's XLA flags (read when
         XLA's backends start), then join the job."""
-        from jddp.compat import check_versions
-        from jddp.xla_setup import apply_cpu_flags
-
         check_versions()
         apply_cpu_flags()
-        from jddp import distributed
+        from jddp import distributed  # imports jax: only now, after the checks and the flags
 
         self.job = distributed.initialize(dist_cfg)
         return self.job

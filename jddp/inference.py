@@ -16,12 +16,12 @@ import numpy as np
 from flax import nnx
 
 from jddp import config as config_lib
+from jddp.build import build_model
 from jddp.checkpoint import Checkpoints
+from jddp.checkpoint.weights import describe_mismatch, mismatched_weights, open_checkpoint
 from jddp.errors import ConfigError
-from jddp.setup import build_model
 from jddp.state import split_model
 from jddp.step import PixelNorm
-from jddp.weights import describe_mismatch, mismatched_weights, open_checkpoint
 
 PathLike = str | Path
 

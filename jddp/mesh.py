@@ -11,6 +11,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "data"
+# The dtypes a config may name (train.precision, dist.grad_allreduce_dtype).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def make_mesh(devices: list[jax.Device] | None = None) -> Mesh:

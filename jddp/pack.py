@@ -42,7 +42,7 @@ from jddp.data.pack_format import (
     shard_name,
 )
 from jddp.errors import ConfigError, DataError
-from jddp.lifeline import _die_with_parent, _load_prctl
+from jddp.launch.lifeline import _die_with_parent, _load_prctl
 
 USAGE = (
     "python -m jddp.pack SRC OUT [--format imagefolder|cifar10|mnist|npz] [--max-side N] "

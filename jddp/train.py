@@ -13,6 +13,7 @@ import sys
 
 from jddp import config as config_lib
 from jddp.cli import OneLineParser, Session, run
+from jddp.launch.lifeline import watch_launcher
 
 USAGE = (
     "python -m jddp.train --config FILE.yaml [key.sub=value ...] [--print-config] "
@@ -47,8 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else argv
     # Under ``python -m jddp.launch``: go when the launcher goes, even where PDEATHSIG is missing.
-    from jddp.lifeline import watch_launcher
-
     watch_launcher()
 
     def body(session: Session) -> int:
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             print(config_lib.dump(cfg), end="")
             return 0
         job = session.start_jax(cfg.dist)  # before any computation
-        from jddp.trainer import train_and_evaluate
+        from jddp.run.trainer import train_and_evaluate  # flax: after start_jax's version check
 
         train_and_evaluate(cfg, job=job)
         return 0

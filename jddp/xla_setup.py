@@ -66,7 +66,7 @@ def apply_cpu_flags(environ: dict[str, str] | None = None) -> list[str]:
 def enable_compilation_cache(directory: str | None) -> Path | None:
     """Use ``directory`` (``~`` expanded) as JAX's persistent compilation cache, unless it is
     None or the user configured one already; returns the folder in use."""
-    import jax
+    import jax  # lazily: the CLIs import this module before JAX may start (apply_cpu_flags)
 
     current = jax.config.jax_compilation_cache_dir
     if current:

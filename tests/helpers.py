@@ -1,6 +1,8 @@
-"""Shared pieces of the end-to-end tests: the tiny run and how to start and read it."""
+"""Shared pieces of the end-to-end tests: the tiny run, how to start and read it, the fake-device
+environment and the one way to run a command."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -8,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from jddp.launch import merge_xla_flags
 
 # A tiny run: ResNet-18 of width 4 on 8x8 synthetic images, constant lr, a line every step.
 TINY = [
@@ -107,9 +111,7 @@ def wait_for(predicate, timeout_s: float) -> bool:
 def start_training(cmd, workdir, steps=2, timeout_s=300, **popen_kwargs) -> subprocess.Popen:
     """Start ``cmd`` (output captured as text) and return it once ``workdir/metrics.jsonl`` holds
     ``steps`` train lines."""
-    job = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs
-    )
+    job = start(cmd, **popen_kwargs)
     metrics = Path(workdir) / "metrics.jsonl"
     if not wait_for(lambda: metrics.exists() and len(read_losses(workdir)) >= steps, timeout_s):
         job.kill()
@@ -119,13 +121,45 @@ def start_training(cmd, workdir, steps=2, timeout_s=300, **popen_kwargs) -> subp
 
 def run_pids(workdir, exclude: int | None = None) -> list[int]:
     """Pids of the processes whose command line names ``workdir=<workdir>`` (the job's ranks)."""
-    out = subprocess.run(["pgrep", "-f", f"workdir={workdir}"], capture_output=True, text=True)
+    out = run(["pgrep", "-f", f"workdir={workdir}"])
     return [int(p) for p in out.stdout.split() if int(p) != exclude]
 
 
-def run(cmd, env=None, timeout=600) -> subprocess.CompletedProcess:
-    """Run ``cmd`` to the end, capturing its output as text."""
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+def fake_devices(count: int, env=None) -> dict[str, str]:
+    """``env`` (default: this process's) for a process that sees ``count`` fake CPU devices: the
+    device-count flag in ``XLA_FLAGS`` set as ``jddp.launch`` sets it, JAX on the CPU."""
+    env = dict(os.environ if env is None else env)
+    env["XLA_FLAGS"] = merge_xla_flags(env.get("XLA_FLAGS"), count)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def run(cmd, env=None, timeout=600, cwd=None, check=False) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to the end, capturing its output as text (undecodable bytes replaced)."""
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        env=env,
+        timeout=timeout,
+        cwd=cwd,
+        check=check,
+    )
+
+
+def run_python(*args, env=None, timeout=600, cwd=None, check=False) -> subprocess.CompletedProcess:
+    """``python ARGS`` (this interpreter: ``"-m", "jddp.train", ...`` or ``"-c", SCRIPT``), run
+    to the end as :func:`run` does."""
+    return run([sys.executable, *args], env=env, timeout=timeout, cwd=cwd, check=check)
+
+
+def start(cmd, **popen_kwargs) -> subprocess.Popen:
+    """Start ``cmd`` in the background, its output piped as text unless ``popen_kwargs`` say
+    otherwise (``stdout=``, ``stderr=``, ``env=``, ``start_new_session=``, ...)."""
+    options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    return subprocess.Popen(cmd, **{**options, **popen_kwargs})
 
 
 def train(workdir, *overrides, base=TINY_SYNC, env=None, timeout=600):

@@ -1,27 +1,24 @@
 """Train steps of a dropout model on 2 fake CPU devices and on 1; print what they did as JSON.
 
-Used by test_model_state.py in a subprocess (the device count is fixed at JAX import):
-``python model_state_worker.py RATE ACCUM``.
+Used by test_model_state.py in a subprocess with 2 fake devices (``tests.helpers.fake_devices``:
+the device count is fixed at JAX import): ``python model_state_worker.py RATE ACCUM``.
 """
 
 import json
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax
+import numpy as np
+import optax
+from flax import nnx
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jddp.api import load_config  # noqa: E402
-from jddp.comm import XlaComm  # noqa: E402
-from jddp.data.loader import batch_layout, place_batch  # noqa: E402
-from jddp.mesh import make_mesh  # noqa: E402
-from jddp.setup import build_steps  # noqa: E402
-from jddp.state import create_train_state  # noqa: E402
-from tests.user_models import DropoutMLP  # noqa: E402
+from jddp.api import load_config
+from jddp.build import build_steps
+from jddp.comm import XlaComm
+from jddp.data.loader import batch_layout, place_batch
+from jddp.mesh import make_mesh
+from jddp.state import create_train_state
+from tests.user_models import DropoutMLP
 
 
 def run(num_devices: int, images: np.ndarray, rate: float, accum: int, steps: int) -> dict:

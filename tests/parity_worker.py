@@ -1,18 +1,17 @@
 """Run 3 data-parallel train steps on N fake CPU devices and save losses and parameters.
 
-Used by test_step.py in a subprocess, since the device count is fixed at JAX import:
+Used by test_step.py in a subprocess with N fake devices (``tests.helpers.fake_devices``: the
+device count is fixed at JAX import):
 ``python parity_worker.py N OUT.npz [--x64] [--comm=pmean|psum] [--accum=K] [--model=cnn]``
 (``cnn``: no BatchNorm, so micro-batches see exactly what the whole batch does).
 """
 
-import os
 import re
 import sys
 
-num_devices = int(sys.argv[1])
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
+import jax
 
-import jax  # noqa: E402
+num_devices = int(sys.argv[1])
 
 if "--x64" in sys.argv:
     jax.config.update("jax_enable_x64", True)
@@ -23,11 +22,11 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jddp.api import load_config  # noqa: E402
+from jddp.build import build_steps  # noqa: E402
 from jddp.comm import XlaComm  # noqa: E402
 from jddp.data.loader import batch_layout, place_batch  # noqa: E402
 from jddp.mesh import DATA_AXIS, make_mesh  # noqa: E402
 from jddp.models import resnet18  # noqa: E402
-from jddp.setup import build_steps  # noqa: E402
 from jddp.state import create_train_state  # noqa: E402
 
 COLLECTIVES = {

@@ -1,8 +1,8 @@
 """The library API: jddp.fit with custom models, losses, metrics and data; user model factories
 from the CLI; the runnable examples (also under jddp.launch)."""
 
+import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import jddp
-from tests.helpers import data
+from tests.helpers import data, run, run_python
 from tests.user_models import TinyMLP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,21 +68,10 @@ def test_fit_with_grain_source_record_list_and_iterable(tmp_path):
 
 @pytest.mark.slow
 def test_user_model_factory_from_the_cli(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jddp.train",
-            f"workdir={tmp_path / 'run'}",
-            "model.name=tests.user_models:tiny_mlp",
-            "data.name=synthetic",
-            "data.image_size=8",
-            "data.global_batch_size=16",
-            "train.steps=3",
-            "log.progress=off",
-        ],
-        capture_output=True,
-        text=True,
+    out = run_python(
+        *("-m", "jddp.train", f"workdir={tmp_path / 'run'}"),
+        *("model.name=tests.user_models:tiny_mlp", "data.name=synthetic", "data.image_size=8"),
+        *("data.global_batch_size=16", "train.steps=3", "log.progress=off"),
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-2000:]
@@ -99,10 +88,8 @@ def test_user_model_factory_from_the_cli(tmp_path):
     ],
 )
 def test_examples_run(tmp_path, launcher, script, min_accuracy):
-    out = subprocess.run(
+    out = run(
         [*launcher, sys.executable, str(ROOT / "examples" / script)],
-        capture_output=True,
-        text=True,
         cwd=tmp_path,
         timeout=900,
     )
@@ -111,3 +98,13 @@ def test_examples_run(tmp_path, launcher, script, min_accuracy):
     assert len(done) == 1
     accuracy = float(done[0].split("eval/accuracy=")[1].split()[0])
     assert accuracy >= min_accuracy
+
+
+def test_evaluate_is_the_library_call_and_the_cli_module():
+    """``jddp.evaluate`` is the documented function, and ``python -m jddp.evaluate`` finds the
+    CLI module of that name (runpy resolves it without binding ``jddp.evaluate``)."""
+    from jddp.evaluation import evaluate_model
+
+    assert jddp.evaluate is evaluate_model
+    assert importlib.util.find_spec("jddp.evaluate").origin.endswith("jddp/evaluate.py")
+    assert jddp.evaluate is evaluate_model

@@ -1,8 +1,6 @@
 """Config: YAML + overrides, typing, validation, --help and --print-config."""
 
 import os
-import subprocess
-import sys
 import typing
 
 import pytest
@@ -10,6 +8,7 @@ import yaml
 
 from jddp import config as config_lib
 from jddp.config import ConfigError
+from tests.helpers import run_python
 
 
 def write(tmp_path, text, name="run.yaml"):
@@ -89,10 +88,8 @@ def test_every_key_has_help():
         assert help_, key
 
 
-def run_cli(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "jddp.train", *args], capture_output=True, text=True, cwd=cwd
-    )
+def run_cli(*args, cwd=None, env=None):
+    return run_python("-m", "jddp.train", *args, cwd=cwd, env=env)
 
 
 def test_cli_help_lists_every_key():
@@ -167,7 +164,7 @@ def test_numeric_ranges_are_checked_at_load(override, words):
 
 
 def test_epochs_whose_step_count_does_not_fit_are_refused():
-    from jddp.setup import total_steps
+    from jddp.build import total_steps
 
     cfg = config_lib.load(None, ["train.epochs=2e9"])
     assert total_steps(config_lib.load(None, ["train.epochs=2"]), 3) == 6
@@ -233,13 +230,7 @@ def test_workdir_of_unknown_user_is_refused():
 
 def test_cli_print_config_expands_tilde(tmp_path):
     env = {**os.environ, "HOME": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "-m", "jddp.train", "--print-config", "workdir=~/x"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-    )
+    out = run_cli("--print-config", "workdir=~/x", cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout)["workdir"] == str(tmp_path / "x")
     assert not (tmp_path / "~").exists()

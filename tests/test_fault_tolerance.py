@@ -2,8 +2,8 @@
 damaged checkpoints, dead peers, non-finite losses, workdir locks."""
 
 import os
+import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from tests.helpers import (
     read_losses,
     run,
     run_pids,
+    start,
     start_training,
     steps_saved,
     train_cmd,
@@ -37,9 +38,7 @@ def straight(two_by_two):
 def test_exact_resume_after_sigkill(tmp_path, straight):
     wd = tmp_path / "run"
     args = cmd_launch(2, 2, wd, *TWO_BY_TWO)
-    job = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
+    job = start(args, start_new_session=True)
     # Kill every process of the job with SIGKILL once the first checkpoint exists.
     assert wait_for(lambda: steps_saved(wd), 300), "no checkpoint appeared"
     os.killpg(job.pid, signal.SIGKILL)
@@ -55,7 +54,7 @@ def test_resume_on_another_topology(tmp_path, straight, nproc, devices):
     wd = tmp_path / "run"
     src = Path(straight) / "checkpoints" / "8"
     (wd / "checkpoints").mkdir(parents=True)
-    subprocess.run(["cp", "-r", str(src), str(wd / "checkpoints" / "8")], check=True)
+    shutil.copytree(src, wd / "checkpoints" / "8")
     out = run(cmd_launch(nproc, devices, wd, "train.steps=12"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "at step 8" in out.stdout
@@ -116,16 +115,7 @@ def test_dead_peer_without_launcher_times_out(tmp_path):
         "dist.num_processes=2",
         "dist.heartbeat_timeout_s=10",
     ]
-    procs = [
-        subprocess.Popen(
-            cmd_train(wd, *common, f"dist.process_id={i}"),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    procs = [start(cmd_train(wd, *common, f"dist.process_id={i}"), env=env) for i in range(2)]
     assert wait_for(lambda: (wd / "metrics.jsonl").exists() and len(read_losses(wd)) >= 2, 300)
     start = time.monotonic()
     procs[1].kill()

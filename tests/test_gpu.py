@@ -3,12 +3,10 @@ cleanly elsewhere (CI has no GPU); the rest of the suite forces the CPU (tests/c
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import TINY, read_metrics, with_overrides
+from tests.helpers import TINY, read_metrics, run_python, with_overrides
 
 GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm70_plugin")
 HAS_GPU_PLUGIN = any(importlib.util.find_spec(p) for p in GPU_PLUGINS)
@@ -23,18 +21,12 @@ def gpu_env():
 
 
 def test_trains_on_the_gpu_in_bfloat16(tmp_path):
-    probe = subprocess.run(
-        [sys.executable, "-c", "import jax; print(jax.default_backend())"],
-        capture_output=True, text=True, env=gpu_env(),
-    )  # fmt: skip
+    probe = run_python("-c", "import jax; print(jax.default_backend())", env=gpu_env())
     if probe.stdout.strip() not in ("gpu", "cuda", "rocm"):
         pytest.skip(f"a GPU plugin is installed but JAX sees no GPU ({probe.stdout.strip()})")
     wd = tmp_path / "run"
     args = with_overrides(TINY, "train.steps=4", "train.precision=bfloat16")
-    out = subprocess.run(
-        [sys.executable, "-m", "jddp.train", f"workdir={wd}", *args],
-        capture_output=True, text=True, env=gpu_env(), timeout=600,
-    )  # fmt: skip
+    out = run_python("-m", "jddp.train", f"workdir={wd}", *args, env=gpu_env(), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done step=4" in out.stdout
     losses = [r["train/loss"] for r in read_metrics(wd) if "train/loss" in r]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from jddp import launch
+from tests.helpers import launch_cmd, run, run_pids, start, steps_saved, wait_for
 
 PY = sys.executable
 
@@ -53,15 +54,7 @@ def run_launcher(
     flags: list[str], cmd: list[str], env: dict[str, str] | None = None, timeout: float = 60
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     t0 = time.monotonic()
-    proc = subprocess.run(
-        launcher_argv(*flags, "--", *cmd),
-        capture_output=True,
-        text=True,
-        encoding="utf-8",
-        errors="replace",
-        timeout=timeout,
-        env=env,
-    )
+    proc = run(launcher_argv(*flags, "--", *cmd), env=env, timeout=timeout)
     return proc, time.monotonic() - t0
 
 
@@ -238,13 +231,10 @@ def test_sigterm_ignoring_child_is_killed_after_kill_timeout(tmp_path: Path) -> 
 
 
 def _start_and_wait_ready(tmp_path: Path, body: str, nproc: int) -> subprocess.Popen[str]:
-    launcher = subprocess.Popen(
+    launcher = start(
         launcher_argv(
             "--nproc", str(nproc), "--kill-timeout", "5", "--", *child_cmd(tmp_path, body)
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        )
     )
     try:
         wait_files(tmp_path, [f"ready{r}" for r in range(nproc)])
@@ -371,9 +361,7 @@ def test_usage_errors(argv: list[str], needle: str, capsys: pytest.CaptureFixtur
 
 
 def test_usage_error_via_module_entry_point() -> None:
-    proc = subprocess.run(
-        launcher_argv("--nproc", "0", "--", "true"), capture_output=True, text=True, timeout=30
-    )
+    proc = run(launcher_argv("--nproc", "0", "--", "true"), timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "jddp.launch: error: --nproc must be >= 1, got 0"
 
@@ -445,7 +433,7 @@ child = subprocess.Popen([sys.executable, "-c", {rank!r}], env=env, stdout=subpr
 print(child.pid, child.stdout.readline().decode().strip(), flush=True)
 time.sleep(600)
 """
-    proc = subprocess.Popen([PY, "-c", parent], stdout=subprocess.PIPE, text=True)
+    proc = start([PY, "-c", parent], stderr=None)
     child = None
     try:
         pid, said = proc.stdout.readline().split()
@@ -471,8 +459,6 @@ def test_watch_launcher_is_off_without_the_launcher(monkeypatch: pytest.MonkeyPa
 def test_training_ranks_die_with_a_sigkilled_launcher_and_the_rerun_resumes(
     tmp_path: Path,
 ) -> None:
-    from tests.helpers import launch_cmd, run_pids, steps_saved, wait_for
-
     wd = tmp_path / "run"
     cmd = launch_cmd(2, 1, wd, "train.steps=100000", "checkpoint.every_steps=1")
     metrics = wd / "metrics.jsonl"
@@ -480,7 +466,7 @@ def test_training_ranks_die_with_a_sigkilled_launcher_and_the_rerun_resumes(
     first = rerun = None
     try:
         with open(logs[0], "w") as out, open(logs[1], "w") as err:
-            first = subprocess.Popen(cmd, stdout=out, stderr=err)
+            first = start(cmd, stdout=out, stderr=err)
         trained = lambda: metrics.exists() and metrics.read_text().strip() and steps_saved(wd)  # noqa: E731
         assert wait_for(trained, 300), logs[1].read_text()[-3000:]
         ranks = run_pids(wd, exclude=first.pid)
@@ -494,7 +480,7 @@ def test_training_ranks_die_with_a_sigkilled_launcher_and_the_rerun_resumes(
         # The same command again: the ranks' lock is stale, so it is taken over and the run
         # resumes from the last checkpoint.
         with open(logs[2], "w") as out, open(logs[3], "w") as err:
-            rerun = subprocess.Popen(cmd, stdout=out, stderr=err)
+            rerun = start(cmd, stdout=out, stderr=err)
         resumed = lambda: "resumed from" in logs[2].read_text() or rerun.poll() is not None  # noqa: E731
         assert wait_for(resumed, 300)
         assert rerun.poll() is None, logs[3].read_text()[-3000:]
@@ -520,12 +506,7 @@ def test_rank_behind_a_forking_wrapper_dies_with_a_sigkilled_launcher(tmp_path: 
     time.sleep(600)
     """
     wrapped = ["bash", "-c", '"$@"; exit $?', "bash", *child_cmd(tmp_path, body)]
-    launcher = subprocess.Popen(
-        launcher_argv("--nproc", "2", "--", *wrapped),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = start(launcher_argv("--nproc", "2", "--", *wrapped))
     try:
         wait_files(tmp_path, ["ready0", "ready1"])
         pids = read_pids(tmp_path, ["pid0", "pid1"])

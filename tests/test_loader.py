@@ -1,8 +1,6 @@
 """Global-batch composition, per-process slices, eval padding and masking, prefetch."""
 
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -17,6 +15,7 @@ from jddp.data.loader import (
 )
 from jddp.data.source import ArraySource
 from jddp.mesh import make_mesh
+from tests.helpers import fake_devices, run_python
 from tests.helpers import toy_source as source
 
 
@@ -110,11 +109,8 @@ except ValueError as e:
 
 
 def test_same_global_batch_on_one_and_four_devices():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
-        [sys.executable, "-c", MULTI], env=env, cwd=root, capture_output=True, text=True
-    )
+    out = run_python("-c", MULTI, env=fake_devices(4), cwd=root)
     assert out.returncode == 0, out.stderr
     assert (
         "data.global_batch_size=6 is not divisible by the 4 devices (1 processes x 4" in out.stdout

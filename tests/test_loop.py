@@ -1,17 +1,13 @@
 """The run loop and its hooks: periods, throughput windows, the one-step-late reader, and the
 replica sync check wired into a real loop."""
 
-import os
-import subprocess
-import sys
-
 import jax.numpy as jnp
 import pytest
 
 from jddp.errors import NonFiniteLoss
-from jddp.hooks import CheckpointHook, EvalHook, Every, StepReporter, ThroughputMeter
+from jddp.run.hooks import CheckpointHook, EvalHook, Every, StepReporter, ThroughputMeter
 from jddp.step import NONFINITE_KEY, STOP_KEY
-from tests.helpers import TINY
+from tests.helpers import TINY, fake_devices, run_python
 
 
 def test_every_is_due_on_multiples_and_never_at_zero():
@@ -22,7 +18,7 @@ def test_every_is_due_on_multiples_and_never_at_zero():
 class FakeClock:
     def __init__(self, monkeypatch):
         self.now = 100.0
-        monkeypatch.setattr("jddp.hooks.time.perf_counter", lambda: self.now)
+        monkeypatch.setattr("jddp.run.hooks.time.perf_counter", lambda: self.now)
 
 
 def test_throughput_windows_count_finished_steps(monkeypatch):
@@ -116,9 +112,9 @@ import jax
 from jddp import config as config_lib
 from jddp.comm import XlaComm
 from jddp.errors import ReplicasDiverged
-from jddp.hooks import StopRequest
-from jddp.loop import train_loop
-from jddp.setup import Parts, build_run
+from jddp.run.hooks import StopRequest
+from jddp.run.loop import train_loop
+from jddp.run.setup import Parts, build_run
 from jddp.workdir import RunFolder
 
 for check_every in (2, 0):  # with the check, then the same drift without it
@@ -145,16 +141,8 @@ for check_every in (2, 0):  # with the check, then the same drift without it
 def test_sync_check_stops_a_loop_whose_replicas_diverged(tmp_path):
     """With dist.check_sync_every=2 the loop stops at step 2; without it the same drifted run
     goes to the end unnoticed (so the check, not something else, catches it)."""
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "JAX_PLATFORMS": "cpu",
-    }
     args = [str(tmp_path), *TINY, "train.steps=4"]
-    out = subprocess.run(
-        [sys.executable, "-c", DIVERGE, *args], capture_output=True, text=True, env=env,
-        timeout=300,
-    )  # fmt: skip
+    out = run_python("-c", DIVERGE, *args, env=fake_devices(2), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "check=2: caught: replicas diverged at step 2" in out.stdout
     assert "check=0: finished step=4" in out.stdout

@@ -3,8 +3,6 @@ carry from step to step, differ per device where they should, and survive a resu
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import optax
@@ -12,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jddp
-from tests.helpers import data, read_losses
+from tests.helpers import data, fake_devices, read_losses, run_python
 from tests.user_models import DropoutMLP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,14 +18,8 @@ WORKER = Path(__file__).with_name("model_state_worker.py")
 
 
 def run_worker(rate: float, accum: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [sys.executable, str(WORKER), str(rate), str(accum)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
+    env = fake_devices(2, {**os.environ, "PYTHONPATH": str(ROOT)})
+    out = run_python(str(WORKER), str(rate), str(accum), env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

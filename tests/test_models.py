@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -25,6 +22,7 @@ from jddp.models import (
     resnet101,
     resnet152,
 )
+from tests.helpers import fake_devices, run_python
 
 TORCHVISION_PARAM_COUNTS = {
     resnet18: 11_689_512,
@@ -211,17 +209,7 @@ _SYNC_BN_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_sync_batchnorm_matches_single_device_in_shard_map():
-    env = dict(os.environ)
-    flags = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    env["XLA_FLAGS"] = flags.strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-c", _SYNC_BN_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python("-c", _SYNC_BN_SCRIPT, env=fake_devices(2), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SYNC_BN_OK" in proc.stdout
 

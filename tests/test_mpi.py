@@ -8,17 +8,23 @@ import sys
 
 import pytest
 
+from tests import helpers
 from tests.helpers import (
     MPIRUN,
     assert_losses_match,
     assert_resumed_bitwise,
+    fake_devices,
+    launch_cmd,
     mpirun_cmd,
     read_losses,
     run,
     run_pids,
+    run_python,
+    start,
     steps_saved,
     train,
     wait_for,
+    with_overrides,
 )
 
 pytestmark = pytest.mark.slow
@@ -28,26 +34,17 @@ pytestmark = pytest.mark.slow
 # and lr they agree to ~1e-7 over 20 steps; with 4 rows per device and lr 0.05 the trajectory
 # is chaotic and two reduction orders (MPI sum of local means vs one pmean) drift to 1e-3 by
 # step 10, so that setting could not tell a bug from rounding.
-TINY = [
-    "model.width=4",
-    "data.name=synthetic",
-    "data.image_size=8",
+TINY = with_overrides(
+    helpers.TINY,
     "data.global_batch_size=32",
     # Augmentation and host workers on: the same pixels on every rank. Random-resized crops keep
     # the agreement at ~1e-7 over 20 steps; cifar's 4-pixel zero padding of these 8x8 images
     # makes the trajectory chaotic (the reduction orders drift to 1e-4 by step 20).
     "data.augment=imagenet",
     "data.workers=2",
-    "optim.schedule=constant",
     "optim.lr=0.02",
-    "log.every_steps=1",
-    "log.progress=off",
-]
-ENV2 = {
-    **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-    "JAX_PLATFORMS": "cpu",
-}
+)
+ENV2 = fake_devices(2)
 
 
 def mpirun(np_, workdir, *overrides, env=ENV2):
@@ -55,8 +52,7 @@ def mpirun(np_, workdir, *overrides, env=ENV2):
 
 
 def single(workdir, devices, *overrides):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    return train(workdir, *overrides, base=TINY, env=env)
+    return train(workdir, *overrides, base=TINY, env=fake_devices(devices))
 
 
 losses = read_losses
@@ -87,27 +83,7 @@ def test_mpi_matches_xla_and_single_process(tmp_path, reference, mpi_straight):
     assert sorted(got) == list(range(1, 21))
     assert_losses_match(got, want, range(1, 21))
     xla = tmp_path / "xla"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jddp.launch",
-            "--nproc",
-            "2",
-            "--devices-per-proc",
-            "2",
-            "--",
-            sys.executable,
-            "-m",
-            "jddp.train",
-            f"workdir={xla}",
-            *TINY,
-            "train.steps=20",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = run(launch_cmd(2, 2, xla, "train.steps=20", base=TINY))
     assert out.returncode == 0, out.stderr[-3000:]
     assert_losses_match(losses(xla), got, range(1, 21))
 
@@ -152,10 +128,8 @@ def test_mismatched_configs_across_ranks_are_refused(tmp_path):
         "dist.backend=mpi",
         "train.steps=2",
     ]
-    out = subprocess.run(
+    out = run(
         [MPIRUN, "-np", "1", *base, "train.seed=0", ":", "-np", "1", *base, "train.seed=1"],
-        capture_output=True,
-        text=True,
         env=ENV2,
         timeout=300,
     )
@@ -168,7 +142,7 @@ DIVERGED = """
 import jax, jax.numpy as jnp, numpy as np
 from jddp.comm import XlaComm
 from jddp.mesh import make_mesh, replicated
-from jddp.hooks import check_replicas_in_sync
+from jddp.run.hooks import check_replicas_in_sync
 from jddp.state import TrainState
 mesh = make_mesh()
 a, b = jax.device_put(jnp.ones(3), jax.devices()[0]), jax.device_put(jnp.ones(3) * 2,
@@ -183,9 +157,7 @@ check_replicas_in_sync(XlaComm(), state.replace(params={"w": bad}), 8)
 
 
 def test_replica_check_catches_diverged_copies():
-    out = subprocess.run(
-        [sys.executable, "-c", DIVERGED], capture_output=True, text=True, env=ENV2, timeout=120
-    )
+    out = run_python("-c", DIVERGED, env=ENV2, timeout=120)
     assert "in sync ok" in out.stdout
     assert out.returncode != 0 and "replicas diverged at step 8" in out.stderr
 
@@ -195,7 +167,7 @@ def test_mpi_exact_resume_after_sigkill(tmp_path, mpi_straight):
     cmd = mpirun_cmd(
         2, wd, "dist.backend=mpi", "train.steps=20", "checkpoint.every_steps=3", base=TINY
     )
-    job = subprocess.Popen(
+    job = start(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV2, start_new_session=True
     )
     assert wait_for(lambda: steps_saved(wd) or job.poll() is not None, 300)
@@ -205,5 +177,5 @@ def test_mpi_exact_resume_after_sigkill(tmp_path, mpi_straight):
     job.wait()
     resumed = steps_saved(wd)[-1]
     assert resumed < 20
-    out = subprocess.run(cmd, capture_output=True, text=True, env=ENV2, timeout=600)
+    out = run(cmd, env=ENV2)
     assert_resumed_bitwise(out, wd, mpi_straight, resumed, 20)

@@ -3,21 +3,19 @@
 Each test starts real processes (``python -m jddp.launch`` or ``mpirun``), no mocks.
 """
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.helpers import (
-    TINY_SYNC,
     assert_losses_match,
+    fake_devices,
     launch_cmd,
     mpirun_cmd,
     read_losses,
     read_metrics,
     run,
+    train_cmd,
 )
 
 pytestmark = pytest.mark.slow
@@ -66,18 +64,7 @@ def test_topology_invariance(reference, two_by_two):
 
 def test_mpirun_as_launcher_with_xla_backend(tmp_path, reference):
     wd = tmp_path / "run"
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "JAX_PLATFORMS": "cpu",
-    }
-    out = subprocess.run(
-        mpirun_cmd(2, wd, "train.steps=4", "dist.backend=xla"),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    out = run(mpirun_cmd(2, wd, "train.steps=4", "dist.backend=xla"), env=fake_devices(2))
     assert out.returncode == 0, out.stderr[-3000:]
     _, got = losses(wd)
     _, want = losses(reference)
@@ -95,20 +82,12 @@ def test_batch_not_divisible_by_processes_times_devices(tmp_path):
 
 def test_unreachable_coordinator_is_a_clear_error(tmp_path):
     start = time.monotonic()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jddp.train",
-            f"workdir={tmp_path / 'run'}",
-            *TINY_SYNC,
-            "dist.coordinator_address=localhost:9",
-            "dist.num_processes=2",
-            "dist.process_id=1",
-            "dist.init_timeout_s=3",
-        ],
-        capture_output=True,
-        text=True,
+    out = run(
+        train_cmd(
+            tmp_path / "run",
+            *("dist.coordinator_address=localhost:9", "dist.num_processes=2"),
+            *("dist.process_id=1", "dist.init_timeout_s=3"),
+        ),
         timeout=120,
     )
     assert out.returncode == 1

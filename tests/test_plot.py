@@ -1,12 +1,11 @@
 """``python -m jddp.plot``: PNGs per metric, runs overlaid, skipped plots, exit codes."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from jddp import plot
+from tests.helpers import run_python
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = {"loss.png", "accuracy.png", "lr.png", "throughput.png"}
@@ -89,11 +88,7 @@ def test_bad_workdir_exits_2(tmp_path, capsys, case):
 def test_module_entry_point(tmp_path):
     a = write_run(tmp_path / "a")
     out = tmp_path / "out"
-    r = subprocess.run(
-        [sys.executable, "-m", "jddp.plot", str(a), "--out", str(out)],
-        capture_output=True,
-        text=True,
-    )
+    r = run_python("-m", "jddp.plot", str(a), "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.splitlines()) == 4
     assert {p.name for p in out.iterdir()} == ALL_PLOTS

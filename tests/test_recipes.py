@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from jddp.api import load_config
-from jddp.trainer import train_and_evaluate
+from jddp.run.trainer import train_and_evaluate
 from tests.datafiles import write_cifar_folder, write_jpeg_folder, write_mnist
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 
 import jax
 import numpy as np
@@ -16,6 +15,7 @@ from jddp.mesh import make_mesh, to_host
 from jddp.metrics import Console, MetricsLog
 from jddp.state import create_train_state
 from jddp.workdir import RunFolder, WorkdirLock
+from tests.helpers import start
 from tests.user_models import TinyMLP
 
 
@@ -48,8 +48,8 @@ def test_workdir_lock_refuses_a_live_owner_and_takes_over_a_dead_one(tmp_path):
     with pytest.raises(ConfigError, match=f"pid {os.getppid()}"):
         WorkdirLock(folder.lock_file).acquire()
     # A process that has exited is stale: taken over.
-    dead = subprocess.Popen(["true"])
-    dead.wait()
+    dead = start(["true"])
+    dead.communicate()
     folder.lock_file.write_text(f"{host} {dead.pid} \n")
     other = WorkdirLock(folder.lock_file)
     other.acquire()

@@ -1,18 +1,18 @@
 """Parity: N devices with the same global batch must take the same steps as 1 device."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.helpers import fake_devices, run_python
 
 WORKER = Path(__file__).with_name("parity_worker.py")
 
 
 def run_worker(tmp_path, n, *flags):
     out = tmp_path / f"n{n}{''.join(flags)}.npz"
-    subprocess.run([sys.executable, str(WORKER), str(n), str(out), *flags], check=True)
+    run_python(str(WORKER), str(n), str(out), *flags, env=fake_devices(n), check=True)
     return np.load(out)
 
 

@@ -24,7 +24,7 @@ from jddp.errors import (
     Preempted,
     WorkdirLost,
 )
-from jddp.hooks import STOP_SIGNALS, StopRequest
+from jddp.run.hooks import STOP_SIGNALS, StopRequest
 from tests.helpers import (
     TINY,
     data,

@@ -1,6 +1,10 @@
 """Before and after the loop: the trained model in hand (fit, load), predict, evaluate,
 warm start, progress lines."""
 
+import runpy
+import sys
+from unittest import mock
+
 import jax
 import numpy as np
 import pytest
@@ -53,7 +57,7 @@ def test_fit_leaves_the_trained_weights_in_the_passed_model_and_load_gives_them_
 
 
 def test_load_builds_the_model_the_checkpoint_config_names(tmp_path):
-    from jddp.trainer import train_and_evaluate
+    from jddp.run.trainer import train_and_evaluate
 
     cfg = jddp.load_config(
         {"workdir": str(tmp_path / "run")},
@@ -75,7 +79,7 @@ def test_load_builds_the_model_the_checkpoint_config_names(tmp_path):
 
     # Raw uint8 pixels given with the run are normalised as the run trained (its checkpoint
     # records the train split's mean/std), not merely scaled to [0, 1].
-    from jddp.setup import load_data
+    from jddp.build import load_data
 
     splits = load_data(cfg)
     raw, labels = splits.eval.images[:24], splits.eval.labels[:24]
@@ -124,11 +128,14 @@ def test_train_progress_lines_then_evaluate_cli(tmp_path):
     """A CLI run with stdout piped prints progress lines (train, eval, epoch end) and logs
     grad/param norms. Evaluating its checkpoint from the CLI gives the run's final eval (loss,
     top-5 for 10 classes), appended to metrics.jsonl; a missing step or checkpoint is exit 2."""
-    import subprocess
-    import sys
+    from tests.helpers import read_metrics, run_python
 
-    from jddp.evaluate import main
-    from tests.helpers import read_metrics
+    def main(argv: list[str]) -> int:
+        """``python -m jddp.evaluate ARGV``, run in this process: its exit code."""
+        with mock.patch.object(sys, "argv", ["jddp.evaluate", *argv]):
+            with pytest.raises(SystemExit) as stop:
+                runpy.run_module("jddp.evaluate", run_name="__main__")
+        return stop.value.code
 
     workdir = tmp_path / "run"
     train = [
@@ -136,11 +143,7 @@ def test_train_progress_lines_then_evaluate_cli(tmp_path):
         *("data.global_batch_size=128", "train.steps=10", "train.eval_every_steps=5"),
         "log.every_steps=4",  # 1024 examples: 8 steps per epoch
     ]
-    out = subprocess.run(
-        [sys.executable, "-m", "jddp.train", f"workdir={workdir}", *train],
-        capture_output=True,
-        text=True,
-    )
+    out = run_python("-m", "jddp.train", f"workdir={workdir}", *train)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "jddp: step 8/10 epoch 1.00, loss " in out.stdout, out.stdout
     assert ", lr 0.0" in out.stdout and " img/s, ETA 0:00:" in out.stdout
@@ -150,11 +153,7 @@ def test_train_progress_lines_then_evaluate_cli(tmp_path):
     assert [r["step"] for r in rows] == [4, 8, 10]
     assert all(r["train/grad_norm"] > 0 and r["train/param_norm"] > 0 for r in rows)
 
-    out = subprocess.run(
-        [sys.executable, "-m", "jddp.evaluate", "--workdir", str(workdir)],
-        capture_output=True,
-        text=True,
-    )
+    out = run_python("-m", "jddp.evaluate", "--workdir", str(workdir))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "jddp: eval step=10 " in out.stdout
     final, appended = [r for r in read_metrics(workdir) if "eval/loss" in r][-2:]

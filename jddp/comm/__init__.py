@@ -17,8 +17,9 @@ checks), so it never asks which backend it runs on.
 from __future__ import annotations
 
 from jddp.comm.base import Comm, allreduce_bytes, config_fingerprint
+from jddp.comm.mpi import MpiComm  # needs no mpi4py until an MpiComm is made
 from jddp.comm.xla import XlaComm
-from jddp.distributed import Job
+from jddp.distributed import Job, require_mpi_launch
 from jddp.errors import ConfigError
 
 __all__ = [
@@ -37,16 +38,5 @@ def make_comm(job: Job, backend: str, grad_dtype: str = "float32") -> Comm:
         return XlaComm(grad_dtype, job)
     if backend != "mpi":
         raise ConfigError(f"dist.backend: {backend!r} is not available; choose xla or mpi")
-    from jddp.comm.mpi import MpiComm
-    from jddp.distributed import require_mpi_launch
-
     require_mpi_launch()
     return MpiComm(grad_dtype, job)
-
-
-def __getattr__(name: str):
-    if name == "MpiComm":  # lazily: importing it needs no mpi4py, but keep jddp.comm light
-        from jddp.comm.mpi import MpiComm
-
-        return MpiComm
-    raise AttributeError(name)

@@ -20,17 +20,16 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jddp.distributed import Job
-from jddp.mesh import DATA_AXIS
+from jddp.mesh import DATA_AXIS, DTYPES
 
 PyTree = Any
 GradsStage = Callable[[PyTree, PyTree], tuple[PyTree, ...]]
 UpdateStage = Callable[..., tuple[PyTree, PyTree]]
-WIRE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def allreduce_bytes(grads: PyTree, wire_dtype: str) -> int:
     """Bytes of one gradient all-reduce payload when sent as ``wire_dtype``."""
-    itemsize = jnp.dtype(WIRE_DTYPES[wire_dtype]).itemsize
+    itemsize = jnp.dtype(DTYPES[wire_dtype]).itemsize
     return sum(int(np.prod(x.shape)) * itemsize for x in jax.tree.leaves(grads))
 
 

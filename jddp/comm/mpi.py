@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jddp.comm.base import WIRE_DTYPES, Comm, GradsStage, PyTree, UpdateStage
+from jddp.comm.base import Comm, GradsStage, PyTree, UpdateStage
 from jddp.config import DistConfig
 from jddp.distributed import Job, current_job, mpi_world
-from jddp.mesh import DATA_AXIS, put_replicated, replicated, to_host
+from jddp.mesh import DATA_AXIS, DTYPES, put_replicated, replicated, to_host
 
 
 class MpiComm(Comm):
@@ -97,7 +97,7 @@ class MpiComm(Comm):
     def compose(self, grads_stage: GradsStage, update_stage: UpdateStage) -> Callable:
         """Local shard_map stage, then one single-device jit that all-reduces and updates."""
         grads_jit = jax.jit(grads_stage)
-        wire = None if self.grad_dtype == "float32" else WIRE_DTYPES[self.grad_dtype]
+        wire = None if self.grad_dtype == "float32" else DTYPES[self.grad_dtype]
 
         def reduce_and_update(state, grads, stats, metrics):
             grads = self._allreduce_mean(grads, wire)

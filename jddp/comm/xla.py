@@ -7,12 +7,13 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from jddp.comm.base import WIRE_DTYPES, Comm, GradsStage, PyTree, UpdateStage
+from jddp.comm.base import Comm, GradsStage, PyTree, UpdateStage
 from jddp.config import DistConfig
 from jddp.distributed import Job, current_job
-from jddp.mesh import DATA_AXIS
+from jddp.mesh import DATA_AXIS, DTYPES
 
 
 class XlaComm(Comm):
@@ -44,7 +45,7 @@ class XlaComm(Comm):
         """The gradient mean, sent in ``grad_dtype`` and returned in the gradients' dtype."""
         if self.grad_dtype == "float32":
             return self.average(grads)
-        wire = WIRE_DTYPES[self.grad_dtype]
+        wire = DTYPES[self.grad_dtype]
         return jax.tree.map(lambda g: self.average(g.astype(wire)).astype(g.dtype), grads)
 
     def compose(self, grads_stage: GradsStage, update_stage: UpdateStage) -> Callable:
@@ -64,8 +65,6 @@ class XlaComm(Comm):
         """``value`` from every process, in rank order."""
         if self.process_count == 1:
             return [value]
-        from jax.experimental import multihost_utils
-
         got = multihost_utils.process_allgather(np.array([value], np.int64))
         return [int(v) for v in np.asarray(got).reshape(-1)]
 
@@ -76,6 +75,4 @@ class XlaComm(Comm):
     def barrier(self) -> None:
         """Wait for every process."""
         if self.process_count > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("jddp")

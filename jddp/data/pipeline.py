@@ -158,7 +158,7 @@ def host_iterator(
         # (os._exit); its warning about freeing them would only add lines to the one-line error.
         if _QUIET_TRACKER not in sys.warnoptions:
             sys.warnoptions.append(_QUIET_TRACKER)
-        from jddp.lifeline import worker_lifeline
+        from jddp.launch.lifeline import worker_lifeline
 
         options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=buffer)
         local = ds.to_iter_dataset(grain.ReadOptions(num_threads=0))

@@ -14,7 +14,7 @@ import time
 from typing import IO
 
 from jddp.errors import PREEMPTED
-from jddp.lifeline import _die_with_parent, _load_prctl
+from jddp.launch.lifeline import _die_with_parent, _load_prctl
 
 PROG = "jddp.launch"
 _POLL_INTERVAL = 0.05

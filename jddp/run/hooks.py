@@ -1,6 +1,6 @@
 """Periodic work of the run loop as small objects, each with its own period.
 
-The loop (:mod:`jddp.loop`) calls ``hook(step, state)`` for every hook after every step; a hook
+The loop (:mod:`jddp.run.loop`) calls ``hook(step, state)`` for every hook after every step; a hook
 does its work when :meth:`Every.due`. The throughput meter, the stop-signal flag and the
 one-step-late metrics reader live here too, so the loop itself is a dozen lines.
 """

@@ -1,7 +1,7 @@
 """Train a config end to end: lock the run folder, build the run, loop, evaluate, save.
 
-The data flow: :mod:`jddp.setup` builds everything from the config (mesh, data, model, state,
-steps, outputs); :mod:`jddp.loop` runs the steps with the periodic work as hooks; this module
+The data flow: :mod:`jddp.run.setup` builds everything from the config (mesh, data, model, state,
+steps, outputs); :mod:`jddp.run.loop` runs the steps with the periodic work as hooks; this module
 ties them together with the workdir lock, preemption and the end-of-run summary.
 """
 
@@ -14,18 +14,18 @@ from dataclasses import dataclass
 from flax import nnx
 
 from jddp import config as config_lib
+from jddp.checkpoint.resume import changed_keys
 from jddp.cli import one_line
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.distributed import Job, current_job
 from jddp.errors import ConfigError, EvalFailed, JddpError, NonFiniteLoss, Preempted
-from jddp.hooks import LockCheck, StopRequest
-from jddp.loop import train_loop
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, describe_eval
 from jddp.preflight import check_same_config
-from jddp.resume import changed_keys
-from jddp.setup import Parts, Run, build_run
+from jddp.run.hooks import LockCheck, StopRequest
+from jddp.run.loop import train_loop
+from jddp.run.setup import Parts, Run, build_run
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
 from jddp.xla_setup import enable_compilation_cache

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from jddp.config_parse import (
+from jddp.config.parse import (
     _build,
     help_text,
     iter_keys,
@@ -21,7 +21,7 @@ from jddp.config_parse import (
     read_file,
     set_dotted,
 )
-from jddp.config_schema import (
+from jddp.config.schema import (
     CheckpointConfig,
     Config,
     DataConfig,

@@ -44,8 +44,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from jddp.errors import STOP_SIGNALS
-from jddp.lifeline import LAUNCHER_PID_ENV, watch_launcher
-from jddp.procs import PROG, _Launcher, describe_exit, exit_code_for
+from jddp.launch.lifeline import LAUNCHER_PID_ENV, watch_launcher
+from jddp.launch.procs import PROG, _Launcher, describe_exit, exit_code_for
 
 __all__ = [
     "LAUNCHER_PID_ENV",
@@ -247,7 +247,3 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         kill_timeout=args.kill_timeout,
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

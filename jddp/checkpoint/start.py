@@ -1,6 +1,6 @@
 """Where a run's state starts: its own newest good checkpoint (``checkpoint.resume``, under the
-config policy of :mod:`jddp.resume`), another run's weights (``checkpoint.init_from``), or the
-fresh initialisation."""
+config policy of :mod:`jddp.checkpoint.resume`), another run's weights
+(``checkpoint.init_from``), or the fresh initialisation."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ from jax.sharding import Mesh
 
 from jddp import config as config_lib
 from jddp.checkpoint import Checkpoints
-from jddp.comm import Comm
-from jddp.config import Config
-from jddp.errors import ConfigError
-from jddp.mesh import put_replicated, to_host
-from jddp.metrics import Console
-from jddp.resume import check_resume_config
-from jddp.state import TrainState
-from jddp.weights import (
+from jddp.checkpoint.resume import check_resume_config
+from jddp.checkpoint.weights import (
     describe_mismatch,
     mismatched_weights,
     open_checkpoint,
     short_name,
     with_shapes,
 )
+from jddp.comm import Comm
+from jddp.config import Config
+from jddp.errors import ConfigError
+from jddp.mesh import put_replicated, to_host
+from jddp.metrics import Console
+from jddp.state import TrainState
 
 
 def restore(

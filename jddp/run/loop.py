@@ -1,9 +1,9 @@
-"""The run loop: steps, with the periodic work done by the run's hooks (:mod:`jddp.hooks`)."""
+"""The run loop: steps, with the periodic work done by the run's hooks (:mod:`jddp.run.hooks`)."""
 
 from __future__ import annotations
 
 from jddp.data.loader import place_batch
-from jddp.setup import Run
+from jddp.run.setup import Run
 from jddp.state import TrainState
 
 

@@ -229,7 +229,7 @@ class Checkpoints:
 
     def weight_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
         """``{name: shape}`` of the parameters and model state saved at ``step`` (from its
-        manifest; names as :func:`jddp.weights.weight_leaves` spells them)."""
+        manifest; names as :func:`jddp.checkpoint.weights.weight_leaves` spells them)."""
         saved = self._manifest(step)["leaves"]
         return {p: tuple(shape) for p, shape, *_ in saved if p.startswith(WEIGHT_PREFIXES)}
 

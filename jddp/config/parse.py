@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import yaml
 
-from jddp.config_schema import Config
+from jddp.config.schema import Config
 from jddp.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,237 @@
+"""Evaluation: loss, top-1 and top-5 accuracy over every example of an eval source exactly once.
+
+One eval run (:class:`EvalRun`: the eval step, the data and where they run) serves three callers:
+
+* the trainer's periodic and final evals (:meth:`jddp.run.setup.Run.evaluate`);
+* the library call ``jddp.evaluate(model_or_workdir, data=None, ...)`` (:func:`evaluate_model`);
+* the CLI ``python -m jddp.evaluate`` (:mod:`jddp.evaluate`, :func:`evaluate_checkpoint`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jddp import config as config_lib
+from jddp.build import build_mesh, build_model, load_data, pipeline_options
+from jddp.checkpoint.weights import reader
+from jddp.comm import Comm, make_comm
+from jddp.config import Config
+from jddp.data.loader import BatchLayout, batch_layout, eval_batches
+from jddp.data.source import Source, as_source, check_label_range
+from jddp.distributed import Job, current_job
+from jddp.errors import ConfigError
+from jddp.inference import as_model, restore_into
+from jddp.mesh import DTYPES, make_mesh, to_host
+from jddp.metrics import Console, append_metrics, describe_eval
+from jddp.preflight import check_same_config, output_shape
+from jddp.state import TrainState, create_train_state
+from jddp.step import LossFn, PixelNorm, cross_entropy_loss, make_eval_step
+from jddp.workdir import RunFolder
+
+
+@dataclass
+class EvalRun:
+    """An eval pass, ready to run on any state of its model: the eval step, the eval source,
+    the global batch and where it runs. ``pipeline``: the input pipeline's options
+    (``augment`` picks the eval transform, e.g. imagenet's centre crop; ``workers``)."""
+
+    eval_step: Callable
+    source: Source
+    global_batch_size: int
+    mesh: Mesh
+    layout: BatchLayout
+    comm: Comm
+    pipeline: dict[str, Any] | None = None
+
+    def __call__(self, state: TrainState) -> dict:
+        """``eval/loss``, ``eval/accuracy``, ``eval/top5_accuracy`` (models with more than 5
+        outputs) and ``eval/count`` over every example of the source exactly once (the last
+        batch is padded and masked), summed over every process."""
+        totals: dict[str, float] = {}
+        batches = eval_batches(
+            self.source, self.global_batch_size, self.mesh, self.layout, **(self.pipeline or {})
+        )
+        for batch in batches:
+            sums = to_host(self.eval_step(state, batch))
+            for k, v in sums.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        totals = self.comm.sum_across_processes(totals)
+        count = max(totals.get("count", 0.0), 1.0)
+        out = {
+            "eval/loss": totals.get("loss_sum", 0.0) / count,
+            "eval/accuracy": totals.get("correct", 0.0) / count,
+        }
+        if "correct_top5" in totals:
+            out["eval/top5_accuracy"] = totals["correct_top5"] / count
+        out["eval/count"] = int(totals.get("count", 0.0))
+        return out
+
+
+def build_eval_run(
+    model: nnx.Module,
+    source: Source,
+    global_batch_size: int,
+    mesh: Mesh,
+    layout: BatchLayout,
+    comm: Comm,
+    *,
+    loss_fn: LossFn,
+    compute_dtype: Any,
+    pixel_norm: PixelNorm,
+    pipeline: dict[str, Any] | None = None,
+    labels_of: str | None = None,
+) -> tuple[EvalRun, TrainState]:
+    """The eval run of a module outside training, and its state replicated over ``mesh``.
+
+    ``labels_of``: the user's name of ``source`` (e.g. ``"data"``); its labels must then lie in
+    ``[0, K)`` for the model's K outputs (``DataConfigError`` naming it otherwise).
+    """
+    model_def, state = create_train_state(model, optax.identity(), mesh)
+    if labels_of is not None and hasattr(source, "labels"):
+        check_label_range(source.labels, num_logits(model_def, state, source), labels_of)
+    eval_step = make_eval_step(
+        model_def, mesh, loss_fn=loss_fn, compute_dtype=compute_dtype, pixel_norm=pixel_norm
+    )
+    return EvalRun(eval_step, source, global_batch_size, mesh, layout, comm, pipeline), state
+
+
+# ---------------------------------------------------------------------------------------------
+# A model on a data source, over the job's devices (the library call)
+
+
+def evaluate_model(
+    model_or_workdir: Any,
+    data: Any = None,
+    *,
+    batch_size: int = 256,
+    step: int | None = None,
+    loss_fn: Callable | None = None,
+    overrides: Iterable[str] = (),
+) -> dict:
+    """Eval metrics (as :class:`EvalRun` returns them) of a model on ``data``.
+
+    ``model_or_workdir``: an NNX module or a run (workdir or checkpoint folder, see
+    :func:`jddp.load`; ``step`` picks a checkpoint). ``data``: what :func:`jddp.as_source`
+    takes; default, for a run, its configured eval split (``overrides`` may change
+    ``data.*``). Every example counts once; the batches are spread over every device of every
+    process (under ``jax.distributed`` every process must call it with the same arguments).
+    ``loss_fn``: ``(logits_BxK, labels_B) -> loss_B`` (default: the run's cross-entropy).
+    """
+    model, run_norm = as_model(model_or_workdir, step)
+    cfg = None
+    if model is not model_or_workdir:  # a run: its config (optional when data is given)
+        try:
+            cfg = run_config(Path(model_or_workdir), overrides)
+        except ConfigError:
+            if data is None:
+                raise
+    if data is not None:
+        source = as_source(data, None, "eval", label="data")
+    elif cfg is not None:
+        source = load_data(cfg).eval
+    else:
+        raise TypeError("evaluate: pass data= to evaluate a model (a run has its eval split)")
+    smoothing = cfg.train.label_smoothing if cfg is not None else 0.0
+    dtype = DTYPES[cfg.train.precision] if cfg is not None else jnp.float32
+    comm = make_comm(current_job(config_lib.DistConfig()), "xla")
+    mesh = make_mesh()
+    devices = mesh.devices.size
+    global_batch = -(-batch_size // devices) * devices
+    layout = batch_layout(mesh, global_batch, comm.process_index, comm.process_count)
+    evaluate, state = build_eval_run(
+        model,
+        source,
+        global_batch,
+        mesh,
+        layout,
+        comm,
+        loss_fn=loss_fn or cross_entropy_loss(smoothing),
+        compute_dtype=dtype,
+        # Raw arrays or records of a run are fed as the run was trained (its recorded
+        # normalisation); a Source (or the run's own eval split) brings its own.
+        pixel_norm=(
+            run_norm
+            if run_norm is not None and data is not None and not hasattr(data, "get_batch")
+            else PixelNorm.of(source)
+        ),
+        pipeline=pipeline_options(cfg) if cfg is not None and data is None else None,
+        labels_of="data" if data is not None else None,
+    )
+    return evaluate(state)
+
+
+def num_logits(model_def: Any, state: TrainState, source: Any) -> int:
+    """How many classes the model scores (its output's last axis) for ``source``'s images;
+    the source's own class count where the model's output is not ``[B, K]`` logits."""
+    try:
+        shape = output_shape(model_def, state, (2, *source.image_shape)).shape
+    except Exception:  # noqa: BLE001 - the eval itself reports a model that cannot run
+        return source.num_classes
+    return int(shape[-1]) if len(shape) == 2 else source.num_classes
+
+
+def run_config(path: Path, overrides: Iterable[str] = ()) -> Config:
+    """The resolved config of the run at ``path`` (a workdir, or a checkpoint folder inside
+    one), with ``overrides``; its ``workdir`` is the run's folder."""
+    root = path
+    for candidate in (path, path.parent, path.parent.parent):
+        if RunFolder(candidate).config_yaml.is_file():
+            root = candidate
+            break
+    else:
+        raise ConfigError(f"--workdir: no run in {path} (it has no config.yaml)")
+    cfg = config_lib.load(RunFolder(root).config_yaml, list(overrides))
+    cfg.workdir = str(root)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint of a run on its eval split, over the job's devices and processes (the CLI)
+
+
+def evaluate_checkpoint(cfg: Config, directory: Path, step: int, job: Job) -> dict:
+    """Evaluate checkpoint ``step`` in ``directory`` on ``cfg``'s eval split over the job's
+    devices and processes; process 0 prints the result and appends it to metrics.jsonl."""
+    comm = make_comm(job, cfg.dist.backend, cfg.dist.grad_allreduce_dtype)
+    check_same_config(comm, cfg)
+    mesh, layout = build_mesh(cfg, comm)
+    splits = load_data(cfg)
+    model = build_model(cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1])
+    ckpts = reader(directory)
+    try:
+        restore_into(model, ckpts, step, key="--workdir")
+    finally:
+        ckpts.close()
+    evaluate, state = build_eval_run(
+        model,
+        splits.eval,
+        cfg.data.global_batch_size,
+        mesh,
+        layout,
+        comm,
+        loss_fn=cross_entropy_loss(cfg.train.label_smoothing),
+        compute_dtype=DTYPES[cfg.train.precision],
+        pixel_norm=PixelNorm.of(splits.train),
+        pipeline=pipeline_options(cfg),
+    )
+    del model
+    metrics = evaluate(state)
+    if comm.process_index == 0:
+        append_metrics(RunFolder(cfg.workdir), step, {**metrics, "eval/data": cfg.data.name})
+    Console(comm.process_index == 0).say(
+        f"jddp: evaluated checkpoint {directory / str(step)} on {cfg.data.name} "
+        f"({len(splits.eval)} eval examples): {describe_eval(metrics)}\n"
+        f"jddp: eval step={step} "
+        + " ".join(
+            f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+        )
+    )
+    return metrics

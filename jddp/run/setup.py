@@ -1,0 +1,222 @@
+"""Assemble a training run from its config: the pieces of :mod:`jddp.build`, the restored
+state, the outputs (checkpoints, metrics log) and the loop's hooks.
+
+:func:`build_run` reads the config; the loop (:mod:`jddp.run.loop`) only uses what it built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jddp import config as config_lib
+from jddp.build import (
+    Parts,
+    build_mesh,
+    build_model,
+    build_steps,
+    load_data,
+    pipeline_options,
+    total_steps,
+)
+from jddp.checkpoint import Checkpoints
+from jddp.checkpoint.start import restore, warm_start
+from jddp.comm import Comm
+from jddp.config import Config
+from jddp.data.loader import BatchLayout, TrainBatches
+from jddp.data.source import Splits
+from jddp.errors import ConfigError
+from jddp.evaluation import EvalRun
+from jddp.mesh import to_host
+from jddp.metrics import Console, MetricsLog, Progress
+from jddp.optimizer import make_optimizer
+from jddp.preflight import check_model_output, check_profile_steps
+from jddp.run.hooks import (
+    CheckpointHook,
+    EvalHook,
+    Profiler,
+    StepReporter,
+    StopRequest,
+    SyncCheck,
+    ThroughputMeter,
+)
+from jddp.state import ModelDef, TrainState, create_train_state
+from jddp.step import PixelNorm, TrainStep
+from jddp.workdir import RunFolder
+
+__all__ = ["Parts", "Run", "build_run", "build_steps"]  # Parts, build_steps: see jddp.build
+
+
+def _first_copy(x: Any) -> Any:
+    """This process's first copy of a replicated array (one device, no cross-device copy)."""
+    return x.addressable_data(0) if isinstance(x, jax.Array) else x
+
+
+@dataclass(kw_only=True)
+class Run:
+    """Everything the loop uses, built from the config by :func:`build_run` (every part
+    named: ``Run(cfg=..., comm=..., ...)``)."""
+
+    # Where it runs: the config, the processes, the devices and this process's batch rows.
+    cfg: Config
+    comm: Comm
+    mesh: Mesh
+    layout: BatchLayout
+    # What it trains: the data, the model and its state, from which step to which.
+    splits: Splits
+    batches: TrainBatches
+    model_def: ModelDef
+    state: TrainState
+    start_step: int
+    total_steps: int
+    start_skipped_steps: int = 0  # skipped before this run resumed
+    user_model: nnx.Module | None = None  # the module jddp.fit was given: trained in place
+    # How: the steps, and the eval pass (``run.evaluate(state)``: metrics over every example).
+    train_step: TrainStep
+    eval_step: Any
+    evaluate: EvalRun
+    # What it writes: the run folder, console lines, checkpoints, metrics.jsonl, progress.
+    folder: RunFolder
+    console: Console
+    checkpoints: Checkpoints
+    log: MetricsLog
+    progress: Any
+    # The periodic work around each step.
+    meter: ThroughputMeter
+    stop: StopRequest
+    reporter: StepReporter
+    profiler: Profiler
+    hooks: list = field(default_factory=list)
+
+    def trained_model(self, state: TrainState) -> nnx.Module:
+        """The module holding ``state``'s parameters and model state (this process's first
+        copy of the replicated arrays): the user's module, updated in place, or a new one."""
+        params, model_state, rest = jax.tree.map(
+            _first_copy, (state.params, state.model_state, self.model_def.rest)
+        )
+        if self.user_model is not None:
+            nnx.update(self.user_model, params, model_state)
+            return self.user_model
+        return nnx.merge(self.model_def.graphdef, params, model_state, rest)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices over all processes."""
+        return len(self.mesh.local_devices) * self.comm.process_count
+
+    @property
+    def config_dict(self) -> dict[str, Any]:
+        """The resolved config, as saved next to every checkpoint."""
+        return config_lib.to_dict(self.cfg)
+
+
+def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, parts: Parts) -> Run:
+    """Build the run of ``cfg``: restore its newest good checkpoint (``checkpoint.resume``),
+    write ``config.yaml``, open the metrics log, and make the loop's hooks."""
+    writer = comm.process_index == 0
+    console = Console(writer)
+    mesh, layout = build_mesh(cfg, comm)
+    splits = parts.splits or load_data(cfg)
+    try:
+        batches = TrainBatches(
+            splits.train,
+            cfg.data.global_batch_size,
+            cfg.train.seed,
+            mesh,
+            layout,
+            **pipeline_options(cfg),
+        )
+    except ValueError as e:  # the batch is larger than the data set
+        raise ConfigError(str(e)) from None
+    steps = total_steps(cfg, batches.steps_per_epoch)
+    check_profile_steps(cfg.log.profile_steps, steps)
+
+    model = parts.model or build_model(
+        cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1]
+    )
+    if parts.optimizer is not None:
+        tx, schedule = parts.optimizer, None
+    else:
+        tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
+    model_def, state = create_train_state(model, tx, mesh)
+    del model
+    num_outputs = check_model_output(cfg, model_def, state, splits, parts.model is not None)
+
+    pixel_norm = PixelNorm.of(splits.train)
+    ckpts = Checkpoints.of(
+        folder,
+        pixel_norm=pixel_norm.to_json(),
+        every_steps=cfg.checkpoint.every_steps,
+        keep=cfg.checkpoint.keep,
+        async_save=cfg.checkpoint.async_save,
+        writes=comm.writes_checkpoints,
+        primary=writer,
+    )
+    state, start_step = restore(cfg, ckpts, state, comm, console, steps)
+    if start_step == 0 and cfg.checkpoint.init_from:  # a fresh run; a resume keeps its own
+        state = warm_start(cfg.checkpoint.init_from, state, tx, mesh, console, num_outputs)
+    state = comm.broadcast_state(state, mesh)
+    if writer:
+        folder.config_yaml.write_text(config_lib.dump(cfg))
+    log = MetricsLog(folder, resume_step=start_step, writer=writer)
+
+    train_step, eval_step = build_steps(cfg, model_def, tx, mesh, comm, parts, schedule, pixel_norm)
+    progress = Progress(
+        cfg.log.progress, steps, start_step, writer, batches.steps_per_epoch, console
+    )
+    meter = ThroughputMeter(cfg.data.global_batch_size, start_step)
+    reporter = StepReporter(
+        cfg.log.every_steps,
+        steps,
+        cfg.train.on_nonfinite == "halt",
+        log,
+        meter,
+        progress,
+        ckpts,
+        cfg.log.baseline_img_per_s,
+        len(mesh.local_devices) * comm.process_count,
+    )
+    evaluate = EvalRun(
+        eval_step,
+        splits.eval,
+        cfg.data.global_batch_size,
+        mesh,
+        layout,
+        comm,
+        pipeline_options(cfg),
+    )
+    return Run(
+        cfg=cfg,
+        comm=comm,
+        mesh=mesh,
+        layout=layout,
+        splits=splits,
+        batches=batches,
+        model_def=model_def,
+        state=state,
+        start_step=start_step,
+        total_steps=steps,
+        start_skipped_steps=int(to_host(state.skipped_steps)),
+        user_model=parts.model,
+        train_step=train_step,
+        eval_step=eval_step,
+        evaluate=evaluate,
+        folder=folder,
+        console=console,
+        checkpoints=ckpts,
+        log=log,
+        progress=progress,
+        meter=meter,
+        stop=stop,
+        reporter=reporter,
+        profiler=Profiler(cfg.log.profile_steps, folder.profile, console),
+        hooks=[
+            EvalHook(cfg.train.eval_every_steps, steps, evaluate, log, meter, progress),
+            CheckpointHook(ckpts, config_lib.to_dict(cfg)),
+            SyncCheck(cfg.dist.check_sync_every, comm),
+        ],
+    )

@@ -1,0 +1,66 @@
+"""What a resumed run may change (jddp/checkpoint/resume.py), in process: the config a
+checkpoint was written under against the config of the run that resumes it."""
+
+import pytest
+
+from jddp import config as config_lib
+from jddp.checkpoint.resume import changed_keys, check_resume_config
+from jddp.errors import ConfigError
+
+
+def resolved(*overrides: str) -> dict:
+    """A resolved config as a checkpoint saves it (defaults + ``overrides``)."""
+    return config_lib.to_dict(config_lib.load(None, list(overrides)))
+
+
+def test_same_config_resumes():
+    check_resume_config(resolved(), resolved(), 4, 10, "runs/a/checkpoints/4")
+    check_resume_config(resolved("workdir=runs/a"), resolved("workdir=runs/b"), 4, 10, "ckpt")
+
+
+def test_free_keys_may_change():
+    """Outputs, periods and topology do not change the trajectory: no error."""
+    saved = resolved()
+    now = resolved(
+        "log.every_steps=7",
+        "checkpoint.keep=9",
+        "dist.backend=mpi",
+        "data.workers=2",
+        "train.eval_every_steps=3",
+        "train.steps=40",  # a longer run
+    )
+    assert changed_keys(saved, now) == []
+    check_resume_config(saved, now, 4, 40, "ckpt")
+
+
+def test_trajectory_keys_are_refused_naming_each_key_and_both_values():
+    saved = resolved("optim.lr=0.1", "train.seed=0")
+    now = resolved("optim.lr=0.2", "train.seed=3")
+    assert changed_keys(saved, now) == [("optim.lr", 0.1, 0.2), ("train.seed", 0, 3)]
+    with pytest.raises(ConfigError) as e:
+        check_resume_config(saved, now, 4, 10, "runs/a/checkpoints/4")
+    message = str(e.value)
+    assert "checkpoint runs/a/checkpoints/4's" in message
+    assert "optim.lr: 0.1 there, 0.2 now; train.seed: 0 there, 3 now" in message
+    assert "checkpoint.allow_config_change=true" in message and "--allow-config-change" in message
+
+
+def test_allow_config_change_lets_the_run_continue():
+    saved = resolved("optim.lr=0.1")
+    now = resolved("optim.lr=0.2", "checkpoint.allow_config_change=true")
+    check_resume_config(saved, now, 4, 10, "ckpt")
+
+
+def test_a_run_may_not_end_before_its_checkpoint():
+    """Even with config changes allowed: the checkpoint's step is past the new end."""
+    now = resolved("checkpoint.allow_config_change=true")
+    with pytest.raises(ConfigError, match=r"train.steps: the run would end at step 3 .* step 5"):
+        check_resume_config(resolved(), now, 5, 3, "ckpt")
+    check_resume_config(resolved(), now, 5, 5, "ckpt")  # ending at it is fine
+
+
+def test_keys_an_older_checkpoint_lacks_are_not_compared():
+    saved = resolved()
+    del saved["train"]["label_smoothing"]
+    now = resolved("train.label_smoothing=0.1")
+    assert changed_keys(saved, now) == []
