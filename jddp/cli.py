@@ -13,7 +13,7 @@ from typing import Any
 
 from jddp import errors
 from jddp.compat import check_versions
-from jddp.errors import ConfigError, JddpError, Preempted
+from jddp.errors import ConfigError, JddpError, Preempted, one_line
 from jddp.xla_setup import apply_cpu_flags
 
 
@@ -61,11 +61,6 @@ def run(body: Callable[[Session], int]) -> int:
     except Exception as e:  # noqa: BLE001 - the CLI's contract is one line and exit 1
         print(f"jddp: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
         return stop_peers(session.job, errors.FAILURE)
-
-
-def one_line(e: BaseException) -> str:
-    """``e``'s message on one line."""
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 def stop_peers(job: Any, exit_code: int) -> int:

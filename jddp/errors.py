@@ -75,3 +75,10 @@ class Preempted(JddpError):
     def __init__(self, step: int):
         super().__init__(f"preempted at step {step}")
         self.step = step
+
+
+def one_line(text: object) -> str:
+    """``text`` (an exception's message, say) on one line; an exception without a message
+    gives its class name."""
+    line = " ".join(str(text).split())
+    return line or (type(text).__name__ if isinstance(text, BaseException) else "")

@@ -41,8 +41,7 @@ import simplejpeg
 from PIL import Image
 
 from jddp.data.augment import Box
-from jddp.data.source import one_line
-from jddp.errors import DataError
+from jddp.errors import DataError, one_line
 
 __all__ = ["decode_crop", "resize_crop"]
 

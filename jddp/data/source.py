@@ -49,11 +49,6 @@ class Splits:
     eval: Source
 
 
-def one_line(text: object) -> str:
-    """Collapse ``text`` to a single line (exception texts may hold newlines)."""
-    return " ".join(str(text).split())
-
-
 def as_index_array(indices: np.ndarray, n: int, who: str) -> np.ndarray:
     """Validate a 1-D integer index array for a source of ``n`` examples."""
     idx = np.asarray(indices)

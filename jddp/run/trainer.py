@@ -15,11 +15,10 @@ from flax import nnx
 
 from jddp import config as config_lib
 from jddp.checkpoint.resume import changed_keys
-from jddp.cli import one_line
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.distributed import Job, current_job
-from jddp.errors import ConfigError, EvalFailed, JddpError, NonFiniteLoss, Preempted
+from jddp.errors import ConfigError, EvalFailed, JddpError, NonFiniteLoss, Preempted, one_line
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, describe_eval
 from jddp.preflight import check_same_config

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from jddp.data.formats.common import check_labels, make_splits, require_path, to_int_labels
-from jddp.data.source import Splits, one_line
-from jddp.errors import DataConfigError, DataError
+from jddp.data.source import Splits
+from jddp.errors import DataConfigError, DataError, one_line
 
 _CIFAR_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 _CIFAR_TEST_FILE = "test_batch"

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from jddp.data.formats.common import make_splits, require_path
-from jddp.data.source import Splits, one_line
-from jddp.errors import DataConfigError, DataError
+from jddp.data.source import Splits
+from jddp.errors import DataConfigError, DataError, one_line
 
 _MNIST_FILES = {
     "train_images": "train-images-idx3-ubyte",

@@ -8,8 +8,8 @@ import zlib
 import numpy as np
 
 from jddp.data.formats.common import make_splits, require_path, to_int_labels
-from jddp.data.source import Splits, one_line
-from jddp.errors import DataConfigError, DataError
+from jddp.data.source import Splits
+from jddp.errors import DataConfigError, DataError, one_line
 
 _NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 HINT = "point it at one .npz file holding arrays x_train, y_train, x_test, y_test"

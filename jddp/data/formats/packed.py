@@ -30,8 +30,8 @@ from jddp.data.pack_format import (
     Record,
     parse_record,
 )
-from jddp.data.source import ArraySource, Splits, as_index_array, one_line
-from jddp.errors import DataConfigError, DataError
+from jddp.data.source import ArraySource, Splits, as_index_array
+from jddp.errors import DataConfigError, DataError, one_line
 
 HINT = "point it at a folder written by python -m jddp.pack SRC OUT"
 
