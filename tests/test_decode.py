@@ -105,7 +105,6 @@ def _full(h, w):
         ("RGB", "PNG", {}),
         ("RGBA", "PNG", {}),
         ("P", "PNG", {}),
-        ("I;16", "PNG", {}),
     ],
 )
 def test_every_kind_pillow_reads_still_decodes(mode, fmt, kw):
@@ -186,3 +185,12 @@ def test_flip_rows_flips_exactly_the_drawn_rows(dtype):
     assert 0 < flip.sum() < 16
     want[flip] = want[flip, :, ::-1]
     np.testing.assert_array_equal(aug.flip_rows(images, keys), want)
+
+
+def test_16_bit_png_is_scaled_not_clipped():
+    """A 16-bit grayscale PNG: 65535 is white, 32768 mid-gray (Pillow's convert clips)."""
+    wide = np.full((32, 32), 32768, np.uint16)
+    wide[:, 16:] = 65535
+    out = decode.decode_crop(_encode(Image.fromarray(wide), "PNG"), _full, 32, "test")
+    assert out.shape == (32, 32, 3)
+    assert abs(int(out[5, 4, 0]) - 128) <= 1 and out[5, 28, 1] == 255

@@ -390,6 +390,13 @@ def test_imagefolder_class_mismatch_and_bad_image(tmp_path):
         s.train.get_batch(np.array([3]))
 
 
+def test_imagefolder_refuses_an_empty_class_folder(tmp_path):
+    write_imagefolder(tmp_path)
+    (tmp_path / "train" / "zebra").mkdir()
+    with pytest.raises(DataError, match="1 class folder.*zebra"):
+        load_splits("imagefolder", str(tmp_path), 8)
+
+
 # ----------------------------------------------------------------------------- normalization
 
 

@@ -52,7 +52,10 @@ cv2.setNumThreads(1)
 BLUR_ABOVE_SCALE = 1.2  # shrinking by less than this: bilinear alone aliases too little to matter
 _JPEG_MAGIC = b"\xff\xd8"
 _BYTES_IO = re.compile(r"<_io\.BytesIO object at 0x[0-9a-f]+>")
-_FAST_COLORSPACES = ("YCbCr", "RGB")  # what simplejpeg decodes to RGB exactly as Pillow does
+# what simplejpeg decodes to RGB exactly as Pillow does
+_FAST_COLORSPACES = ("YCbCr", "RGB")
+# 16- and 32-bit gray, which Pillow's convert("RGB") clips at 255
+_WIDE_GRAY = ("I;16", "I;16B", "I;16L", "I")
 
 
 def draft_factor(box: Box, size: int) -> int:
@@ -124,7 +127,13 @@ def _pillow_decode(
         if factor > 1:
             img.draft("RGB", (-(-width // factor), -(-height // factor)))
         scale_x, scale_y = img.size[0] / width, img.size[1] / height
-        image = np.asarray(img.convert("RGB"), np.uint8)
+        if img.mode in _WIDE_GRAY:  # 16-bit (or 32-bit) gray: scaled to 8 bits, not clipped
+            wide = np.asarray(img).astype(np.int64)
+            bits = 16 if img.mode.startswith("I;16") or wide.max(initial=0) < 1 << 16 else 32
+            gray = np.clip(wide >> (bits - 8), 0, 255).astype(np.uint8)
+            image = np.repeat(gray[..., None], 3, axis=-1)
+        else:
+            image = np.asarray(img.convert("RGB"), np.uint8)
     left, top, right, bottom = box
     return resize_crop(
         image, (left * scale_x, top * scale_y, right * scale_x, bottom * scale_y), size

@@ -104,6 +104,13 @@ class ImageFolderSource:
             raise DataError(
                 f"imagefolder: no .png/.jpg/.jpeg files under {str(split_dir)!r}: {HINT}"
             )
+        seen = set(labels)
+        empty = [cls for label, cls in enumerate(self.classes) if label not in seen]
+        if empty:  # a class the model would never see: a copy that went wrong, most likely
+            raise DataError(
+                f"imagefolder: {len(empty)} class folder(s) of {str(split_dir)!r} hold no "
+                f".png/.jpg/.jpeg file, e.g. {str(split_dir / empty[0])!r}: fill or remove them"
+            )
         self.files = files
         self.labels = np.asarray(labels, np.int32)
         if num_classes is not None and num_classes < len(self.classes):
