@@ -82,6 +82,7 @@ def validate(cfg: Config) -> Config:
     non_negative = {
         "optim.lr": cfg.optim.lr,
         "optim.weight_decay": cfg.optim.weight_decay,
+        "optim.trust_coefficient": cfg.optim.trust_coefficient,
         "optim.warmup_steps": cfg.optim.warmup_steps,
         "train.eval_every_steps": cfg.train.eval_every_steps,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
