@@ -32,10 +32,11 @@ class Session:
         """A known-broken jax/flax pair stops here in one line; then jddp's XLA flags (read when
         XLA's backends start), then join the job."""
         from jddp.compat import check_versions
-        from jddp.xla_setup import apply_cpu_flags
+        from jddp.xla_setup import apply_cpu_flags, size_cpu_threads
 
         check_versions()
         apply_cpu_flags()
+        size_cpu_threads(dist_cfg.cpu_threads)
         from jddp import distributed
 
         self.job = distributed.initialize(dist_cfg)

@@ -72,6 +72,7 @@ def validate(cfg: Config) -> Config:
         "data.image_size": cfg.data.image_size,
         "dist.num_local_devices": cfg.dist.num_local_devices,
         "dist.num_processes": cfg.dist.num_processes,
+        "dist.cpu_threads": cfg.dist.cpu_threads,
         "log.baseline_img_per_s": cfg.log.baseline_img_per_s,
     }.items():
         if opt_val is not None:

@@ -131,6 +131,11 @@ class DistConfig:
     check_sync_every: int = _f(
         0, "every k steps verify (checksum) that all replicas hold the same parameters (0: off)"
     )
+    cpu_threads: int | None = _f(
+        None,
+        "CPU: cores each process computes on (XLA's thread pool; the process is pinned to "
+        "them); null: its CPU affinity divided among this machine's processes",
+    )
     init_timeout_s: int = _f(300, "seconds to wait for all processes to join at start")
     heartbeat_timeout_s: int = _f(
         100, "seconds without a heartbeat after which a peer counts as dead and the job stops"
