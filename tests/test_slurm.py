@@ -160,3 +160,18 @@ def test_a_task_killed_with_sigkill_ends_the_step(cluster, tmp_path):
     assert "Killed" in err, err[-2000:]  # srun: "task N: Killed"
     assert time.monotonic() - start < 120
     assert wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in ranks), 30)
+
+
+def test_srun_pmi2_runs_the_mpi_backend(straight, tmp_path):
+    """PyPI's MPICH takes its ranks from SLURM's pmi2 plugin: `srun --mpi=pmi2` with
+    dist.backend=mpi trains and logs the losses of the xla run."""
+    wd = tmp_path / "run"
+    cmd = srun_cmd(wd, f"train.steps={STEPS}", "dist.backend=mpi", "model.sync_batchnorm=false")
+    cmd[1:1] = ["--mpi=pmi2"]
+    out = run(cmd, env=SLURM_ENV, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    xla = tmp_path / "xla"
+    ref = run(srun_cmd(xla, f"train.steps={STEPS}", "model.sync_batchnorm=false"), env=SLURM_ENV,
+              timeout=900)  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert_losses_match(read_losses(wd), read_losses(xla), range(1, STEPS + 1))
