@@ -75,13 +75,13 @@ def straight(cluster, tmp_path_factory):
 
 def test_srun_two_tasks_log_the_losses_of_one_process(straight, tmp_path):
     wd, out = straight
-    assert "2 processes" in out.stdout or "process" in out.stdout
     one = tmp_path / "one"
     alone = train(one, f"train.steps={STEPS}", env=SLURM_ENV)
     assert alone.returncode == 0, alone.stderr[-3000:]
     got, want = read_losses(wd), read_losses(one)
     assert sorted(got) == list(range(1, STEPS + 1))
-    assert_losses_match(got, want, range(1, STEPS + 1), rel=0)
+    # 2 devices vs 1 (global-batch BatchNorm): equal up to float32 summation order
+    assert_losses_match(got, want, range(1, STEPS + 1))
 
 
 def _job_state(job_id: str) -> str:
