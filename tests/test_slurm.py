@@ -93,10 +93,11 @@ def _job_state(job_id: str) -> str:
 
 
 def _sbatch(tmp_path, name, *overrides) -> str:
-    digits = str(REPO / "configs" / "digits.yaml")
+    config = tmp_path / "tiny.yaml"  # the defaults, as the srun run: TINY_SYNC does the rest
+    config.write_text("train:\n  seed: 0\n")
     venv = str(Path(sys.executable).parents[1])
-    args = [*TINY_SYNC, "train.eval_every_steps=0", "checkpoint.every_steps=0", *overrides]
-    cmd = ["sbatch", "--parsable", f"--job-name={name}", str(SBATCH), digits, *args]
+    args = [*TINY_SYNC, *overrides]
+    cmd = ["sbatch", "--parsable", f"--job-name={name}", str(SBATCH), str(config), *args]
     out = subprocess.run(
         cmd, capture_output=True, text=True, cwd=tmp_path, env={**SLURM_ENV, "VENV": venv}
     )
