@@ -63,6 +63,7 @@ def build_model(cfg: Config, rngs: nnx.Rngs, in_channels: int = 3) -> nnx.Module
         stem=cfg.model.stem,
         width=cfg.model.width,
         sync_batchnorm=cfg.model.sync_batchnorm,
+        zero_init_residual=cfg.model.zero_init_residual,
         in_channels=in_channels,
         dtype=dtype,
         rngs=rngs,

@@ -14,7 +14,7 @@ from typing import Any
 from jddp import errors
 from jddp.compat import check_versions
 from jddp.errors import ConfigError, JddpError, Preempted, one_line
-from jddp.xla_setup import apply_cpu_flags
+from jddp.xla_setup import apply_cpu_flags, size_cpu_threads
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -35,6 +35,7 @@ class Session:
         XLA's backends start), then join the job."""
         check_versions()
         apply_cpu_flags()
+        size_cpu_threads(dist_cfg.cpu_threads)
         from jddp import distributed  # imports jax: only now, after the checks and the flags
 
         self.job = distributed.initialize(dist_cfg)

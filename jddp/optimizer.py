@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 import optax
 
 from jddp.config import OptimConfig
@@ -33,21 +36,45 @@ def make_schedule(cfg: OptimConfig, global_batch_size: int, total_steps: int) ->
     )
 
 
+def decayed_params_mask(params: Any) -> Any:
+    """``True`` for the parameters that weight decay (and LARS's trust ratio) applies to when
+    ``optim.decay_bn_and_bias=false``: the kernels of convolutions and dense layers (two or more
+    dimensions); ``False`` for every 1-D parameter, i.e. BatchNorm scales and biases and all
+    biases, as the NVIDIA and MLPerf ResNet-50 recipes exclude them."""
+    return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
 def make_optimizer(
     cfg: OptimConfig, global_batch_size: int, total_steps: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optax transformation for ``cfg`` and its schedule (for logging the lr).
 
     ``sgd``: L2 weight decay added to the gradient, then momentum SGD (the classic ResNet
-    recipe). ``adamw``: Adam with decoupled weight decay. Weight decay applies to every
-    parameter, biases and BatchNorm scales included, as in the reference ResNet recipes.
+    recipe). ``adamw``: Adam with decoupled weight decay. ``lars``: ``optax.lars`` (You et al.
+    2017, "Large Batch Training of Convolutional Networks": per-layer trust ratio, momentum),
+    ``lamb``: ``optax.lamb`` (You et al. 2019). Weight decay applies to every parameter, biases
+    and BatchNorm scales included, unless ``decay_bn_and_bias=false``: then only to
+    :func:`decayed_params_mask`'s, and LARS leaves the others' step unadapted too (MLPerf).
     """
     schedule = make_schedule(cfg, global_batch_size, total_steps)
+    mask = None if cfg.decay_bn_and_bias else decayed_params_mask
     if cfg.name == "sgd":
         tx = optax.chain(
-            optax.add_decayed_weights(cfg.weight_decay),
+            optax.add_decayed_weights(cfg.weight_decay, mask=mask),
             optax.sgd(schedule, momentum=cfg.momentum or None, nesterov=cfg.nesterov),
         )
+    elif cfg.name == "lars":
+        tx = optax.lars(
+            schedule,
+            weight_decay=cfg.weight_decay,
+            weight_decay_mask=mask or True,
+            trust_coefficient=cfg.trust_coefficient,
+            trust_ratio_mask=mask or True,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+        )
+    elif cfg.name == "lamb":
+        tx = optax.lamb(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
     else:
-        tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+        tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
     return tx, schedule

@@ -6,6 +6,12 @@
   -individual_convolution``): the ResNet-18 step ran 1.4x faster with it on the 2-core VM. Only
   set where the installed XLA knows the flag (an XLA given an unknown flag aborts at start-up),
   never when ``XLA_FLAGS`` already sets it, and not at all with ``JDDP_XLA_DEFAULTS=0``.
+* On CPU, each process computes on the cores it owns (``dist.cpu_threads``, default: its CPU
+  affinity divided among the machine's processes): XLA:CPU sizes its intra-op (Eigen) thread
+  pool from the process's CPU affinity and has no flag for the size (jaxlib 0.10.2: only
+  ``--xla_cpu_multi_thread_eigen``), so jddp narrows the affinity to this process's share of
+  the cores before XLA starts; two processes on two cores then run one compute thread each
+  instead of two each.
 """
 
 from __future__ import annotations
@@ -61,6 +67,48 @@ def apply_cpu_flags(environ: dict[str, str] | None = None) -> list[str]:
         return []
     env["XLA_FLAGS"] = f"{flags} {CPU_CONV_OFF_YNNPACK}".strip()
     return [CPU_CONV_OFF_YNNPACK]
+
+
+LOCAL_RANK_VARIABLES = (
+    "JDDP_LOCAL_RANK",
+    "SLURM_LOCALID",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "PMI_LOCAL_RANK",
+)
+
+
+def _local_rank(environ: dict[str, str]) -> int:
+    for name in LOCAL_RANK_VARIABLES:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return 0
+
+
+def size_cpu_threads(cpu_threads: int | None, environ: dict[str, str] | None = None) -> list[int]:
+    """Pin this process to the cores it owns before XLA:CPU starts (its thread pool is sized
+    from the affinity); returns the cores pinned to ([] when nothing changed).
+
+    ``cpu_threads`` (``dist.cpu_threads``): how many; None: the affinity divided among the
+    machine's processes (:func:`jddp.data.pipeline.cores_per_process`, which the input workers
+    use too). Process ``local_rank`` takes the ``cpu_threads`` cores after those of the ranks
+    before it. Nothing changes off CPU, with ``JDDP_XLA_DEFAULTS=0``, or when the process owns
+    no more cores than asked (a launcher bound it already).
+    """
+    from jddp.data.pipeline import CPU_THREADS_VAR, cores_per_process
+
+    env = os.environ if environ is None else environ
+    if env.get("JDDP_XLA_DEFAULTS", "1") == "0" or not _runs_on_cpu(env):
+        return []
+    allowed = sorted(os.sched_getaffinity(0))
+    wanted = cpu_threads or cores_per_process()
+    if wanted >= len(allowed):
+        return []
+    first = (_local_rank(env) * wanted) % len(allowed)
+    cores = [allowed[(first + i) % len(allowed)] for i in range(wanted)]
+    os.sched_setaffinity(0, cores)
+    env[CPU_THREADS_VAR] = str(wanted)  # the input workers' share: not divided again
+    return cores
 
 
 def enable_compilation_cache(directory: str | None) -> Path | None:

@@ -1,6 +1,8 @@
 """The run loop and its hooks: periods, throughput windows, the one-step-late reader, and the
 replica sync check wired into a real loop."""
 
+import os
+
 import jax.numpy as jnp
 import pytest
 
@@ -146,3 +148,37 @@ def test_sync_check_stops_a_loop_whose_replicas_diverged(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "check=2: caught: replicas diverged at step 2" in out.stdout
     assert "check=0: finished step=4" in out.stdout
+
+
+def test_the_stop_step_is_logged_once_and_the_resumed_run_logs_the_rest(tmp_path, monkeypatch):
+    """A stop signal arriving while step 3's batch is built: the loop notices it one step late
+    (step 4 already ran), saves step 4, and step 4 has its line in metrics.jsonl; the rerun
+    resumes after it: every step 1..8 logged exactly once."""
+    import signal
+
+    from jddp.api import load_config
+    from jddp.errors import Preempted
+    from jddp.run.hooks import StopRequest
+    from jddp.run.trainer import train_and_evaluate
+    from tests.helpers import read_metrics, steps_saved
+
+    calls = []
+    flags = StopRequest.flags
+
+    def flags_signalling_at_step_3(self, rows):
+        calls.append(rows)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)  # handled by the run's StopRequest
+        return flags(self, rows)
+
+    monkeypatch.setattr(StopRequest, "flags", flags_signalling_at_step_3)
+    cfg = [f"workdir={tmp_path}", *TINY, "train.steps=8", "train.compilation_cache_dir=null"]
+    with pytest.raises(Preempted) as stopped:
+        train_and_evaluate(load_config(None, cfg))
+    assert stopped.value.step == 4 and steps_saved(tmp_path) == [4]
+    logged = [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r]
+    assert logged == [1, 2, 3, 4]
+    monkeypatch.setattr(StopRequest, "flags", flags)
+    assert train_and_evaluate(load_config(None, cfg)).step == 8
+    logged = [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r]
+    assert logged == list(range(1, 9))

@@ -1,5 +1,8 @@
 """Optimizer and schedule: warmup, cosine/constant, linear lr scaling, sgd vs adamw."""
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -50,3 +53,91 @@ def test_sgd_momentum_matches_optax():
         u1, s1 = tx.update(g, s1, p)
         u2, s2 = ref.update(g, s2, p)
         np.testing.assert_allclose(u1["w"], u2["w"], rtol=1e-6)
+
+
+PARAMS = {"kernel": jnp.full((2, 3), 0.5), "bias": jnp.full((3,), 0.5), "scale": jnp.ones(3)}
+GRADS = {
+    "kernel": jnp.full((2, 3), 0.2),
+    "bias": jnp.array([0.1, -0.1, 0.3]),
+    "scale": -PARAMS["scale"],
+}
+
+
+def _steps(tx, n=3):
+    params, state, out = PARAMS, tx.init(PARAMS), []
+    for _ in range(n):
+        updates, state = tx.update(GRADS, state, params)
+        params = optax.apply_updates(params, updates)
+        out.append(params)
+    return out
+
+
+def _one_d_excluded(params):
+    return {k: v.ndim > 1 for k, v in params.items()}
+
+
+@pytest.mark.parametrize("decay_bn_and_bias", [True, False])
+@pytest.mark.parametrize("name", ["lars", "lamb"])
+def test_lars_and_lamb_steps_equal_optax_applied_by_hand(name, decay_bn_and_bias):
+    cfg = OptimConfig(name=name, lr=0.5, weight_decay=0.1, schedule="constant", momentum=0.8,
+                      decay_bn_and_bias=decay_bn_and_bias, trust_coefficient=0.01)  # fmt: skip
+    tx, _ = make_optimizer(cfg, 256, 10)
+    mask = True if decay_bn_and_bias else _one_d_excluded
+    if name == "lars":
+        ref = optax.lars(0.5, weight_decay=0.1, weight_decay_mask=mask, trust_coefficient=0.01,
+                         trust_ratio_mask=mask, momentum=0.8)  # fmt: skip
+    else:
+        ref = optax.lamb(0.5, b1=0.9, b2=0.999, weight_decay=0.1,
+                         mask=None if decay_bn_and_bias else _one_d_excluded)  # fmt: skip
+    for got, want in zip(_steps(tx), _steps(ref), strict=True):
+        for key in PARAMS:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lars", "lamb"])
+def test_decay_bn_and_bias_false_leaves_1d_params_undecayed(name):
+    """With a zero gradient only weight decay moves a parameter: the kernel shrinks, the bias
+    and BatchNorm scale stay exactly where they are (and do with the default, true, shrink)."""
+    zero = jax.tree.map(jnp.zeros_like, PARAMS)
+    for decay_bn_and_bias in (False, True):
+        cfg = OptimConfig(name=name, lr=0.1, weight_decay=0.5, schedule="constant",
+                          decay_bn_and_bias=decay_bn_and_bias)  # fmt: skip
+        tx, _ = make_optimizer(cfg, 256, 10)
+        updates, _ = tx.update(zero, tx.init(PARAMS), PARAMS)
+        new = optax.apply_updates(PARAMS, updates)
+        assert np.all(np.asarray(new["kernel"]) < 0.5)
+        for key in ("bias", "scale"):
+            moved = not np.array_equal(new[key], PARAMS[key])
+            assert moved == decay_bn_and_bias, (name, key, decay_bn_and_bias)
+
+
+def test_the_mask_excludes_every_batchnorm_and_bias_of_a_resnet():
+    from flax import nnx
+
+    from jddp.models import resnet18
+    from jddp.optimizer import decayed_params_mask
+
+    model = resnet18(num_classes=10, stem="cifar", width=4, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    decayed = {
+        "/".join(re.sub(r"\W", "", str(k)) for k in path).removesuffix("/value"): flag
+        for path, flag in jax.tree_util.tree_leaves_with_path(decayed_params_mask(params))
+    }
+    assert all(flag == path.endswith("kernel") for path, flag in decayed.items()), decayed
+    excluded = {path.rsplit("/", 1)[-1] for path, flag in decayed.items() if not flag}
+    assert excluded == {"scale", "bias"}  # BatchNorm scales and biases, the head's bias
+
+
+def test_zero_init_residual_is_a_model_key(tmp_path):
+    from flax import nnx
+
+    from jddp.api import load_config
+    from jddp.build import build_model
+
+    last_scales = []
+    for zero in (True, False):
+        cfg = load_config(None, [f"model.zero_init_residual={str(zero).lower()}", "model.width=4"])
+        model = build_model(cfg, nnx.Rngs(0))
+        block = model.blocks[0]
+        last_scales.append(float(jnp.max(jnp.abs(block.bn2.scale.value))))
+    assert last_scales == [0.0, 1.0]

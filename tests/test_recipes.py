@@ -29,6 +29,7 @@ SMALL = [
         ("cifar10_resnet18.yaml", lambda d: write_cifar_folder(d), []),
         ("mnist.yaml", lambda d: write_mnist(d, compress=True), []),
         ("imagenet_resnet50.yaml", lambda d: write_jpeg_folder(d), ["data.image_size=32"]),
+        ("imagenet_resnet50_lars.yaml", lambda d: write_jpeg_folder(d), ["data.image_size=32"]),
     ],
 )
 def test_recipe_trains_on_files_of_its_format(tmp_path, recipe, write, extra):

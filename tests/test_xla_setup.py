@@ -1,6 +1,10 @@
 """jddp's XLA defaults: the XLA:CPU flag only where it is known and wanted, and the persistent
 compilation cache. (Their speed is measured in experiments/bench_xla.py, not tested here.)"""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from jddp import xla_setup
@@ -34,3 +38,41 @@ def test_the_flag_is_only_used_where_xla_knows_it(monkeypatch):
     assert not xla_setup._xla_knows("--xla_cpu_no_such_flag_in_any_release")
     monkeypatch.setattr(xla_setup, "_xla_knows", lambda flag: False)
     assert apply_cpu_flags({"JAX_PLATFORMS": "cpu"}) == []
+
+
+THREADS_PROBE = """
+import collections, os, sys
+from jddp.xla_setup import size_cpu_threads
+pinned = size_cpu_threads(None)
+import jax, jax.numpy as jnp
+x = jnp.ones((256, 256)); (x @ x).block_until_ready()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+eigen = sum(n.startswith("tf_XLAEigen") for n in names)
+print(len(pinned), eigen, os.environ.get("JDDP_CPU_THREADS"), sorted(os.sched_getaffinity(0)))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to divide")
+def test_each_process_computes_on_its_share_of_the_cores():
+    """Two processes on this machine (as jddp.launch says): each is pinned to half the cores
+    and XLA:CPU starts that many compute (Eigen) threads; the input workers get the same share;
+    a lone process keeps every core."""
+    cores = len(os.sched_getaffinity(0))
+    share = cores // 2
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JDDP_NUM_PROCESSES": "2"}
+    env.pop("JDDP_CPU_THREADS", None)
+    env.pop("XLA_FLAGS", None)
+    seen = []
+    for rank in ("0", "1"):
+        rank_env = {**env, "JDDP_LOCAL_RANK": rank}
+        out = subprocess.run([sys.executable, "-c", THREADS_PROBE], env=rank_env,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        pinned, eigen, workers, affinity = out.stdout.split(maxsplit=3)
+        assert (int(pinned), int(eigen), workers) == (share, share, str(share)), out.stdout
+        seen.append(affinity)
+    assert seen[0] != seen[1]  # different cores
+    env.pop("JDDP_NUM_PROCESSES")
+    out = subprocess.run([sys.executable, "-c", THREADS_PROBE], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.stdout.split()[:3] == ["0", str(cores), "None"], out.stdout

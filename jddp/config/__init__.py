@@ -91,6 +91,7 @@ def validate(cfg: Config) -> Config:
         "data.image_size": cfg.data.image_size,
         "dist.num_local_devices": cfg.dist.num_local_devices,
         "dist.num_processes": cfg.dist.num_processes,
+        "dist.cpu_threads": cfg.dist.cpu_threads,
         "log.baseline_img_per_s": cfg.log.baseline_img_per_s,
         "dist.heartbeat_timeout_s": cfg.dist.heartbeat_timeout_s,
         "dist.init_timeout_s": cfg.dist.init_timeout_s,
@@ -103,6 +104,7 @@ def validate(cfg: Config) -> Config:
     non_negative = {
         "optim.lr": cfg.optim.lr,
         "optim.weight_decay": cfg.optim.weight_decay,
+        "optim.trust_coefficient": cfg.optim.trust_coefficient,
         "optim.warmup_steps": cfg.optim.warmup_steps,
         "train.eval_every_steps": cfg.train.eval_every_steps,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,

@@ -30,6 +30,11 @@ class ModelConfig:
     sync_batchnorm: bool = _f(
         False, "average BatchNorm batch statistics across all devices (global-batch BN)"
     )
+    zero_init_residual: bool = _f(
+        True,
+        "start the last BatchNorm scale of each residual block at 0, so each block starts as "
+        "the identity (Goyal et al. 2017); false: at 1",
+    )
 
 
 @dataclass
@@ -58,15 +63,25 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["sgd", "adamw"] = _f("sgd", "sgd (with momentum, decoupled L2) | adamw")
-    lr: float = _f(0.1, "peak learning rate (before linear scaling, see lr_scaling)")
-    momentum: float = _f(0.9, "SGD momentum (nesterov off); unused by adamw")
-    nesterov: bool = _f(False, "use Nesterov momentum with sgd")
-    weight_decay: float = _f(
-        5e-4, "weight decay (L2 added to the gradient for sgd, decoupled for adamw)"
+    name: Literal["sgd", "adamw", "lars", "lamb"] = _f(
+        "sgd",
+        "sgd (with momentum, L2) | adamw | lars (optax.lars: momentum + per-layer trust ratio, "
+        "for large batches) | lamb (optax.lamb: Adam + per-layer trust ratio)",
     )
-    b1: float = _f(0.9, "adamw beta1")
-    b2: float = _f(0.999, "adamw beta2")
+    lr: float = _f(0.1, "peak learning rate (before linear scaling, see lr_scaling)")
+    momentum: float = _f(0.9, "momentum of sgd and lars (nesterov off); unused by adamw/lamb")
+    nesterov: bool = _f(False, "use Nesterov momentum with sgd and lars")
+    weight_decay: float = _f(
+        5e-4, "weight decay (L2 added to the gradient for sgd/lars, decoupled for adamw/lamb)"
+    )
+    decay_bn_and_bias: bool = _f(
+        True,
+        "apply weight decay to BatchNorm scales/biases and all biases too; false: only to "
+        "kernels (1-D parameters excluded, and from lars's trust ratio; NVIDIA/MLPerf recipes)",
+    )
+    trust_coefficient: float = _f(0.001, "lars: trust coefficient (eta of You et al. 2017)")
+    b1: float = _f(0.9, "adamw/lamb beta1")
+    b2: float = _f(0.999, "adamw/lamb beta2")
     schedule: Literal["constant", "cosine"] = _f(
         "cosine", "constant|cosine (decays to 0 at the last step)"
     )
@@ -122,6 +137,11 @@ class DistConfig:
     )
     check_sync_every: int = _f(
         0, "every k steps verify (checksum) that all replicas hold the same parameters (0: off)"
+    )
+    cpu_threads: int | None = _f(
+        None,
+        "CPU: cores each process computes on (XLA's thread pool; the process is pinned to "
+        "them); null: its CPU affinity divided among this machine's processes",
     )
     init_timeout_s: int = _f(300, "seconds to wait for all processes to join at start")
     heartbeat_timeout_s: int = _f(

@@ -41,9 +41,22 @@ def local_process_count() -> int:
     return 1
 
 
+CPU_THREADS_VAR = "JDDP_CPU_THREADS"  # set once jddp has sized this process (xla_setup)
+
+
+def cores_per_process() -> int:
+    """The cores this process owns: the ones its CPU affinity allows (SLURM, taskset, mpirun
+    binding set it), divided among the job's processes on this machine; once
+    :func:`jddp.xla_setup.size_cpu_threads` has pinned the process, the number it pinned."""
+    pinned = os.environ.get(CPU_THREADS_VAR, "")
+    if pinned.isdigit() and int(pinned) > 0:
+        return int(pinned)
+    return max(1, len(os.sched_getaffinity(0)) // local_process_count())
+
+
 def default_workers() -> int:
     """The cores this process may use, divided among the job's processes on this machine."""
-    return max(1, len(os.sched_getaffinity(0)) // local_process_count())
+    return cores_per_process()
 
 
 def crops(source: Source, indices: np.ndarray, boxes: aug.BoxFn) -> tuple[np.ndarray, np.ndarray]:

@@ -97,7 +97,8 @@ class ThroughputMeter:
 
 class StepReporter:
     """Reads each step's metrics one step late (so the device never waits for the host): logs a
-    train line every ``log.every_steps`` (and at the last step, and on a non-finite step),
+    train line every ``log.every_steps`` (and at the last step, the step a stop signal ends the
+    run at, and a non-finite step),
     raises :class:`NonFiniteLoss` under ``halt``, and says whether any process asked to stop."""
 
     def __init__(
@@ -118,7 +119,9 @@ class StepReporter:
         self.log, self.meter, self.progress, self.checkpoints = log, meter, progress, checkpoints
         self.ideal_img_per_s = baseline_img_per_s and num_devices * baseline_img_per_s
 
-    def __call__(self, step: int, metrics: Metrics) -> bool:
+    def __call__(self, step: int, metrics: Metrics, stopping: bool = False) -> bool:
+        """Report ``step``'s ``metrics``; whether a stop was requested. ``stopping``: the run
+        stops (and saves) at ``step``, so it gets a line whatever ``log.every_steps`` says."""
         host = {k: float(v) for k, v in to_host(metrics).items()}
         stop_requested = host.pop(STOP_KEY, 0.0) > 0
         if host[NONFINITE_KEY] and self.halt_on_nonfinite:
@@ -128,7 +131,9 @@ class StepReporter:
                 f"non-finite loss or gradient at step {step} (train.on_nonfinite=halt); the "
                 f"update was not applied; last checkpoint: {last}"
             )
-        logged = bool(self.period.due(step) or step == self.last_step or host[NONFINITE_KEY])
+        logged = bool(
+            self.period.due(step) or step == self.last_step or host[NONFINITE_KEY] or stopping
+        )
         if logged:
             host.update(self.meter.end_window(step))
             if self.ideal_img_per_s and "train/img_per_s" in host:

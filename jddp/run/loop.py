@@ -23,7 +23,12 @@ def train_loop(run: Run) -> tuple[TrainState, int, bool]:
         if step == run.start_step + 1:  # the first step compiles: timed apart
             run.log.write(step, {"train/compile_s": run.meter.compiled(metrics)})
         if pending is not None and run.reporter(*pending):
-            return state, step, True  # every process saw the same flag at the same step
+            # Every process saw the same flag at the same step. This step already ran and is
+            # the one saved: its line goes into metrics.jsonl now (a resumed run starts after
+            # it), so every step is logged once.
+            run.reporter(step, metrics, stopping=True)
+            run.progress.update(1)
+            return state, step, True
         pending = (step, metrics)
         run.progress.update(1)
         for hook in run.hooks:
