@@ -30,7 +30,7 @@ from tests.helpers import (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
-SBATCH = REPO / "experiments" / "slurm" / "train.sbatch"
+SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
 SLURM_ENV = {**os.environ, "PYTHONPATH": str(REPO)}  # the tasks import this checkout's jddp
 
 

@@ -3,7 +3,7 @@
 #   dist.backend=xla : mpirun only launches; jax.distributed + XLA collectives (NCCL on GPUs)
 #   dist.backend=mpi : pmean over each process's local devices + mpi4jax across processes
 #
-#   HOSTS=node1:8,node2:8 bash experiments/slurm/mpirun.sh 16 configs/digits.yaml dist.backend=xla
+#   HOSTS=node1:8,node2:8 bash examples/slurm/mpirun.sh 16 configs/digits.yaml dist.backend=xla
 set -euo pipefail
 NP=${1:?usage: mpirun.sh NUM_PROCESSES CONFIG.yaml [key=value ...]}
 CONFIG=${2:?usage: mpirun.sh NUM_PROCESSES CONFIG.yaml [key=value ...]}
