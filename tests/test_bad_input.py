@@ -67,7 +67,7 @@ CASES = [
     ("negative lr", ["optim.lr=-0.1"], 2, ["optim.lr", ">= 0"]),
     ("unknown model", ["model.name=resnet19"], 2, ["model.name", "resnet19", "resnet18"]),
     ("unimportable model", ["model.name=nope.models:net"], 2, ["model.name", "nope.models"]),
-    ("unknown optimizer", ["optim.name=lamb"], 2, ["optim.name", "sgd, adamw"]),
+    ("unknown optimizer", ["optim.name=lion"], 2, ["optim.name", "sgd, adamw, lars, lamb"]),
     ("unknown data", ["data.name=imagenet"], 2, ["data.name", "imagefolder"]),
     ("unknown stem", ["model.stem=tiny"], 2, ["model.stem", "cifar, imagenet"]),
     ("bad progress", ["log.progress=maybe"], 2, ["log.progress", "auto, on, off"]),
