@@ -14,11 +14,12 @@ PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3
 DEST=.whl
 MPI4JAX_VERSION=0.9.1.post2   # as scripts/setup.sh
 # Missing from the GPU image (/work/.library/device/KINDS.md): grain and its array-record,
-# portpicker, tensorboardX, tzdata, the MPICH runtime (mpicc/mpirun). Carried at the lock's
+# simplejpeg (the decoder; the image has opencv-python-headless), portpicker, tensorboardX,
+# tzdata, the MPICH runtime (mpicc/mpirun). Carried at the lock's
 # version although the image has them: flax, optax, orbax-checkpoint (pure Python, the versions
 # CI tests), mpi4py (its MPI lookup must find the carried MPICH; mpi4jax builds against it) and
 # nanobind (mpi4jax's build needs it; rehearsed: without it the build stops).
-WHEELS="grain array_record portpicker tensorboardX tzdata mpich flax optax orbax-checkpoint mpi4py nanobind"
+WHEELS="grain array_record simplejpeg portpicker tensorboardX tzdata mpich flax optax orbax-checkpoint mpi4py nanobind"
 mkdir -p "$DEST"
 record_commit() {  # "<short commit> clean|dirty" (tracked files only; .whl/ is ignored)
   local dirty
