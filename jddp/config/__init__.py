@@ -60,8 +60,10 @@ MAX_INT = 2**31 - 1
 
 
 def _check_numbers(cfg: Config) -> None:
-    """Every numeric key within int32 (what the devices count in); finiteness is checked as
-    the values are read (:mod:`jddp.config_parse`)."""
+    """Every integer key within int32 (what the devices count in); floats (a learning rate of
+    1e30 is a legal, if useless, number) are only checked finite as the values are read
+    (:mod:`jddp.config.parse`). ``train.epochs``, a count too, is bounded here and again when
+    converted to steps."""
     for section in dataclasses.fields(cfg):
         values = getattr(cfg, section.name)
         if not dataclasses.is_dataclass(values):
@@ -69,7 +71,8 @@ def _check_numbers(cfg: Config) -> None:
         for f in dataclasses.fields(values):
             v = getattr(values, f.name)
             key = f"{section.name}.{f.name}"
-            if isinstance(v, int | float) and not isinstance(v, bool) and abs(v) > MAX_INT:
+            counts = isinstance(v, int) or (key == "train.epochs" and v is not None)
+            if counts and not isinstance(v, bool) and abs(v) > MAX_INT:
                 raise ConfigError(f"{key}: must be at most {MAX_INT} in size, got {v:g}")
 
 
