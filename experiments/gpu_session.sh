@@ -89,6 +89,9 @@ else
   # --target would drop the wheel's lib/.
   if $PY -m pip install -q --no-index --no-deps --no-cache-dir .whl/mpich-*.whl; then
     MPI_BIN=$(dirname "$($PY -c 'import sys; print(sys.executable)')")
+    # The image also has Debian's Open MPI, which the mpi4py wheel finds first unless told: seen
+    # 2026-11-24, mpi4jax then recorded Open MPI at build time and refused MPICH's mpirun.
+    export MPI4PY_LIBMPI=$($PY -c 'import sys; print(sys.prefix)')/lib/libmpi.so.12
   else
     note "MPICH not installable into $($PY -c 'import sys; print(sys.prefix)'): using /tmp/mpich (tests expecting mpirun next to python will fail)"
     $PY -m pip install -q --no-index --no-deps --no-cache-dir --prefix /tmp/mpich .whl/mpich-*.whl
@@ -162,7 +165,8 @@ part_mpi() {
 }
 
 part_suite() {
-  local budget n=${JDDP_SUITE_WORKERS:-8} args=() files=(tests)
+  local budget n=${JDDP_SUITE_WORKERS:-8} args=() files
+  read -r -a files <<< "${JDDP_SUITE_FILES:-tests}"  # e.g. JDDP_SUITE_FILES=tests/test_mpi.py
   [ "$SMOKE" = 1 ] && files=(tests/test_bench.py tests/test_xla_setup.py)
   # First, alone: the one test that trains on the GPU (skips without a GPU plugin).
   note "suite: tests/test_gpu.py first"
