@@ -115,7 +115,7 @@ def e2e_cases(smoke: bool, jpeg_root: Path) -> dict[str, dict]:
     return cases
 
 
-def e2e(out: Path, logs: Path, cases_wanted: list[str] | None) -> int:
+def e2e(out: Path, logs: Path, cases_wanted: list[str] | None, extra: list[str]) -> int:
     from bench_input import make_jpeg_folder, pack
 
     platform = "cpu" if SMOKE else "gpu"
@@ -131,7 +131,7 @@ def e2e(out: Path, logs: Path, cases_wanted: list[str] | None) -> int:
                 print(f"e2e: {one['jpegs']} JPEGs made in {time.perf_counter() - start:.0f} s")
             if one.get("pack"):
                 pack(Path(tmp) / "jpeg", Path(tmp) / "jpeg-packed")
-            wl = one["workload"]
+            wl = with_overrides(one["workload"], *extra)
             batch = int(value(wl, "data.global_batch_size"))
             # one cache for all cases: a case compiling the step another did starts warm
             run = run_case(logs / f"e2e-{name}", Path(tmp) / "cache", one["steps"], wl,
@@ -259,6 +259,8 @@ def main() -> int:
     ap.add_argument("--logs", type=Path, default=None, help="run folders (default OUT/../logs)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--cases", default=None, help="e2e: comma-separated subset")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="e2e: an override for every case (repeatable), e.g. data.workers=8")
     ap.add_argument("--steps", type=int, default=20, help="mpi: train steps")
     args = ap.parse_args()
     SMOKE = SMOKE or args.smoke
@@ -266,7 +268,7 @@ def main() -> int:
     if args.what == "env":
         return env_record(args.out)
     if args.what == "e2e":
-        return e2e(args.out, logs, args.cases.split(",") if args.cases else None)
+        return e2e(args.out, logs, args.cases.split(",") if args.cases else None, args.set)
     return mpi_compare(args.out, logs, args.steps)
 
 
