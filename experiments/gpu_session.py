@@ -259,8 +259,13 @@ def main() -> int:
     ap.add_argument("--logs", type=Path, default=None, help="run folders (default OUT/../logs)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--cases", default=None, help="e2e: comma-separated subset")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="e2e: an override for every case (repeatable), e.g. data.workers=8")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="e2e: an override for every case (repeatable), e.g. data.workers=8",
+    )
     ap.add_argument("--steps", type=int, default=20, help="mpi: train steps")
     args = ap.parse_args()
     SMOKE = SMOKE or args.smoke

@@ -140,12 +140,20 @@ build_mpi4jax() {
   fi
   note "building mpi4jax ($sdist) with CUDA_PATH=$cuda MPICC=$MPI_BIN/mpicc into $target"
   local t0=$SECONDS
+  # The link line lists -L/usr/lib/x86_64-linux-gnu before the wrapper's own library folder, so
+  # on the GPU image (which also has Debian's Open MPI) -lmpi found Open MPI's libmpi.so.40 and
+  # mpi4jax refused MPICH's mpirun at run time (seen 2026-11-24): LDFLAGS puts MPICH's lib first.
+  local mpi_lib
+  mpi_lib=$(dirname "$MPI_BIN")/lib
+  LDFLAGS="-L$mpi_lib -Wl,-rpath,$mpi_lib${LDFLAGS:+ $LDFLAGS}" \
   PATH="$MPI_BIN:$PATH" CUDA_PATH="$cuda" MPI4JAX_BUILD_MPICC="$MPI_BIN/mpicc" \
     $PY -m pip install -v --no-index --no-deps --no-build-isolation --no-cache-dir \
     --target "$target" "$sdist" > "$WORK/mpi4jax-build.log" 2>&1 \
     || { tail -30 "$WORK/mpi4jax-build.log"; note "mpi4jax build FAILED"; return 1; }
   grep -a "CUDA INFO" "$WORK/mpi4jax-build.log" | tail -1
   PYTHONPATH=$target:$PYTHONPATH $PY -c 'import mpi4jax as m; print("gpu_session: mpi4jax", m.__version__, "from", m.__file__, "cuda bridge:", m.has_cuda_support())'
+  # which libmpi the bridges will load (MPICH's is libmpi.so.12, Open MPI's libmpi.so.40)
+  find "$target/mpi4jax" -name 'mpi_xla_bridge_*.so' -exec sh -c 'echo "gpu_session: $(basename "$1"): $(ldd "$1" | grep -o "libmpi[^ ]* => [^ ]*")"' _ {} \;
   note "mpi4jax built in $((SECONDS - t0)) s"
 }
 

@@ -11,7 +11,7 @@ from PIL import Image
 
 from jddp.data import augment as aug
 from jddp.data.formats.imagefolder import ImageFolderSource
-from jddp.data.pipeline import HostBatches, eval_rows, host_iterator
+from jddp.data.pipeline import GIL_SWITCH_INTERVAL_S, HostBatches, eval_rows, host_iterator
 from jddp.data.source import ArraySource
 from jddp.errors import DataError
 
@@ -55,6 +55,25 @@ def test_same_pixels_in_worker_processes():
     got = _run(host, 4, 2, "process")
     assert all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True))
     assert multiprocessing.active_children() == []
+
+
+def test_thread_workers_shorten_the_gil_switch_interval():
+    """Decoding threads must not keep the training loop's thread waiting 5 ms for the GIL."""
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)  # Python's default
+        host = HostBatches(_source(), 16, seed=3, rows=slice(0, 16), augment="none")
+        _run(host, 2, 0)
+        assert sys.getswitchinterval() == pytest.approx(0.005)  # no threads: left alone
+        _run(host, 2, 2)
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(0.0001)  # a shorter one the user chose stays
+        _run(host, 2, 2)
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_draws_depend_on_seed_epoch_and_example_only():
