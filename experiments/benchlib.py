@@ -118,8 +118,12 @@ def checkout() -> tuple[str | None, list[str], str | None]:
     """Commit (short), dirty paths and where they came from: ``git``, or, in a copy of the tree
     without ``.git`` (as on a lent GPU machine), the file :data:`GPU_COMMIT_FILE` that
     ``scripts/gpu_wheels.sh`` writes (``<commit> clean|dirty``; dirty paths are then unknown,
-    one placeholder); ``(None, [], None)`` when neither is there."""
-    commit = sh("git", "-C", str(REPO), "rev-parse", "--short", "HEAD")
+    one placeholder); ``(None, [], None)`` when neither is there. ``JDDP_PREFER_COMMIT_FILE=1``
+    (set by ``gpu_session.sh`` there) reads the file first: the lent machine's tree once came
+    with a ``.git`` from the session's start, older than the tree (2026-11-24)."""
+    commit = None
+    if not (os.environ.get("JDDP_PREFER_COMMIT_FILE") == "1" and (REPO / GPU_COMMIT_FILE).exists()):
+        commit = sh("git", "-C", str(REPO), "rev-parse", "--short", "HEAD")
     if commit:
         dirty = (sh("git", "-C", str(REPO), "status", "--porcelain") or "").splitlines()
         return commit, dirty, "git"

@@ -99,6 +99,7 @@ else
     export PATH=/tmp/mpich/bin:$PATH LD_LIBRARY_PATH=/tmp/mpich/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export MPI4PY_LIBMPI=/tmp/mpich/lib/libmpi.so.12
   fi
+  export JDDP_PREFER_COMMIT_FILE=1  # benchlib.checkout: .whl/gpu_commit.txt, not a stale .git
   note "python3 $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])'); wheels in $SITE; MPICH in $MPI_BIN"
 fi
 if [ "$SMOKE" = 1 ]; then
