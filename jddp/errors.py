@@ -50,7 +50,8 @@ class CheckpointError(JddpError):
 
 
 class NonFiniteLoss(JddpError):
-    """``train.on_nonfinite=halt`` and a step's loss or gradient was not finite (exit 1)."""
+    """``train.on_nonfinite=halt`` and a step's loss or gradient was not finite, or
+    ``python -m jddp.evaluate`` measured a non-finite eval metric (exit 1)."""
 
 
 class EvalFailed(JddpError):

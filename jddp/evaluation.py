@@ -9,6 +9,7 @@ One eval run (:class:`EvalRun`: the eval step, the data and where they run) serv
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from jddp.config import Config
 from jddp.data.loader import BatchLayout, batch_layout, eval_batches
 from jddp.data.source import Source, as_source, check_label_range
 from jddp.distributed import Job, current_job
-from jddp.errors import ConfigError
+from jddp.errors import ConfigError, DataConfigError, NonFiniteLoss
 from jddp.inference import as_model, restore_into
 from jddp.mesh import DTYPES, make_mesh, to_host
 from jddp.metrics import Console, append_metrics, describe_eval
@@ -125,7 +126,7 @@ def evaluate_model(
     process (under ``jax.distributed`` every process must call it with the same arguments).
     ``loss_fn``: ``(logits_BxK, labels_B) -> loss_B`` (default: the run's cross-entropy).
     """
-    model, run_norm = as_model(model_or_workdir, step)
+    model, run_norm, augment = as_model(model_or_workdir, step)
     cfg = None
     if model is not model_or_workdir:  # a run: its config (optional when data is given)
         try:
@@ -139,6 +140,8 @@ def evaluate_model(
         source = load_data(cfg).eval
     else:
         raise TypeError("evaluate: pass data= to evaluate a model (a run has its eval split)")
+    if not len(source):
+        raise DataConfigError(f"data: no examples to evaluate ({source!r})")
     smoothing = cfg.train.label_smoothing if cfg is not None else 0.0
     dtype = DTYPES[cfg.train.precision] if cfg is not None else jnp.float32
     comm = make_comm(current_job(config_lib.DistConfig()), "xla")
@@ -146,6 +149,18 @@ def evaluate_model(
     devices = mesh.devices.size
     global_batch = -(-batch_size // devices) * devices
     layout = batch_layout(mesh, global_batch, comm.process_index, comm.process_count)
+    # Raw arrays or records of a run are fed as the run was trained (its recorded
+    # normalisation); a Source (or the run's own eval split) brings its own.
+    pixel_norm = (
+        run_norm
+        if run_norm is not None and data is not None and not hasattr(data, "get_batch")
+        else PixelNorm.of(source)
+    )
+    pixel_norm.check_channels((len(source), *source.image_shape), "data")
+    if cfg is not None and data is None:
+        pipeline = pipeline_options(cfg)
+    else:  # user data of a run get its eval transform (imagenet: the centre crop), as predict
+        pipeline = {"augment": augment}
     evaluate, state = build_eval_run(
         model,
         source,
@@ -155,14 +170,8 @@ def evaluate_model(
         comm,
         loss_fn=loss_fn or cross_entropy_loss(smoothing),
         compute_dtype=dtype,
-        # Raw arrays or records of a run are fed as the run was trained (its recorded
-        # normalisation); a Source (or the run's own eval split) brings its own.
-        pixel_norm=(
-            run_norm
-            if run_norm is not None and data is not None and not hasattr(data, "get_batch")
-            else PixelNorm.of(source)
-        ),
-        pipeline=pipeline_options(cfg) if cfg is not None and data is None else None,
+        pixel_norm=pixel_norm,
+        pipeline=pipeline,
         labels_of="data" if data is not None else None,
     )
     return evaluate(state)
@@ -224,6 +233,14 @@ def evaluate_checkpoint(cfg: Config, directory: Path, step: int, job: Job) -> di
     )
     del model
     metrics = evaluate(state)
+    nonfinite = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    if nonfinite:  # not a result: say so (exit 1) instead of logging eval/loss=nan
+        raise NonFiniteLoss(
+            f"checkpoint {directory / str(step)} on {cfg.data.name}: "
+            + ", ".join(f"{k}={metrics[k]}" for k in nonfinite)
+            + f" over {metrics['eval/count']} eval examples (NaN/Inf in the eval images or the "
+            "weights); nothing was appended to metrics.jsonl"
+        )
     if comm.process_index == 0:
         append_metrics(RunFolder(cfg.workdir), step, {**metrics, "eval/data": cfg.data.name})
     Console(comm.process_index == 0).say(

@@ -19,6 +19,8 @@ from jddp import config as config_lib
 from jddp.build import build_model
 from jddp.checkpoint import Checkpoints
 from jddp.checkpoint.weights import describe_mismatch, mismatched_weights, open_checkpoint
+from jddp.data.pipeline import eval_rows
+from jddp.data.source import ArraySource, pixel_images
 from jddp.errors import ConfigError
 from jddp.state import split_model
 from jddp.step import PixelNorm
@@ -69,16 +71,18 @@ def load(path: PathLike, step: int | None = None, *, model: nnx.Module | None = 
 
 def load_run(
     path: PathLike, step: int | None = None, *, model: nnx.Module | None = None
-) -> tuple[nnx.Module, PixelNorm | None]:
-    """:func:`load`, and the pixel normalisation the run trained with (None for checkpoints
-    that predate its recording)."""
+) -> tuple[nnx.Module, PixelNorm | None, str]:
+    """:func:`load`, the pixel normalisation the run trained with (None for checkpoints that
+    predate its recording) and its ``data.augment`` (which picks the eval transform, e.g.
+    imagenet's centre crop)."""
     ckpts, step = open_checkpoint(path, step, key="path")
     try:
         saved_norm = ckpts.saved_pixel_norm(step)
+        saved = ckpts.saved_config(step)
         if model is not None:
             restore_into(model, ckpts, step, key="path")
         else:
-            cfg = model_config(ckpts.saved_config(step))
+            cfg = model_config(saved)
             channels = _in_channels(ckpts.weight_shapes(step))
             model = build_model(cfg, nnx.Rngs(0), in_channels=channels)
             try:
@@ -91,17 +95,34 @@ def load_run(
     finally:
         ckpts.close()
     model.eval()
-    return model, None if saved_norm is None else PixelNorm.from_json(saved_norm)
+    norm = None if saved_norm is None else PixelNorm.from_json(saved_norm)
+    return model, norm, str((saved.get("data") or {}).get("augment", "none"))
 
 
 def as_model(
     model_or_workdir: nnx.Module | PathLike, step: int | None = None
-) -> tuple[nnx.Module, PixelNorm | None]:
-    """``model_or_workdir`` itself if it is a module (no known normalisation), else
-    :func:`load_run` of it."""
+) -> tuple[nnx.Module, PixelNorm | None, str]:
+    """``model_or_workdir`` itself if it is a module (no known normalisation, no eval
+    transform), else :func:`load_run` of it."""
     if isinstance(model_or_workdir, nnx.Module):
-        return model_or_workdir, None
+        return model_or_workdir, None, "none"
     return load_run(model_or_workdir, step)
+
+
+def pixel_norm_of(mean: Any, std: Any, default: PixelNorm | None) -> PixelNorm:
+    """The normalisation of ``mean``/``std`` given by the caller, else ``default`` (a run's),
+    else scaling only; one given without the other is a ``ConfigError`` naming both."""
+    if (mean is None) != (std is None):
+        given, missing = ("mean", "std") if std is None else ("std", "mean")
+        raise ConfigError(
+            f"mean/std: {given} was given without {missing}; pass both (per-channel, on the "
+            "[0, 1] scale) or neither"
+        )
+    if mean is not None:
+        return PixelNorm(
+            tuple(float(m) for m in np.ravel(mean)), tuple(float(s) for s in np.ravel(std))
+        )
+    return default or PixelNorm()
 
 
 def predict(
@@ -116,44 +137,50 @@ def predict(
     """Logits ``[N, K]`` of ``images`` in input order (``logits.argmax(-1)``: the labels).
 
     ``images``: ``[N, H, W, C]`` (or ``[N, H, W]``) float images, normalised as in training,
-    or uint8 pixels, scaled to [0, 1] and standardised per channel like the train step does:
-    with ``mean``/``std`` (on the [0, 1] scale) when given, else, for a run, with the
-    normalisation it trained with (recorded in its checkpoints), else scaled only; or a data
-    source (:func:`jddp.as_source`), whose own normalisation is used. Runs in eval mode on the
-    default device, ``batch_size`` images at a time (the last batch is padded, so one program
-    serves every batch). The model passed is not changed.
+    or integer pixels 0..255 (any integer dtype), scaled to [0, 1] and standardised per channel
+    like the train step does: with ``mean``/``std`` (on the [0, 1] scale; both or neither) when
+    given, else, for a run, with the normalisation it trained with (recorded in its
+    checkpoints), else scaled only; or a data source (:func:`jddp.as_source`), whose own
+    normalisation is used. Images of another channel count than that normalisation, or
+    integers outside 0..255, are a ``DataConfigError``. For a run trained with
+    ``data.augment=imagenet``, each image is first centre-cropped as its eval does. Runs in eval
+    mode on the default device, ``batch_size`` images at a time (the last batch is padded, so
+    one program serves every batch); no images give ``[0, K]``. The model passed is not changed.
     """
-    model, run_norm = as_model(model_or_workdir, step)
+    model, run_norm, augment = as_model(model_or_workdir, step)
     if hasattr(images, "get_batch"):
         source = images
         norm = PixelNorm.of(source)
-        n = len(source)
-        fetch = lambda idx: source.get_batch(idx)[0]  # noqa: E731
     else:
-        array = np.asarray(images)
-        if array.ndim == 3:
-            array = array[..., None]
-        if array.ndim != 4:
-            raise ConfigError(f"images: expected [N, H, W, C], got shape {list(array.shape)}")
-        if mean is not None and std is not None:
-            norm = PixelNorm(tuple(mean), tuple(std))
-        else:
-            norm = run_norm or PixelNorm()
-        n = len(array)
-        fetch = lambda idx: array[idx]  # noqa: E731
+        array = pixel_images(images, "images")
+        norm = pixel_norm_of(mean, std, run_norm)
+        source = ArraySource(
+            array,
+            np.zeros(len(array), np.int32),
+            1,
+            mean=np.zeros(array.shape[-1], np.float32),
+            std=np.ones(array.shape[-1], np.float32),
+            name="images",
+        )
+    norm.check_channels((len(source), *source.image_shape), "images")
+    n = len(source)
     graphdef, state = nnx.split(model)
 
-    @jax.jit
     def forward(state, images_BxHxWxC):
         module = nnx.merge(graphdef, state)
         module.eval()
         return module(norm(images_BxHxWxC, jnp.float32))
 
+    if n == 0:  # no images: [0, K], K from the model's output for one image
+        one = jax.ShapeDtypeStruct((1, *source.image_shape), np.uint8)
+        return np.zeros((0, *jax.eval_shape(forward, state, one).shape[1:]), np.float32)
+    forward = jax.jit(forward)
     size = max(1, min(batch_size, n))
     out = []
     for start in range(0, n, size):
         idx = np.arange(start, start + size)
         real = idx < n
-        batch = np.asarray(fetch(np.where(real, idx, 0)))
+        # The eval transform of the run (imagenet: the centre crop its evaluate takes).
+        batch = np.asarray(eval_rows(source, np.where(real, idx, 0), augment)[0])
         out.append(np.asarray(forward(state, batch))[real])
-    return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+    return np.concatenate(out)

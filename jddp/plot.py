@@ -3,8 +3,11 @@
 ``python -m jddp.plot WORKDIR [WORKDIR ...] [--out DIR]`` writes ``loss.png``,
 ``accuracy.png``, ``lr.png`` and ``throughput.png`` into ``DIR`` (default: the first
 WORKDIR's ``plots/`` folder), skipping a plot whose keys appear in no run, and prints one line
-per file written. It exits 2 with a one-line message when a WORKDIR or its ``metrics.jsonl`` is
-missing or holds no valid line; malformed lines are skipped silently.
+per file written. A series with NaN/Inf values keeps them visible: each such step is marked
+with an ``x`` at the top of the plot (in the run's colour), and one line per series on stderr
+says how many non-finite points it has and the first step. It exits 2 with a one-line message
+when a WORKDIR or its ``metrics.jsonl`` is missing or holds no valid line; malformed lines are
+skipped silently.
 
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no display, and the
 process-wide backend is left alone).
@@ -77,6 +80,40 @@ def load_metrics(workdir: str | Path) -> list[dict]:
     return rows
 
 
+def _nonfinite_steps(rows: list[dict], key: str) -> list[float]:
+    """The steps, sorted, whose ``key`` is NaN or +-Inf (JSON ``NaN``/``Infinity``, or the
+    strings ``"nan"``/``"inf"`` some writers use)."""
+    steps = []
+    for r in rows:
+        value = r.get(key)
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                continue
+        if isinstance(value, float) and not math.isfinite(value):
+            steps.append(_number(r["step"]))
+    return sorted(steps)
+
+
+def describe_nonfinite(workdirs: Sequence[str | Path]) -> list[str]:
+    """One line per (run, series) of the plotted keys holding NaN/Inf values: how many and the
+    first step."""
+    workdirs = [Path(w) for w in workdirs]
+    lines = []
+    for rows, label in zip([load_metrics(w) for w in workdirs], _labels(workdirs), strict=True):
+        for _, _, keys in PLOTS:
+            for key in keys:
+                steps = _nonfinite_steps(rows, key)
+                if steps:
+                    lines.append(
+                        f"jddp.plot: {label} {key}: {len(steps)} non-finite (NaN/Inf) "
+                        f"point{'s' if len(steps) > 1 else ''}, first at step {steps[0]:g} "
+                        "(marked x at the top of the plot)"
+                    )
+    return lines
+
+
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the rows that hold a finite number under ``key``, sorted by step."""
     points = sorted((_number(r["step"]), v) for r in rows if (v := _number(r.get(key))) is not None)
@@ -113,9 +150,22 @@ def plot_runs(workdirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]
         for i, (rows, label) in enumerate(zip(runs, labels, strict=True)):
             for key in keys:
                 steps, values = _series(rows, key)
+                kind = key.split("/", 1)[0]
+                bad_steps = _nonfinite_steps(rows, key)
+                if bad_steps:  # NaN/Inf: an x at the top, at the step (x in data, y in axes)
+                    ax.plot(
+                        bad_steps,
+                        [0.97] * len(bad_steps),
+                        color=f"C{i % 10}",
+                        linestyle="none",
+                        marker="x",
+                        markersize=8,
+                        transform=ax.get_xaxis_transform(),
+                        label=f"{label if len(keys) == 1 else f'{label} {kind}'} NaN/Inf",
+                    )
+                    drawn = True
                 if not steps:
                     continue
-                kind = key.split("/", 1)[0]
                 style = {"linestyle": "-"}
                 if kind != "train":
                     style = {"linestyle": "--", "marker": "o", "markersize": 4}
@@ -161,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         print(f"jddp.plot: error: cannot write to {out_dir}: {e.strerror or e}", file=sys.stderr)
         return 2
+    for line in describe_nonfinite(args.workdirs):
+        print(line, file=sys.stderr)
     for path in written:
         print(path)
     if not written:

@@ -12,7 +12,7 @@ gradients, and the explicit ``pmean`` is then the one and only reduction.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jddp.comm import Comm
+from jddp.errors import DataConfigError
 from jddp.mesh import DATA_AXIS
 from jddp.state import MODEL_STATE, ModelDef, TrainState
 
@@ -85,6 +86,17 @@ class PixelNorm:
     def from_json(cls, saved: dict[str, Any]) -> PixelNorm:
         """The inverse of :meth:`to_json`."""
         return cls._of(saved.get("mean"), saved.get("std"))
+
+    def check_channels(self, shape: Sequence[int], who: str) -> None:
+        """Refuse images ``shape`` ``[N, H, W, C]`` whose C differs from the normalisation's
+        channels: its per-channel mean/std would silently broadcast 1-channel images to 3
+        (``DataConfigError`` naming ``who``, the expected and the given shape)."""
+        channels = len(self.mean) if self.mean is not None else None
+        if channels is not None and channels != 1 and shape[-1] != channels:
+            raise DataConfigError(
+                f"{who}: expected images [N, H, W, {channels}] (the pixel mean/std have "
+                f"{channels} channels), got shape {list(shape)}"
+            )
 
     def __call__(self, images: jax.Array, dtype: Any) -> jax.Array:
         if not jnp.issubdtype(images.dtype, jnp.integer):

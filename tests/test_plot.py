@@ -93,3 +93,45 @@ def test_module_entry_point(tmp_path):
     assert len(r.stdout.splitlines()) == 4
     assert {p.name for p in out.iterdir()} == ALL_PLOTS
     assert_png(out / "loss.png")
+
+
+def test_nonfinite_points_are_marked_and_reported(tmp_path, capsys):
+    """NaN/Inf values are drawn (an x at their steps: the PNG differs from the same run without
+    those values) and reported, one line per series with the count and the first step."""
+    clean = write_run(tmp_path / "clean" / "run")  # one name: one legend in both
+    lines = (clean / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    for row in rows:
+        if row["step"] in (20, 35):
+            del row["train/loss"]
+    rows.append({"step": 60})
+    (clean / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    bad = tmp_path / "bad" / "run"
+    bad.mkdir(parents=True)
+    for row in rows:
+        if row["step"] == 20:
+            row["train/loss"] = float("nan")
+        if row["step"] == 35:
+            row["train/loss"] = float("inf")
+        if row["step"] == 60:
+            row["eval/loss"] = float("nan")
+    text = "\n".join(json.dumps(r) for r in rows) + "\n"  # json writes NaN / Infinity
+    assert "NaN" in text and "Infinity" in text
+    (bad / "metrics.jsonl").write_text(text)
+
+    assert plot.main([str(clean), "--out", str(tmp_path / "clean_out")]) == 0
+    assert capsys.readouterr().err == ""
+    assert plot.main([str(bad), "--out", str(tmp_path / "bad_out")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "jddp.plot: run train/loss: 2 non-finite (NaN/Inf) points, first at step 20 "
+        "(marked x at the top of the plot)",
+        "jddp.plot: run eval/loss: 1 non-finite (NaN/Inf) point, first at step 60 "
+        "(marked x at the top of the plot)",
+    ]
+    for name in ("loss.png", "accuracy.png"):
+        assert_png(tmp_path / "bad_out" / name)
+    same = (tmp_path / "clean_out" / "accuracy.png").read_bytes()
+    assert (tmp_path / "bad_out" / "accuracy.png").read_bytes() == same  # deterministic
+    marked = (tmp_path / "bad_out" / "loss.png").read_bytes()
+    assert marked != (tmp_path / "clean_out" / "loss.png").read_bytes()

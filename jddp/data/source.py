@@ -218,6 +218,38 @@ def class_labels(labels: Any, who: str) -> np.ndarray:
     return labels.astype(np.int32)
 
 
+def pixel_images(images: Any, who: str) -> np.ndarray:
+    """User images as a source holds them: ``[N, H, W, C]`` (``[N, H, W]`` gains C=1), uint8
+    pixels 0..255 or float32 taken as already normalised.
+
+    Integer images of any dtype are pixels, like uint8 ones: values in 0..255 become uint8 (the
+    step scales and standardises them); other values, a boolean or non-numeric dtype, or another
+    rank are a ``DataConfigError`` naming ``who`` (an int64 array is never read as normalised
+    floats).
+    """
+    images = np.asarray(images)
+    if images.ndim == 3:
+        images = images[..., None]
+    if images.ndim != 4:
+        raise DataConfigError(
+            f"{who}: expected images [N, H, W, C] or [N, H, W], got shape {list(images.shape)}"
+        )
+    if images.dtype == np.uint8:
+        return images
+    if np.issubdtype(images.dtype, np.integer):
+        if images.size and (images.min() < 0 or images.max() > 255):
+            raise DataConfigError(
+                f"{who}: integer images are pixels 0..255, got {images.dtype} values in "
+                f"[{images.min()}, {images.max()}]; pass uint8 pixels or normalised floats"
+            )
+        return images.astype(np.uint8)
+    if np.issubdtype(images.dtype, np.floating):
+        return images.astype(np.float32, copy=False)
+    raise DataConfigError(
+        f"{who}: images must be integer pixels 0..255 or floats, got dtype {images.dtype}"
+    )
+
+
 def check_label_range(labels: np.ndarray, num_classes: int, who: str) -> None:
     """Refuse labels outside ``[0, num_classes)`` (``DataConfigError`` naming ``who``, how many
     and the first one): the loss would be NaN, or silently wrong, for them."""
@@ -266,10 +298,9 @@ def as_source(
             f"{who}: expected (images, labels) arrays, a Source, a random-access "
             f"record source or an iterable of batches, got {type(data).__name__}"
         )
-    if images.ndim == 3:
-        images = images[..., None]
-    if images.dtype != np.uint8:
-        images = images.astype(np.float32)
+    images = pixel_images(images, who)
+    if not len(images):
+        raise DataConfigError(f"{who}: no examples (0 images of shape {list(images.shape)})")
     channels = images.shape[-1]
     classes = num_classes or int(labels.max(initial=0)) + 1
     check_label_range(labels, classes, who)
