@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     def body(session: Session) -> int:
         args = parse_args(argv)
         cfg = run_config(Path(args.workdir), args.overrides)
-        directory, step = find_checkpoint(args.workdir, args.step, "--workdir", "--step")
-        evaluate_checkpoint(cfg, directory, step, session.start_jax(cfg.dist))
+        find_checkpoint(args.workdir, args.step, "--workdir", "--step")  # before JAX starts
+        evaluate_checkpoint(cfg, args.workdir, args.step, session.start_jax(cfg.dist))
         return 0
 
     return run(body)

@@ -7,6 +7,7 @@ parameters and model state are read (the optimizer state is not).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,12 @@ from flax import nnx
 from jddp import config as config_lib
 from jddp.build import build_model
 from jddp.checkpoint import Checkpoints
-from jddp.checkpoint.weights import describe_mismatch, mismatched_weights, open_checkpoint
+from jddp.checkpoint.weights import (
+    damage_named,
+    describe_mismatch,
+    mismatched_weights,
+    open_checkpoint,
+)
 from jddp.errors import ConfigError
 from jddp.state import split_model
 from jddp.step import PixelNorm
@@ -26,17 +32,26 @@ from jddp.step import PixelNorm
 PathLike = str | Path
 
 
-def restore_into(model: nnx.Module, ckpts: Checkpoints, step: int, key: str) -> nnx.Module:
-    """Set ``model``'s parameters and model state to checkpoint ``step``'s (in place)."""
+def restore_into(
+    model: nnx.Module,
+    ckpts: Checkpoints,
+    step: int,
+    key: str,
+    use: Callable[[int], str] = lambda step: f"step={step}",
+) -> nnx.Module:
+    """Set ``model``'s parameters and model state to checkpoint ``step``'s (in place). A
+    damaged checkpoint is a ``CheckpointError`` naming ``key``, the checkpoint and the newest
+    intact one (``use(step)``: how the caller picks that one)."""
     _, params, model_state = split_model(model)
     weights = {"params": params, "model_state": model_state}
-    missing, differ = mismatched_weights(ckpts.weight_shapes(step), weights)
-    if missing or differ:
-        raise ConfigError(
-            f"{key}: checkpoint {ckpts.directory / str(step)} does not fit this model: "
-            f"{describe_mismatch(missing, differ)}"
-        )
-    restored = jax.tree.map(jnp.asarray, ckpts.restore_weights(step, weights))
+    with damage_named(ckpts, step, lambda _: weights, key, use):
+        missing, differ = mismatched_weights(ckpts.weight_shapes(step), weights)
+        if missing or differ:
+            raise ConfigError(
+                f"{key}: checkpoint {ckpts.directory / str(step)} does not fit this model: "
+                f"{describe_mismatch(missing, differ)}"
+            )
+        restored = jax.tree.map(jnp.asarray, ckpts.restore_weights(step, weights))
     nnx.update(model, restored["params"], restored["model_state"])
     return model
 
@@ -74,7 +89,7 @@ def load_run(
     that predate its recording)."""
     ckpts, step = open_checkpoint(path, step, key="path")
     try:
-        saved_norm = ckpts.saved_pixel_norm(step)
+        saved_norm = ckpts.saved_pixel_norm(step)  # (damaged: CheckpointDamaged names it)
         if model is not None:
             restore_into(model, ckpts, step, key="path")
         else:
