@@ -88,25 +88,41 @@ def load_run(
     """:func:`load`, and the pixel normalisation the run trained with (None for checkpoints
     that predate its recording)."""
     ckpts, step = open_checkpoint(path, step, key="path")
+
+    def like_of(step: int) -> dict[str, Any]:  # the weights of the model checkpoint step fits
+        _, params, model_state = split_model(model if model is not None else _model_of(ckpts, step))
+        return {"params": params, "model_state": model_state}
+
     try:
-        saved_norm = ckpts.saved_pixel_norm(step)  # (damaged: CheckpointDamaged names it)
-        if model is not None:
-            restore_into(model, ckpts, step, key="path")
-        else:
-            cfg = model_config(ckpts.saved_config(step))
-            channels = _in_channels(ckpts.weight_shapes(step))
-            model = build_model(cfg, nnx.Rngs(0), in_channels=channels)
-            try:
-                restore_into(model, ckpts, step, key="path")
-            except ConfigError as e:
-                raise ConfigError(
-                    f"{e}; the config names model.name={cfg.model.name}: for a model that was "
-                    "passed to jddp.fit, pass a freshly built one as jddp.load(..., model=...)"
-                ) from None
+        with damage_named(ckpts, step, like_of, "path", lambda step: f"step={step}"):
+            saved_norm = ckpts.saved_pixel_norm(step)
+            loaded = _restored_model(ckpts, step, model)
     finally:
         ckpts.close()
-    model.eval()
-    return model, None if saved_norm is None else PixelNorm.from_json(saved_norm)
+    loaded.eval()
+    return loaded, None if saved_norm is None else PixelNorm.from_json(saved_norm)
+
+
+def _model_of(ckpts: Checkpoints, step: int) -> nnx.Module:
+    """A fresh model as checkpoint ``step``'s config names it."""
+    cfg = model_config(ckpts.saved_config(step))
+    channels = _in_channels(ckpts.weight_shapes(step))
+    return build_model(cfg, nnx.Rngs(0), in_channels=channels)
+
+
+def _restored_model(ckpts: Checkpoints, step: int, model: nnx.Module | None) -> nnx.Module:
+    """``model`` (or the model checkpoint ``step``'s config names) with the step's weights."""
+    if model is not None:
+        return restore_into(model, ckpts, step, key="path")
+    model = _model_of(ckpts, step)
+    try:
+        return restore_into(model, ckpts, step, key="path")
+    except ConfigError as e:
+        name = model_config(ckpts.saved_config(step)).model.name
+        raise ConfigError(
+            f"{e}; the config names model.name={name}: for a model that was "
+            "passed to jddp.fit, pass a freshly built one as jddp.load(..., model=...)"
+        ) from None
 
 
 def as_model(
