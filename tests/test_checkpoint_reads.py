@@ -50,10 +50,13 @@ def damage(workdir, step):
 
 
 def evaluate_in_process(argv, capfd) -> tuple[int, str, str]:
-    """``python -m jddp.evaluate ARGV`` in this process (exit 0 or 2 only: exit 1 ends the
-    process at once): exit code, stdout, stderr."""
+    """``python -m jddp.evaluate ARGV`` in this process: exit code, stdout, stderr. (Exit 1
+    skips the interpreter's teardown with ``os._exit``: here it is a plain exit.)"""
     capfd.readouterr()
-    with mock.patch.object(sys, "argv", ["jddp.evaluate", *argv]):
+    with (
+        mock.patch.object(sys, "argv", ["jddp.evaluate", *argv]),
+        mock.patch("jddp.cli.os._exit", side_effect=sys.exit),
+    ):
         with pytest.raises(SystemExit) as stop:
             runpy.run_module("jddp.evaluate", run_name="__main__")
     out = capfd.readouterr()
