@@ -147,3 +147,17 @@ def test_evaluate_prints_its_result_when_metrics_jsonl_cannot_be_written(run_cop
     assert warning.startswith(f"jddp: warning: {metrics}: cannot append the result")
     metrics.rmdir()
     metrics.write_text(before)
+
+
+def test_a_resume_sets_aside_a_checkpoint_whose_config_is_damaged(run_copy, capfd):
+    """The trainer's own resume reads the same way: an unreadable saved config is damage (the
+    checkpoint is moved aside, the older one used), not a crash."""
+    from jddp.run.trainer import train_and_evaluate
+
+    (run_copy / "checkpoints" / "4" / "config" / "metadata").write_text("garbage")
+    cfg = jddp.load_config({"workdir": str(run_copy)}, [*RUN, "train.steps=5"])
+    result = train_and_evaluate(cfg)
+    assert result.step == 5
+    err = capfd.readouterr().err
+    assert f"checkpoint {run_copy}/checkpoints/4 is damaged: its config cannot be read" in err
+    assert [p.name.split("-")[0] for p in (run_copy / "checkpoints-damaged").iterdir()] == ["4"]
