@@ -49,6 +49,25 @@ class CheckpointError(JddpError):
     """Checkpoints exist but none can be used, or one cannot be written (exit 1)."""
 
 
+class CheckpointDamaged(CheckpointError):
+    """One checkpoint cannot be read, or what it holds fails its checksums (exit 1)."""
+
+    def __init__(self, where: object, problem: str):
+        super().__init__(f"checkpoint {where} is damaged: {problem}")
+        self.problem = problem
+
+
+class CheckpointGone(CheckpointError):
+    """A checkpoint was deleted while it was read: a live run's ``checkpoint.keep`` rotation
+    removed it (exit 1)."""
+
+    def __init__(self, where: object):
+        super().__init__(
+            f"checkpoint {where} was deleted while it was read (a running trainer keeps only "
+            "its newest checkpoint.keep checkpoints)"
+        )
+
+
 class NonFiniteLoss(JddpError):
     """``train.on_nonfinite=halt`` and a step's loss or gradient was not finite, or
     ``python -m jddp.evaluate`` measured a non-finite eval metric (exit 1)."""

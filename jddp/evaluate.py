@@ -7,8 +7,10 @@ train), prints the result and appends it to ``W/metrics.jsonl``. The work is
 :func:`jddp.evaluation.evaluate_model` (this module is run, not imported: importing it would
 bind ``jddp.evaluate`` to the module instead of that function).
 
-Exit codes are those of train: 0, 2 for bad input (no checkpoint in the workdir, a ``--step``
-that does not exist, a bad override), 1 for any other failure.
+Exit codes are those of train: 0 once the result is printed (a metrics.jsonl that cannot be
+written is a warning), 2 for bad input (no checkpoint in the workdir, a ``--step`` that does not
+exist or was deleted by a live run's rotation, a bad override), 1 for any other failure (a
+damaged checkpoint: the line names it and the newest intact one).
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     def body(session: Session) -> int:
         args = parse_args(argv)
         cfg = run_config(Path(args.workdir), args.overrides)
-        directory, step = find_checkpoint(args.workdir, args.step, "--workdir", "--step")
-        evaluate_checkpoint(cfg, directory, step, session.start_jax(cfg.dist))
+        find_checkpoint(args.workdir, args.step, "--workdir", "--step")  # before JAX starts
+        evaluate_checkpoint(cfg, args.workdir, args.step, session.start_jax(cfg.dist))
         return 0
 
     return run(body)

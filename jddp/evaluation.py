@@ -10,6 +10,7 @@ One eval run (:class:`EvalRun`: the eval step, the data and where they run) serv
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +23,20 @@ from jax.sharding import Mesh
 
 from jddp import config as config_lib
 from jddp.build import build_mesh, build_model, load_data, pipeline_options
-from jddp.checkpoint.weights import reader
+from jddp.checkpoint.weights import find_checkpoint, reader, sorted_steps
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, batch_layout, eval_batches
 from jddp.data.source import Source, as_source, check_label_range
 from jddp.distributed import Job, current_job
-from jddp.errors import ConfigError, DataConfigError, NonFiniteLoss
+from jddp.errors import (
+    CheckpointError,
+    CheckpointGone,
+    ConfigError,
+    DataConfigError,
+    NonFiniteLoss,
+    one_line,
+)
 from jddp.inference import as_model, restore_into
 from jddp.mesh import DTYPES, make_mesh, to_host
 from jddp.metrics import Console, append_metrics, describe_eval
@@ -206,19 +214,22 @@ def run_config(path: Path, overrides: Iterable[str] = ()) -> Config:
 # A checkpoint of a run on its eval split, over the job's devices and processes (the CLI)
 
 
-def evaluate_checkpoint(cfg: Config, directory: Path, step: int, job: Job) -> dict:
-    """Evaluate checkpoint ``step`` in ``directory`` on ``cfg``'s eval split over the job's
-    devices and processes; process 0 prints the result and appends it to metrics.jsonl."""
+# How often ``python -m jddp.evaluate`` (no --step) picks the newest checkpoint again when a
+# live run's keep-N rotation deleted the one it picked before it was read.
+ROTATION_RETRIES = 3
+
+
+def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> dict:
+    """Evaluate checkpoint ``step`` (default: the newest) of the run at ``path`` on ``cfg``'s
+    eval split over the job's devices and processes; process 0 prints the result, then
+    appends it to metrics.jsonl (a file it cannot write is one warning line: the result
+    stands)."""
     comm = make_comm(job, cfg.dist.backend, cfg.dist.grad_allreduce_dtype)
     check_same_config(comm, cfg)
     mesh, layout = build_mesh(cfg, comm)
     splits = load_data(cfg)
     model = build_model(cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1])
-    ckpts = reader(directory)
-    try:
-        restore_into(model, ckpts, step, key="--workdir")
-    finally:
-        ckpts.close()
+    directory, step = restore_run_checkpoint(model, path, step, comm)
     evaluate, state = build_eval_run(
         model,
         splits.eval,
@@ -241,8 +252,6 @@ def evaluate_checkpoint(cfg: Config, directory: Path, step: int, job: Job) -> di
             + f" over {metrics['eval/count']} eval examples (NaN/Inf in the eval images or the "
             "weights); nothing was appended to metrics.jsonl"
         )
-    if comm.process_index == 0:
-        append_metrics(RunFolder(cfg.workdir), step, {**metrics, "eval/data": cfg.data.name})
     Console(comm.process_index == 0).say(
         f"jddp: evaluated checkpoint {directory / str(step)} on {cfg.data.name} "
         f"({len(splits.eval)} eval examples): {describe_eval(metrics)}\n"
@@ -251,4 +260,53 @@ def evaluate_checkpoint(cfg: Config, directory: Path, step: int, job: Job) -> di
             f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
         )
     )
+    if comm.process_index == 0:
+        folder = RunFolder(cfg.workdir)
+        try:
+            append_metrics(folder, step, {**metrics, "eval/data": cfg.data.name})
+        except OSError as e:  # a read-only run folder: the result above is what was asked for
+            print(
+                f"jddp: warning: {folder.metrics_jsonl}: cannot append the result "
+                f"({e.strerror or one_line(e)}); it is printed above only",
+                file=sys.stderr,
+                flush=True,
+            )
     return metrics
+
+
+def restore_run_checkpoint(
+    model: nnx.Module, path: str, step: int | None, comm: Comm
+) -> tuple[Path, int]:
+    """Set ``model``'s weights to checkpoint ``step`` (default: the newest) of the run at
+    ``path``; its checkpoints folder and step. Every process reads the step process 0 picked.
+
+    A live run's ``checkpoint.keep`` rotation may delete the picked checkpoint before it is
+    read: with no ``step`` asked for, the newest one then present is read instead (up to
+    :data:`ROTATION_RETRIES` times); a ``step`` asked for that vanished is a ``ConfigError``
+    naming it and the checkpoints now present. A damaged checkpoint is a ``CheckpointError``
+    naming it and the newest intact one.
+    """
+    for _ in range(ROTATION_RETRIES):
+        directory, picked = find_checkpoint(path, step, "--workdir", "--step")
+        picked = comm.allgather_int(picked)[0]
+        ckpts = reader(directory)
+        try:
+            restore_into(model, ckpts, picked, key="--workdir", use=lambda s: f"--step {s}")
+            gone = None
+        except CheckpointGone as e:
+            gone = e
+        finally:
+            ckpts.close()
+        if comm.agree(gone is None):
+            return directory, picked
+        if step is not None:
+            now = [p.name for p in sorted_steps(directory)]
+            raise ConfigError(
+                f"--step: {gone or f'checkpoint {directory / str(step)} vanished'}; the "
+                f"checkpoints now: {', '.join(now) or 'none'}"
+            )
+    raise CheckpointError(
+        f"--workdir: the newest checkpoint in {directory} was deleted before it could be read "
+        f"{ROTATION_RETRIES} times in a row (a running trainer rotates its checkpoints): "
+        "evaluate again, or pass --step of a kept one"
+    )

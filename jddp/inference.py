@@ -7,6 +7,7 @@ parameters and model state are read (the optimizer state is not).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,12 @@ from flax import nnx
 from jddp import config as config_lib
 from jddp.build import build_model
 from jddp.checkpoint import Checkpoints
-from jddp.checkpoint.weights import describe_mismatch, mismatched_weights, open_checkpoint
+from jddp.checkpoint.weights import (
+    damage_named,
+    describe_mismatch,
+    mismatched_weights,
+    open_checkpoint,
+)
 from jddp.data.pipeline import eval_rows
 from jddp.data.source import ArraySource, pixel_images
 from jddp.errors import ConfigError
@@ -28,17 +34,26 @@ from jddp.step import PixelNorm
 PathLike = str | Path
 
 
-def restore_into(model: nnx.Module, ckpts: Checkpoints, step: int, key: str) -> nnx.Module:
-    """Set ``model``'s parameters and model state to checkpoint ``step``'s (in place)."""
+def restore_into(
+    model: nnx.Module,
+    ckpts: Checkpoints,
+    step: int,
+    key: str,
+    use: Callable[[int], str] = lambda step: f"step={step}",
+) -> nnx.Module:
+    """Set ``model``'s parameters and model state to checkpoint ``step``'s (in place). A
+    damaged checkpoint is a ``CheckpointError`` naming ``key``, the checkpoint and the newest
+    intact one (``use(step)``: how the caller picks that one)."""
     _, params, model_state = split_model(model)
     weights = {"params": params, "model_state": model_state}
-    missing, differ = mismatched_weights(ckpts.weight_shapes(step), weights)
-    if missing or differ:
-        raise ConfigError(
-            f"{key}: checkpoint {ckpts.directory / str(step)} does not fit this model: "
-            f"{describe_mismatch(missing, differ)}"
-        )
-    restored = jax.tree.map(jnp.asarray, ckpts.restore_weights(step, weights))
+    with damage_named(ckpts, step, lambda _: weights, key, use):
+        missing, differ = mismatched_weights(ckpts.weight_shapes(step), weights)
+        if missing or differ:
+            raise ConfigError(
+                f"{key}: checkpoint {ckpts.directory / str(step)} does not fit this model: "
+                f"{describe_mismatch(missing, differ)}"
+            )
+        restored = jax.tree.map(jnp.asarray, ckpts.restore_weights(step, weights))
     nnx.update(model, restored["params"], restored["model_state"])
     return model
 
@@ -76,27 +91,43 @@ def load_run(
     predate its recording) and its ``data.augment`` (which picks the eval transform, e.g.
     imagenet's centre crop)."""
     ckpts, step = open_checkpoint(path, step, key="path")
+
+    def like_of(step: int) -> dict[str, Any]:  # the weights of the model checkpoint step fits
+        _, params, model_state = split_model(model if model is not None else _model_of(ckpts, step))
+        return {"params": params, "model_state": model_state}
+
     try:
-        saved_norm = ckpts.saved_pixel_norm(step)
-        saved = ckpts.saved_config(step)
-        if model is not None:
-            restore_into(model, ckpts, step, key="path")
-        else:
-            cfg = model_config(saved)
-            channels = _in_channels(ckpts.weight_shapes(step))
-            model = build_model(cfg, nnx.Rngs(0), in_channels=channels)
-            try:
-                restore_into(model, ckpts, step, key="path")
-            except ConfigError as e:
-                raise ConfigError(
-                    f"{e}; the config names model.name={cfg.model.name}: for a model that was "
-                    "passed to jddp.fit, pass a freshly built one as jddp.load(..., model=...)"
-                ) from None
+        with damage_named(ckpts, step, like_of, "path", lambda step: f"step={step}"):
+            saved_norm = ckpts.saved_pixel_norm(step)
+            saved = ckpts.saved_config(step)
+            loaded = _restored_model(ckpts, step, model)
     finally:
         ckpts.close()
-    model.eval()
+    loaded.eval()
     norm = None if saved_norm is None else PixelNorm.from_json(saved_norm)
-    return model, norm, str((saved.get("data") or {}).get("augment", "none"))
+    return loaded, norm, str((saved.get("data") or {}).get("augment", "none"))
+
+
+def _model_of(ckpts: Checkpoints, step: int) -> nnx.Module:
+    """A fresh model as checkpoint ``step``'s config names it."""
+    cfg = model_config(ckpts.saved_config(step))
+    channels = _in_channels(ckpts.weight_shapes(step))
+    return build_model(cfg, nnx.Rngs(0), in_channels=channels)
+
+
+def _restored_model(ckpts: Checkpoints, step: int, model: nnx.Module | None) -> nnx.Module:
+    """``model`` (or the model checkpoint ``step``'s config names) with the step's weights."""
+    if model is not None:
+        return restore_into(model, ckpts, step, key="path")
+    model = _model_of(ckpts, step)
+    try:
+        return restore_into(model, ckpts, step, key="path")
+    except ConfigError as e:
+        name = model_config(ckpts.saved_config(step)).model.name
+        raise ConfigError(
+            f"{e}; the config names model.name={name}: for a model that was "
+            "passed to jddp.fit, pass a freshly built one as jddp.load(..., model=...)"
+        ) from None
 
 
 def as_model(

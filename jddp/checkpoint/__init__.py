@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jddp.errors import CheckpointError, ConfigError
+from jddp.errors import CheckpointDamaged, CheckpointError, CheckpointGone, ConfigError, JddpError
 from jddp.mesh import to_host
 from jddp.state import TrainState
 from jddp.workdir import RunFolder
@@ -33,14 +33,30 @@ from jddp.workdir import RunFolder
 
 def manifest(state: TrainState) -> list[list[Any]]:
     """``[path, shape, dtype, crc32]`` of every leaf of ``state`` (values read on this host)."""
-    rows = []
     flat, _ = jax.tree_util.tree_flatten_with_path(to_host(state))
-    for path, leaf in flat:
-        arr = np.asarray(leaf, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
-        rows.append(
-            [jax.tree_util.keystr(path), list(arr.shape), str(arr.dtype), zlib.crc32(arr.data)]
-        )
-    return rows
+    return [_manifest_row(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
+
+
+def _manifest_row(name: str, leaf: Any) -> list[Any]:
+    arr = np.asarray(leaf, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
+    return [name, list(arr.shape), str(arr.dtype), zlib.crc32(arr.data)]
+
+
+WEIGHT_PREFIXES = (".params", ".model_state")
+
+
+def weight_leaves(weights: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``(manifest name, leaf)`` of every leaf of ``{"params": ..., "model_state": ...}``."""
+    out = []
+    for top in ("params", "model_state"):
+        flat, _ = jax.tree_util.tree_flatten_with_path(weights[top])
+        out += [(f".{top}{jax.tree_util.keystr(path)}", leaf) for path, leaf in flat]
+    return out
+
+
+def weights_manifest(weights: dict[str, Any]) -> list[list[Any]]:
+    """The manifest rows (as :func:`manifest` writes them) of ``weights``' host arrays."""
+    return [_manifest_row(name, leaf) for name, leaf in weight_leaves(to_host(weights))]
 
 
 def check_same_model(saved: list[list[Any]], like: TrainState, where: Path) -> None:
@@ -178,29 +194,24 @@ class Checkpoints:
         self._manager.reload()
 
     def _restore_newest_good(self, abstract, like, steps, damaged, agree, check_config):
-        _silence_late_read_callbacks()
         for step in reversed(steps):
             where = self.directory / str(step)
-            state, problem = None, None
-            try:
-                saved = self._manager.restore(
-                    step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
-                )["manifest"]["leaves"]
-            except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
-                saved, problem = None, f"its manifest cannot be read ({_short(e)})"
-            if saved is not None:
+
+            def accept(saved: list[list[Any]], step: int = step, where: Path = where) -> None:
                 if check_config is not None:
                     check_config(step, self.saved_config(step))
                 check_same_model(saved, like, where)
-                try:
-                    state = self._manager.restore(
-                        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-                    )["state"]
-                    bad = [a[0] for a, b in zip(saved, manifest(state), strict=True) if a != b]
-                    if bad:
-                        problem = f"{len(bad)} arrays differ from their checksums, e.g. {bad[0]}"
-                except Exception as e:  # noqa: BLE001
-                    problem = f"it cannot be restored ({_short(e)})"
+
+            def restore(step: int = step) -> TrainState:
+                return self._manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+                )["state"]
+
+            state, problem = None, None
+            try:
+                state = self._verified(step, restore, manifest, accept)
+            except CheckpointDamaged as e:  # (CheckpointGone: another run deletes; it surfaces)
+                problem = e.problem
             if agree(problem is None):
                 return state, step
             damaged.append(step)
@@ -216,16 +227,61 @@ class Checkpoints:
             )
         return None
 
+    def _verified(
+        self,
+        step: int,
+        restore: Callable[[], Any],
+        rows_of: Callable[[Any], list[list[Any]]],
+        accept: Callable[[list[list[Any]]], None] | None = None,
+    ) -> Any:
+        """``restore()``'s value, read from checkpoint ``step`` and checked against its
+        manifest: ``rows_of(value)`` (manifest rows of what was read) must equal the saved rows
+        of the same names. ``accept(saved rows)`` may refuse the checkpoint first (raising).
+        :class:`CheckpointDamaged` naming the problem (:class:`CheckpointGone` if the
+        checkpoint was deleted meanwhile) otherwise."""
+        _silence_late_read_callbacks()
+        saved = self._manifest(step)["leaves"]
+        if accept is not None:
+            accept(saved)
+        try:
+            value = restore()
+            saved_rows = {row[0]: row for row in saved}
+            bad = [row[0] for row in rows_of(value) if saved_rows.get(row[0]) != row]
+        except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
+            self._raise_unreadable(step, f"it cannot be restored ({_short(e)})")
+        if bad:
+            raise CheckpointDamaged(
+                self.directory / str(step),
+                f"{len(bad)} arrays differ from their checksums, e.g. {bad[0]}",
+            )
+        return value
+
+    def _read(self, step: int, item: str, read: Callable[[], Any]) -> Any:
+        """``read()`` of checkpoint ``step``'s ``item``; a failure is :class:`CheckpointDamaged`
+        (or :class:`CheckpointGone`) naming the checkpoint."""
+        try:
+            return read()
+        except JddpError:
+            raise
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+            self._raise_unreadable(step, f"its {item} cannot be read ({_short(e)})")
+
+    def _raise_unreadable(self, step: int, problem: str) -> None:
+        where = self.directory / str(step)
+        if not where.is_dir():  # a running trainer's keep-N rotation deleted it meanwhile
+            raise CheckpointGone(where) from None
+        raise CheckpointDamaged(where, problem) from None
+
     def saved_config(self, step: int) -> dict[str, Any]:
         """The resolved config checkpoint ``step`` was written under."""
-        return self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))[
-            "config"
-        ]
+        args = ocp.args.Composite(config=ocp.args.JsonRestore())
+        return self._read(step, "config", lambda: self._manager.restore(step, args=args)["config"])
 
     def _manifest(self, step: int) -> dict[str, Any]:
-        return self._manager.restore(
-            step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore())
-        )["manifest"]
+        args = ocp.args.Composite(manifest=ocp.args.JsonRestore())
+        return self._read(
+            step, "manifest", lambda: self._manager.restore(step, args=args)["manifest"]
+        )
 
     def weight_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
         """``{name: shape}`` of the parameters and model state saved at ``step`` (from its
@@ -241,17 +297,33 @@ class Checkpoints:
     def restore_weights(self, step: int, like: dict[str, Any]) -> dict[str, Any]:
         """Only ``params`` and ``model_state`` of checkpoint ``step`` (the optimizer state is
         not read), as host numpy arrays in the structure of ``like`` (``{"params": ...,
-        "model_state": ...}``, whose leaves give each array's shape and dtype)."""
+        "model_state": ...}``, whose leaves give each array's shape and dtype), checked against
+        the checkpoint's checksums. :class:`CheckpointDamaged` (naming the checkpoint and the
+        cause) when it cannot be read or its arrays differ; :class:`CheckpointGone` when it was
+        deleted while being read."""
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), like)
-        return self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    item=abstract, restore_args=as_numpy, partial_restore=True
-                )
-            ),
-        )["state"]
+        args = ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=abstract, restore_args=as_numpy, partial_restore=True)
+        )
+        return self._verified(
+            step, lambda: self._manager.restore(step, args=args)["state"], weights_manifest
+        )
+
+    def newest_intact(self, like_of: Callable[[int], dict[str, Any]], but: int) -> int | None:
+        """The newest checkpoint other than step ``but`` whose weights restore and match their
+        checksums (``like_of(step)``: the ``like`` of :meth:`restore_weights` for that step);
+        None if there is none. Reads checkpoints newest first and stops at the first good one.
+        """
+        for step in reversed(self.all_steps()):
+            if step == but or not (self.directory / str(step)).is_dir():
+                continue
+            try:
+                self.restore_weights(step, like_of(step))
+            except JddpError:  # damaged, deleted meanwhile, or written for another model
+                continue
+            return step
+        return None
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is on disk; ``CheckpointError`` if it failed."""
@@ -286,9 +358,6 @@ class Checkpoints:
                 f"before it are intact: {intact or 'none'}"
             )
             raise self._failed from None
-
-
-WEIGHT_PREFIXES = (".params", ".model_state")
 
 
 def _cause(e: BaseException) -> str:

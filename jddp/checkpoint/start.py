@@ -14,6 +14,7 @@ from jddp import config as config_lib
 from jddp.checkpoint import Checkpoints
 from jddp.checkpoint.resume import check_resume_config
 from jddp.checkpoint.weights import (
+    damage_named,
     describe_mismatch,
     mismatched_weights,
     open_checkpoint,
@@ -90,16 +91,24 @@ def warm_start(
     where = ckpts.directory / str(step)
     try:
         fresh = to_host({"params": state.params, "model_state": state.model_state})
-        saved = ckpts.weight_shapes(step)
-        missing, differ = mismatched_weights(saved, fresh)
-        head = head_arrays(differ, num_outputs) or []
-        if missing or (differ and not head):
-            raise ConfigError(
-                f"{key}: checkpoint {where} does not fit this model: "
-                f"{describe_mismatch(missing, differ)} (only an output layer of another "
-                "num_classes is re-initialised)"
-            )
-        restored = ckpts.restore_weights(step, with_shapes(fresh, saved))
+
+        def like_of(step: int) -> dict[str, Any]:
+            return with_shapes(fresh, ckpts.weight_shapes(step))
+
+        def use(step: int) -> str:
+            return f"{key}={ckpts.directory / str(step)}"
+
+        with damage_named(ckpts, step, like_of, key, use):
+            saved = ckpts.weight_shapes(step)
+            missing, differ = mismatched_weights(saved, fresh)
+            head = head_arrays(differ, num_outputs) or []
+            if missing or (differ and not head):
+                raise ConfigError(
+                    f"{key}: checkpoint {where} does not fit this model: "
+                    f"{describe_mismatch(missing, differ)} (only an output layer of another "
+                    "num_classes is re-initialised)"
+                )
+            restored = ckpts.restore_weights(step, with_shapes(fresh, saved))
     finally:
         ckpts.close()
     keep_fresh = set(head)

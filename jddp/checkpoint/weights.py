@@ -4,23 +4,16 @@ arrays with a checkpoint's by name and shape, read only params and model state.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from jddp.checkpoint import Checkpoints
-from jddp.errors import ConfigError
+from jddp.checkpoint import Checkpoints, weight_leaves
+from jddp.errors import CheckpointDamaged, CheckpointError, ConfigError
 from jddp.workdir import RunFolder
-
-
-def weight_leaves(weights: dict[str, Any]) -> list[tuple[str, Any]]:
-    """``(manifest name, leaf)`` of every leaf of ``{"params": ..., "model_state": ...}``."""
-    out = []
-    for top in ("params", "model_state"):
-        flat, _ = jax.tree_util.tree_flatten_with_path(weights[top])
-        out += [(f".{top}{jax.tree_util.keystr(path)}", leaf) for path, leaf in flat]
-    return out
 
 
 def short_name(name: str) -> str:
@@ -90,11 +83,7 @@ def find_checkpoint(
         directory = p
     else:
         raise ConfigError(f"{key}: {path} is neither a run's workdir nor a checkpoint folder")
-    steps = (
-        sorted(int(c.name) for c in directory.iterdir() if c.name.isdigit() and c.is_dir())
-        if directory.is_dir()
-        else []
-    )
+    steps = [int(c.name) for c in sorted_steps(directory)]
     if not steps:
         raise ConfigError(f"{key}: no checkpoint in {directory}")
     if step is None:
@@ -105,6 +94,41 @@ def find_checkpoint(
             f"{', '.join(map(str, steps))})"
         )
     return directory, step
+
+
+@contextmanager
+def damage_named(
+    ckpts: Checkpoints,
+    step: int,
+    like_of: Callable[[int], dict[str, Any]],
+    key: str,
+    use: Callable[[int], str],
+) -> Iterator[None]:
+    """Reads of checkpoint ``step`` inside this block: a damaged checkpoint becomes one
+    :class:`CheckpointError` line naming ``key``, the checkpoint, the cause, and the newest
+    other checkpoint whose weights read intact (``like_of(step)``: the ``like`` of
+    :meth:`Checkpoints.restore_weights` for a step) with how to use it (``use(step)``, e.g.
+    ``"--step 4"``)."""
+    try:
+        yield
+    except CheckpointDamaged as e:
+        intact = ckpts.newest_intact(like_of, but=step)
+        if intact is not None:
+            advice = f"checkpoint {ckpts.directory / str(intact)} is intact: use {use(intact)}"
+        else:
+            advice = f"no other checkpoint in {ckpts.directory} is intact"
+        raise CheckpointError(f"{key}: {e}; {advice}") from None
+
+
+def sorted_steps(directory: Path) -> list[Path]:
+    """The step folders in checkpoints folder ``directory``, oldest first (none if it is
+    missing)."""
+    if not directory.is_dir():
+        return []
+    return sorted(
+        (c for c in directory.iterdir() if c.name.isdigit() and c.is_dir()),
+        key=lambda c: int(c.name),
+    )
 
 
 def open_checkpoint(path: str | Path, step: int | None, key: str) -> tuple[Checkpoints, int]:

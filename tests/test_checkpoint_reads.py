@@ -1,0 +1,163 @@
+"""Reading a run's checkpoints outside its own resume: ``python -m jddp.evaluate``,
+``checkpoint.init_from`` and ``jddp.load`` on a damaged checkpoint, a checkpoint a live run's
+rotation deleted, and a run folder that cannot be written."""
+
+import runpy
+import shutil
+import sys
+from unittest import mock
+
+import pytest
+
+import jddp
+from jddp.errors import CheckpointError
+from tests.helpers import read_metrics, run_python
+
+RUN = [
+    "model.name=tests.user_models:tiny_mlp",
+    "data.name=synthetic",
+    "data.image_size=8",
+    "data.global_batch_size=16",
+    "log.progress=off",
+]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One tiny run with checkpoints 2 and 4 (each test works on a copy)."""
+    from jddp.run.trainer import train_and_evaluate
+
+    workdir = tmp_path_factory.mktemp("reads") / "run"
+    overrides = [*RUN, "train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep=3"]
+    train_and_evaluate(jddp.load_config({"workdir": str(workdir)}, overrides))
+    return workdir
+
+
+@pytest.fixture
+def run_copy(finished, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(finished, copy)
+    return copy
+
+
+def damage(workdir, step):
+    """Truncate every array file of checkpoint ``step`` to 10 bytes."""
+    files = [f for f in (workdir / "checkpoints" / str(step) / "state").rglob("*") if f.is_file()]
+    arrays = [f for f in files if f.parent.name == "d"]
+    assert arrays, files
+    for f in arrays:
+        f.write_bytes(f.read_bytes()[:10])
+
+
+def evaluate_in_process(argv, capfd) -> tuple[int, str, str]:
+    """``python -m jddp.evaluate ARGV`` in this process: exit code, stdout, stderr. (Exit 1
+    skips the interpreter's teardown with ``os._exit``: here it is a plain exit.)"""
+    capfd.readouterr()
+    with (
+        mock.patch.object(sys, "argv", ["jddp.evaluate", *argv]),
+        mock.patch("jddp.cli.os._exit", side_effect=sys.exit),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            runpy.run_module("jddp.evaluate", run_name="__main__")
+    out = capfd.readouterr()
+    return stop.value.code, out.out, out.err
+
+
+def test_a_damaged_checkpoint_in_evaluate_is_one_line_naming_it_and_the_intact_one(run_copy):
+    damage(run_copy, 4)
+    out = run_python("-m", "jddp.evaluate", "--workdir", str(run_copy))
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
+    (line,) = lines
+    assert line.startswith(f"jddp: error: --workdir: checkpoint {run_copy}/checkpoints/4 is ")
+    assert line.endswith(f"checkpoint {run_copy}/checkpoints/2 is intact: use --step 2")
+    assert "/4 is damaged: " in line and len(line) < 600 and "tensorstore_spec" not in line
+    assert not [r for r in read_metrics(run_copy) if r.get("eval/data")]  # nothing appended
+
+
+def test_a_damaged_checkpoint_in_load_names_it_or_that_none_is_intact(run_copy):
+    damage(run_copy, 4)
+    with pytest.raises(CheckpointError, match=r"checkpoints/2 is intact: use step=2$"):
+        jddp.load(run_copy)
+    assert jddp.load(run_copy, step=2) is not None
+    (run_copy / "checkpoints" / "2" / "manifest" / "metadata").write_text("garbage")
+    with pytest.raises(CheckpointError) as failed:
+        jddp.load(run_copy, step=2)
+    message = str(failed.value)
+    assert f"checkpoint {run_copy}/checkpoints/2 is damaged: its manifest cannot be read" in message
+    assert message.endswith(f"no other checkpoint in {run_copy}/checkpoints is intact")
+
+
+def test_a_damaged_init_from_checkpoint_names_it_and_the_intact_one(run_copy, tmp_path):
+    from jddp.run.trainer import train_and_evaluate
+
+    damage(run_copy, 4)
+    target = tmp_path / "warm"
+    cfg = jddp.load_config(
+        {"workdir": str(target)}, [*RUN, "train.steps=1", f"checkpoint.init_from={run_copy}"]
+    )
+    with pytest.raises(CheckpointError) as failed:
+        train_and_evaluate(cfg)
+    message = str(failed.value)
+    assert "\n" not in message and len(message) < 600
+    assert message.startswith(f"checkpoint.init_from: checkpoint {run_copy}/checkpoints/4 is ")
+    assert message.endswith(f"use checkpoint.init_from={run_copy}/checkpoints/2")
+
+
+def rotate_away_once(step_dir):
+    """A ``jddp.evaluation.reader`` that first deletes ``step_dir`` (a live run's rotation
+    between evaluate's listing and its read)."""
+    from jddp.checkpoint.weights import reader
+
+    def rotating_reader(directory):
+        if step_dir.exists():
+            shutil.rmtree(step_dir)
+        return reader(directory)
+
+    return mock.patch("jddp.evaluation.reader", rotating_reader)
+
+
+def test_evaluate_reads_the_newest_kept_checkpoint_when_rotation_deletes_its_pick(run_copy, capfd):
+    with rotate_away_once(run_copy / "checkpoints" / "4"):
+        code, out, err = evaluate_in_process(["--workdir", str(run_copy)], capfd)
+    assert code == 0, err
+    assert "jddp: eval step=2 " in out
+    assert read_metrics(run_copy)[-1]["step"] == 2
+
+
+def test_evaluate_of_a_step_rotated_away_names_it_and_the_kept_ones(run_copy, capfd):
+    with rotate_away_once(run_copy / "checkpoints" / "4"):
+        code, out, err = evaluate_in_process(["--workdir", str(run_copy), "--step", "4"], capfd)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"jddp: error: --step: checkpoint {run_copy}/checkpoints/4 was ")
+    assert "deleted while it was read" in lines[0]
+    assert lines[0].endswith("the checkpoints now: 2")
+
+
+def test_evaluate_prints_its_result_when_metrics_jsonl_cannot_be_written(run_copy, capfd):
+    metrics = run_copy / "metrics.jsonl"
+    before = metrics.read_text()
+    metrics.unlink()
+    metrics.mkdir()  # unwritable, even for root (a read-only run folder: the same OSError)
+    code, out, err = evaluate_in_process(["--workdir", str(run_copy)], capfd)
+    assert code == 0, err
+    assert "jddp: eval step=4 eval/loss=" in out
+    (warning,) = err.strip().splitlines()
+    assert warning.startswith(f"jddp: warning: {metrics}: cannot append the result")
+    metrics.rmdir()
+    metrics.write_text(before)
+
+
+def test_a_resume_sets_aside_a_checkpoint_whose_config_is_damaged(run_copy, capfd):
+    """The trainer's own resume reads the same way: an unreadable saved config is damage (the
+    checkpoint is moved aside, the older one used), not a crash."""
+    from jddp.run.trainer import train_and_evaluate
+
+    (run_copy / "checkpoints" / "4" / "config" / "metadata").write_text("garbage")
+    cfg = jddp.load_config({"workdir": str(run_copy)}, [*RUN, "train.steps=5"])
+    result = train_and_evaluate(cfg)
+    assert result.step == 5
+    err = capfd.readouterr().err
+    assert f"checkpoint {run_copy}/checkpoints/4 is damaged: its config cannot be read" in err
+    assert [p.name.split("-")[0] for p in (run_copy / "checkpoints-damaged").iterdir()] == ["4"]
