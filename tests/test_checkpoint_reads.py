@@ -71,7 +71,8 @@ def test_a_damaged_checkpoint_in_evaluate_is_one_line_naming_it_and_the_intact_o
     (line,) = lines
     assert line.startswith(f"jddp: error: --workdir: checkpoint {run_copy}/checkpoints/4 is ")
     assert line.endswith(f"checkpoint {run_copy}/checkpoints/2 is intact: use --step 2")
-    assert "/4 is damaged: " in line and len(line) < 600 and "tensorstore_spec" not in line
+    short = line.replace(str(run_copy), "RUN")  # the bound is on the words, not on tmp paths
+    assert "/4 is damaged: " in line and len(short) < 450 and "tensorstore_spec" not in line
     assert not [r for r in read_metrics(run_copy) if r.get("eval/data")]  # nothing appended
 
 
@@ -99,7 +100,7 @@ def test_a_damaged_init_from_checkpoint_names_it_and_the_intact_one(run_copy, tm
     with pytest.raises(CheckpointError) as failed:
         train_and_evaluate(cfg)
     message = str(failed.value)
-    assert "\n" not in message and len(message) < 600
+    assert "\n" not in message and len(message.replace(str(run_copy), "RUN")) < 450
     assert message.startswith(f"checkpoint.init_from: checkpoint {run_copy}/checkpoints/4 is ")
     assert message.endswith(f"use checkpoint.init_from={run_copy}/checkpoints/2")
 
