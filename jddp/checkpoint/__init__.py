@@ -123,6 +123,9 @@ class Checkpoints:
         self._saving: int | None = None  # the step of the save in flight
         self._failed: CheckpointError | None = None
         _quiet_orbax_errors()
+        # Reads and writes alike: a failed save (disk full) leaves tensorstore writes in flight
+        # whose callbacks print the same late tracebacks as a failed restore.
+        _silence_late_read_callbacks()
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
