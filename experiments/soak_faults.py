@@ -1,15 +1,20 @@
-"""Soak of the whole fault story: random ``kill -9`` during a 2-process run, then the same command.
+"""Soak of the whole fault story: random kills and stop signals during a 2-process run, then the
+same command.
 
-An uninterrupted run of ``python -m jddp.launch --nproc 2`` gives the reference per-step losses.
-The same command is then started again and again in a fresh workdir; each time, after a random
-delay, one ``kill -9`` hits a random rank or the launcher itself (alternately). After every kill the
-script checks that no process of the job is left within 15 s (ranks die with their launcher),
-then reruns the same command, which resumes from the newest checkpoint. After ``--kills`` kills
-the last rerun goes to the end. Pass: every step's loss is bitwise the reference's, every step
-logged once, no leftover process.
+An uninterrupted run of ``python -m jddp.launch --nproc 2`` (input worker processes:
+``data.worker_kind=process data.workers=2`` unless ``--worker-kind thread``) gives the reference
+per-step losses. The same command is then started again and again in a fresh workdir; each time,
+after a random delay, one fault hits it, in turn: ``kill -9`` of a random rank (the trainer, as
+the OOM killer would), ``kill -9`` of the launcher, ``SIGUSR1`` to the launcher (SLURM's
+``--signal=USR1``: it must forward it, every rank saves and the job exits 75). After every fault
+the script checks that no process the job started is left within 15 s -- launcher, ranks, their
+input workers and multiprocessing's resource tracker, found by an environment variable they all
+inherit -- then reruns the same command, which resumes from the newest checkpoint. After
+``--kills`` faults the last rerun goes to the end. Pass: every step's loss is bitwise the
+reference's, every step logged once, every SIGUSR1 exit 75, no leftover process.
 
-Usage (repo root): ``.venv/bin/python experiments/soak_faults.py [--kills 10] [--steps 40]``.
-Prints each kill and a verdict; writes ``experiments/results/soak-<date>-<machine>.json``.
+Usage (repo root): ``.venv/bin/python experiments/soak_faults.py [--kills 12] [--steps 200]``.
+Prints each fault and a verdict; writes ``experiments/results/soak-<date>-<machine>.json``.
 """
 
 from __future__ import annotations
@@ -23,15 +28,20 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import benchlib
 from cases import case
 
+FAULTS = ("kill -9 of a rank", "kill -9 of the launcher", "SIGUSR1 to the launcher")
+TAG = "JDDP_SOAK_TAG"  # inherited by everything the job starts, workers included
 
-def command(workdir: Path, steps: int) -> list[str]:
+
+def command(workdir: Path, steps: int, worker_kind: str) -> list[str]:
     """``python -m jddp.launch --nproc 2 --devices-per-proc 1 -- python -m jddp.train ...``."""
-    return benchlib.trainer_command(workdir, case("tiny", f"train.steps={steps}"), 2, 1)
+    workers = ["data.worker_kind=process", "data.workers=2"] if worker_kind == "process" else []
+    return benchlib.trainer_command(workdir, case("tiny", f"train.steps={steps}", *workers), 2, 1)
 
 
 def losses(workdir: Path) -> dict[int, float]:
@@ -42,15 +52,30 @@ def losses(workdir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-def job_pids(workdir: Path) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"workdir={workdir}"], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+def job_pids(tag: str) -> list[int]:
+    """Live processes whose environment holds ``TAG=tag``."""
+    found, marker = [], f"{TAG}={tag}".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "environ").read_bytes():
+                if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX":
+                    found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
 
 
-def wait_gone(workdir: Path, timeout_s: float) -> bool:
+def is_rank(pid: int) -> bool:
+    try:
+        return b"jddp.train" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def wait_gone(tag: str, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not job_pids(workdir):
+        if not job_pids(tag):
             return True
         time.sleep(0.2)
     return False
@@ -58,67 +83,80 @@ def wait_gone(workdir: Path, timeout_s: float) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--kills", type=int, default=12, help="faults, taken in turn")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker-kind", choices=("process", "thread"), default="process")
     parser.add_argument("--machine", default="vm")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", TAG: tag}
     events = []
     with tempfile.TemporaryDirectory() as tmp:
         ref, wd = Path(tmp) / "reference", Path(tmp) / "soak"
-        out = subprocess.run(command(ref, args.steps), capture_output=True, text=True, env=env)
+        cmd = command(ref, args.steps, args.worker_kind)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if out.returncode != 0:
             raise SystemExit(f"soak: the reference run failed:\n{out.stderr[-2000:]}")
         want = losses(ref)
+        cmd = command(wd, args.steps, args.worker_kind)
         for k in range(args.kills):
-            job = subprocess.Popen(command(wd, args.steps), env=env, stdout=subprocess.DEVNULL,
+            job = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
             before = max(losses(wd), default=0)
-            deadline = time.monotonic() + 120
-            # Kill somewhere between "still compiling" and a few steps past the last line.
+            deadline = time.monotonic() + 180
+            # Strike somewhere between "still compiling" and a few steps past the last line.
             target_step = before + rng.randint(0, 6)
             while time.monotonic() < deadline and job.poll() is None:
                 if max(losses(wd), default=0) >= target_step:
                     break
                 time.sleep(0.05)
             time.sleep(rng.uniform(0, 1.5))
-            ranks = [p for p in job_pids(wd) if p != job.pid]
+            fault = FAULTS[k % len(FAULTS)]
+            pids = job_pids(tag)
+            ranks = [p for p in pids if p != job.pid and is_rank(p)]
+            workers = len(pids) - len(ranks) - 1
             if job.poll() is not None:
-                victim, who = None, "none (the run had finished)"
-            elif ranks and k % 2 == 0:  # alternate: a rank, then the launcher
+                fault, victim = "none (the run had finished)", None
+            elif fault == FAULTS[0] and ranks:
                 victim = rng.choice(ranks)
-                who = f"rank pid {victim}"
             else:
-                victim, who = job.pid, "the launcher"
+                fault = FAULTS[1] if fault == FAULTS[0] else fault
+                victim = job.pid
             if victim is not None:
-                os.kill(victim, signal.SIGKILL)
-            job.wait()
-            gone = wait_gone(wd, 15)
-            leftovers = job_pids(wd)
+                os.kill(victim, signal.SIGUSR1 if fault == FAULTS[2] else signal.SIGKILL)
+            code = job.wait()
+            gone = wait_gone(tag, 15)
+            leftovers = job_pids(tag)
             for pid in leftovers:
                 os.kill(pid, signal.SIGKILL)
-            event = {"kill": k + 1, "victim": who, "logged_steps": max(losses(wd), default=0),
+            event = {"fault": k + 1, "what": fault, "exit": code, "logged_steps": max(losses(wd),
+                     default=0), "other_processes_at_the_fault": workers,
                      "no_leftover_within_15s": gone, "leftover_pids": leftovers}  # fmt: skip
             events.append(event)
             print(json.dumps(event), flush=True)
-        final = subprocess.run(command(wd, args.steps), capture_output=True, text=True, env=env)
+        final = subprocess.run(cmd, capture_output=True, text=True, env=env)
         got = losses(wd)
+        final_leftovers = job_pids(tag)
     bitwise = sorted(got) == list(range(1, args.steps + 1)) and all(got[s] == want[s] for s in want)
-    clean = all(e["no_leftover_within_15s"] for e in events)
-    verdict = "PASS" if final.returncode == 0 and bitwise and clean else "FAIL"
-    print(f"soak: {args.kills} kills, final run exit {final.returncode}, losses bitwise equal: "
-          f"{bitwise}, no leftover process: {clean} -> {verdict}")  # fmt: skip
+    clean = all(e["no_leftover_within_15s"] for e in events) and not final_leftovers
+    saved = all(e["exit"] == 75 for e in events if e["what"] == FAULTS[2])
+    verdict = "PASS" if final.returncode == 0 and bitwise and clean and saved else "FAIL"
+    print(f"soak: {args.kills} faults, final run exit {final.returncode}, losses bitwise equal: "
+          f"{bitwise}, every SIGUSR1 exit 75: {saved}, no leftover process: {clean} -> "
+          f"{verdict}")  # fmt: skip
     result = {
         "benchmark": "soak_faults",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": benchlib.machine_info(args.machine),
         "steps": args.steps,
+        "worker_kind": args.worker_kind,
         "events": events,
         "final_returncode": final.returncode,
         "bitwise_equal": bitwise,
         "no_leftover_process": clean,
+        "every_sigusr1_exit_75": saved,
         "verdict": verdict,
     }
     benchlib.save_result("soak", args.machine, result)

@@ -9,7 +9,6 @@ One eval run (:class:`EvalRun`: the eval step, the data and where they run) serv
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from jddp.errors import (
 )
 from jddp.inference import as_model, restore_into
 from jddp.mesh import DTYPES, make_mesh, to_host
-from jddp.metrics import Console, append_metrics, describe_eval
+from jddp.metrics import Console, append_metrics, describe_eval, nonfinite_eval
 from jddp.preflight import check_same_config, output_shape
 from jddp.state import TrainState, create_train_state
 from jddp.step import LossFn, PixelNorm, cross_entropy_loss, make_eval_step
@@ -244,12 +243,11 @@ def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> d
     )
     del model
     metrics = evaluate(state)
-    nonfinite = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    nonfinite = nonfinite_eval(metrics)
     if nonfinite:  # not a result: say so (exit 1) instead of logging eval/loss=nan
         raise NonFiniteLoss(
-            f"checkpoint {directory / str(step)} on {cfg.data.name}: "
-            + ", ".join(f"{k}={metrics[k]}" for k in nonfinite)
-            + f" over {metrics['eval/count']} eval examples (NaN/Inf in the eval images or the "
+            f"checkpoint {directory / str(step)} on {cfg.data.name}: {nonfinite} over "
+            f"{metrics['eval/count']} eval examples (NaN/Inf in the eval images or the "
             "weights); nothing was appended to metrics.jsonl"
         )
     Console(comm.process_index == 0).say(

@@ -112,6 +112,13 @@ def describe_eval(metrics: dict[str, Any]) -> str:
     )
 
 
+def nonfinite_eval(metrics: dict[str, Any]) -> str | None:
+    """``eval/loss=nan, ...`` for the non-finite values of an eval result, or None: such a
+    result is not a result (NaN/Inf in the eval images, labels or weights)."""
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    return ", ".join(f"{k}={metrics[k]}" for k in bad) if bad else None
+
+
 def _duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

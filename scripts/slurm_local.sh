@@ -40,6 +40,9 @@ ClusterName=jddp-local
 SlurmctldHost=$host
 SlurmUser=root
 AuthType=auth/munge
+# A requeued job waits cred_expire s before it may start again (default 120); 20 s is still
+# ample for a one-node step launch.
+AuthInfo=cred_expire=20
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres

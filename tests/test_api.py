@@ -78,6 +78,7 @@ def test_user_model_factory_from_the_cli(tmp_path):
     assert "jddp: done step=3" in out.stdout
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "launcher, script, min_accuracy",

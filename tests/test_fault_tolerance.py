@@ -24,7 +24,7 @@ from tests.helpers import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 cmd_train, cmd_launch = train_cmd, launch_cmd
 

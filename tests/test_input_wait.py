@@ -8,6 +8,7 @@ fraction of a real run is in ``experiments/bench_overhead.py`` and ``experiments
 import time
 
 import optax
+import pytest
 from flax import nnx
 
 import jddp
@@ -49,6 +50,7 @@ def fit(workdir, train_data, steps, *overrides):
     )
 
 
+@pytest.mark.serial
 def test_input_wait_fraction_is_logged_and_summarised(tmp_path, capsys):
     result = fit(tmp_path / "run", data(), 7)
     rows = [r for r in read_metrics(tmp_path / "run") if "train/loss" in r]
@@ -63,6 +65,7 @@ def test_input_wait_fraction_is_logged_and_summarised(tmp_path, capsys):
     assert f"{100 * result.input_wait_fraction:.2f}%" in line and KEY in line
 
 
+@pytest.mark.serial
 def test_a_slow_loader_shows_up_as_input_wait(tmp_path):
     x, y = data()
     # 16 records x 10 ms = at least 0.16 s to load a batch; a TinyMLP step takes milliseconds,

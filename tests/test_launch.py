@@ -15,6 +15,7 @@ import pytest
 from jddp import launch
 from tests.helpers import launch_cmd, run, run_pids, start, steps_saved, wait_for
 
+pytestmark = pytest.mark.serial  # launcher tests start processes and time their exits
 PY = sys.executable
 
 # Prepended to every child script: helpers to record the pid and wait for sibling files.

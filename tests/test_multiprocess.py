@@ -18,7 +18,7 @@ from tests.helpers import (
     train_cmd,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def launch(nproc, devices, workdir, *overrides, timeout=600):

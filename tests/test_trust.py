@@ -30,6 +30,7 @@ from tests.helpers import (
     data,
     launch_cmd,
     read_losses,
+    read_metrics,
     run,
     start_training,
     steps_saved,
@@ -103,6 +104,7 @@ def test_a_run_that_skipped_every_step_fails(tmp_path):
         fit(tmp_path / "run", "train.steps=3", "train.on_nonfinite=skip", model=model)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_ctrl_c_saves_like_sigterm(tmp_path):
     wd = tmp_path / "run"
@@ -151,6 +153,7 @@ def small_disk(tmp_path):
         run(["umount", "-l", str(mount)])
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_older_ones(small_disk):
     """Room for one checkpoint (~0.6 MB) and its metrics, not two: the second save fails."""
@@ -182,6 +185,25 @@ def test_a_failing_final_eval_keeps_the_training(tmp_path, monkeypatch):
     monkeypatch.undo()  # the advertised call evaluates the saved run
     model = jddp.load(str(wd / "checkpoints" / "3"), model=TinyMLP(192, 2, nnx.Rngs(5)))
     assert jddp.evaluate(model, data(64))["eval/count"] == 64
+
+
+def test_a_nan_final_eval_is_no_result_and_keeps_the_training(tmp_path):
+    """An eval image of NaNs: the final eval is eval/loss=nan, which is not logged as a
+    result; the run fails (exit 1 from the CLI) with its checkpoint on disk."""
+    wd = tmp_path / "run"
+    x, y = data(64)
+    x[3] = np.nan
+    with pytest.raises(EvalFailed, match=r"the final eval gave eval/loss=nan.* over 64 eval") as e:
+        jddp.fit(
+            TinyMLP(192, 2, nnx.Rngs(0)),
+            train_data=data(64),
+            eval_data=(x, y),
+            config={"workdir": str(wd)},
+            overrides=["data.global_batch_size=16", "log.progress=off", "train.steps=2"],
+        )
+    assert f"checkpoint {wd.absolute() / 'checkpoints' / '2'}" in str(e.value)
+    assert steps_saved(wd) == [2]
+    assert not any("eval/loss" in r for r in read_metrics(wd))
 
 
 def preempt_when_logged(workdir, steps=2, sig=signal.SIGTERM) -> threading.Thread:
@@ -218,6 +240,7 @@ def test_a_preempted_run_continues_under_resume_false(tmp_path, capsys):
     assert again.step == stopped + 2 and len(list((wd / "previous").iterdir())) == 1
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_sigusr1_to_the_launcher_saves_and_the_same_command_continues(tmp_path):
     """SLURM's ``--signal=USR1@120`` reaches the launcher only: it forwards it, every rank saves,
@@ -334,6 +357,7 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_kill_9_of_the_trainer_leaves_no_process(tmp_path):
     """What the OOM killer does: the input worker processes and multiprocessing's resource
@@ -350,6 +374,7 @@ def test_kill_9_of_the_trainer_leaves_no_process(tmp_path):
     ]
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("how", ["removed", "taken"])
 def test_a_run_whose_lock_goes_stops_without_deleting(tmp_path, how):
     wd = tmp_path / "run"

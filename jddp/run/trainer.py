@@ -20,7 +20,7 @@ from jddp.config import Config
 from jddp.distributed import Job, current_job
 from jddp.errors import ConfigError, EvalFailed, JddpError, NonFiniteLoss, Preempted, one_line
 from jddp.mesh import to_host
-from jddp.metrics import Console, InputWait, describe_eval
+from jddp.metrics import Console, InputWait, describe_eval, nonfinite_eval
 from jddp.preflight import check_same_config
 from jddp.run.hooks import LockCheck, StopRequest
 from jddp.run.loop import train_loop
@@ -190,6 +190,13 @@ def _final_eval(run: Run, state: TrainState, step: int) -> dict[str, float]:
             f"the final eval failed ({cause}); the training is saved in checkpoint {saved}; "
             f"evaluate it again with: {again}"
         ) from e
+    nonfinite = nonfinite_eval(eval_metrics)
+    if nonfinite:  # not a result: exit 1, the training stays saved
+        raise EvalFailed(
+            f"the final eval gave {nonfinite} over {eval_metrics['eval/count']} eval examples "
+            f"(NaN/Inf in the eval images or the weights); not logged; the training is saved in "
+            f"checkpoint {run.checkpoints.directory / str(step)}"
+        )
     if not run.log.logged(step, "eval/loss"):  # a rerun of a finished run logs it once
         run.log.write(step, eval_metrics)
     return eval_metrics
