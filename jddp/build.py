@@ -122,6 +122,7 @@ def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
             f"train.grad_accum_steps={cfg.train.grad_accum_steps} does not divide the "
             f"per-device batch {per_device}"
         )
+    comm.meet(mesh)
     return mesh, layout
 
 

@@ -4,32 +4,23 @@ The tests simulate many devices with ``--xla_force_host_platform_device_count``,
 adds CPU devices: on a machine whose JAX has CUDA, JAX would still pick the GPU (one device) and
 multi-device tests would silently test something else. Subprocesses inherit the variable.
 
-Two pytest-xdist workers run the suite (``-n 2`` in pyproject.toml), one test file per worker
-at a time (the two files that share the ``two_by_two`` run go to one worker). Tests marked
-``serial`` (several jddp processes, kills, timing) run alone: a serial test waits until the
-other worker's current test ends, and the other worker starts nothing until it is done. On 2
-cores a multi-process test beside another file's compile timed out in gloo's 30 s set-up
-(2026-11-24), so those never share the machine.
+Two pytest-xdist workers run the suite (``-n 2 --dist loadfile`` in pyproject.toml), one test
+file per worker at a time. Tests marked ``serial`` (several jddp processes, kills, timing) run
+alone: a serial test waits until the other worker's current test ends, and the other worker
+starts nothing until it is done. On 2 cores a multi-process test beside another file's compile
+timed out in gloo's 30 s set-up (2026-11-24), so those never share the machine. (Not
+``--dist loadgroup``: with pytest 9.2 and xdist 3.8.0 it ignored the groups.)
 """
 
 import fcntl
+import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-
-SHARED_RUN_FILES = {"test_fault_tolerance.py", "test_multiprocess.py"}  # use ``two_by_two``
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    """One xdist group per test file (its module fixtures run once), the shared-run files in
-    one group (the session fixture runs once)."""
-    for item in items:
-        name = Path(str(item.fspath)).name
-        item.add_marker(pytest.mark.xdist_group("two_by_two" if name in SHARED_RUN_FILES else name))
 
 
 class _Exclusive:
@@ -77,10 +68,21 @@ def two_by_two(tmp_path_factory):
     """The one 2 processes x 2 devices run that several modules compare with (2-process runs
     are the slowest thing CI does on 2 cores: share them): ``python -m jddp.launch --nproc 2
     --devices-per-proc 2`` of ``TINY_SYNC`` plus ``TWO_BY_TWO``, uninterrupted; its workdir
-    (checkpoints 4, 8, ..., 20) and completed process."""
+    (checkpoints 4, 8, ..., 20) and completed process. Made once per test session: under
+    xdist the first worker to need it runs it, the other reads it (a lock file beside both
+    workers' temporary folders)."""
     from tests.helpers import TWO_BY_TWO, launch_cmd, run
 
-    wd = tmp_path_factory.mktemp("two_by_two") / "run"
-    out = run(launch_cmd(2, 2, wd, *TWO_BY_TWO))
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # common to the workers of this session
+    wd, saved = shared / "two_by_two" / "run", shared / "two_by_two" / "out.json"
+    with open(shared / "two_by_two.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not saved.exists():
+            saved.parent.mkdir(exist_ok=True)
+            out = run(launch_cmd(2, 2, wd, *TWO_BY_TWO))
+            saved.write_text(json.dumps([out.args, out.returncode, out.stdout, out.stderr]))
+    out = subprocess.CompletedProcess(*json.loads(saved.read_text()))
     assert out.returncode == 0, out.stderr[-3000:]
     return wd, out

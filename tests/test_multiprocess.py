@@ -3,6 +3,7 @@
 Each test starts real processes (``python -m jddp.launch`` or ``mpirun``), no mocks.
 """
 
+import sys
 import time
 
 import pytest
@@ -93,3 +94,42 @@ def test_unreachable_coordinator_is_a_clear_error(tmp_path):
     assert out.returncode == 1
     assert "could not reach the coordinator at localhost:9 within 3 s" in out.stderr
     assert time.monotonic() - start < 60
+
+
+SKEWED = """
+import sys, time
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jddp.api import load_config
+from jddp.build import build_mesh
+from jddp.comm import make_comm
+from jddp.comm.xla import XlaComm
+from jddp.distributed import initialize
+from jddp.mesh import DATA_AXIS
+
+if "--no-meet" in sys.argv:  # what jddp did before: the step's devices first met in its run
+    XlaComm.meet = lambda self, mesh: None
+cfg = load_config(overrides=["data.global_batch_size=2"])
+comm = make_comm(initialize(cfg.dist), "xla", "float32")
+mesh, _ = build_mesh(cfg, comm)
+if comm.process_index == 1:
+    time.sleep(35)  # a compile that ends 35 s later here than on process 0
+x = jax.make_array_from_callback((2,), NamedSharding(mesh, P(DATA_AXIS)),
+                                 lambda _: np.ones(1, np.float32))
+mean = jax.shard_map(lambda v: jax.lax.pmean(v, DATA_AXIS), mesh=mesh,
+                     in_specs=P(DATA_AXIS), out_specs=P())
+print("mean", float(jax.jit(mean)(x)[0]))
+"""
+
+
+def test_a_process_that_compiles_35_s_later_still_joins_the_first_step(tmp_path):
+    """gloo gives a new set of devices 30 s to meet (fixed in gloo); jddp meets the step's
+    devices while building the mesh, so a step whose compile ends 35 s later on one process
+    waits for it instead of failing ("Gloo context initialization failed"). Measured without
+    the meeting (``--no-meet``): exit 1 with that error."""
+    script = tmp_path / "skewed.py"
+    script.write_text(SKEWED)
+    launch = [sys.executable, "-m", "jddp.launch", "--nproc", "2", "--devices-per-proc", "1"]
+    out = run([*launch, "--", sys.executable, str(script)], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("mean 1.0") == 2, out.stdout

@@ -106,6 +106,11 @@ class Comm(ABC):
     def barrier(self) -> None:
         """Wait for every process."""
 
+    @abstractmethod
+    def meet(self, mesh: Mesh) -> None:
+        """Make the connections the step's collectives over ``mesh`` use now, while every
+        process is at the same point (see :meth:`jddp.comm.xla.XlaComm.meet`)."""
+
     def agree(self, ok: bool) -> bool:
         """True on every process iff ``ok`` on every process."""
         return all(v == 1 for v in self.allgather_int(int(ok)))

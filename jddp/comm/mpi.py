@@ -137,3 +137,6 @@ class MpiComm(Comm):
     def barrier(self) -> None:
         """Wait for every rank."""
         self.world.Barrier()
+
+    def meet(self, mesh: Mesh) -> None:
+        """Nothing to meet: the processes' collectives are MPI's, connected at ``MPI_Init``."""

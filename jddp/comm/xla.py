@@ -8,7 +8,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jddp.comm.base import Comm, GradsStage, PyTree, UpdateStage
 from jddp.config import DistConfig
@@ -76,3 +77,23 @@ class XlaComm(Comm):
         """Wait for every process."""
         if self.process_count > 1:
             multihost_utils.sync_global_devices("jddp")
+
+    def meet(self, mesh: Mesh) -> None:
+        """One tiny all-reduce over ``mesh``'s devices, before any step compiles.
+
+        On CPUs each new set of devices in a collective first meets in a gloo rendezvous that
+        waits 30 s for the last process (hard-coded in gloo, not settable from JAX); once met,
+        an all-reduce waits up to 30 min. A step's first run comes after its compile, which
+        can end 30 s later on one process than on another (a loaded machine; a compilation
+        cache hit on one process only): that killed jobs with "Gloo context initialization
+        failed: ... GetKeyValue() timed out". Meeting here, where the processes are in step,
+        leaves the compile skew to the 30 min wait."""
+        if self.process_count == 1 or jax.default_backend() != "cpu":
+            return
+        ones = jax.make_array_from_callback(
+            (mesh.size,), NamedSharding(mesh, P(DATA_AXIS)), lambda _: np.ones(1, np.int32)
+        )
+        psum = jax.shard_map(
+            lambda x: jax.lax.psum(x, DATA_AXIS), mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P()
+        )
+        jax.block_until_ready(jax.jit(psum)(ones))
