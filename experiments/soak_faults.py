@@ -116,6 +116,12 @@ def main() -> int:
             fault = FAULTS[k % len(FAULTS)]
             pids = job_pids(tag)
             ranks = [p for p in pids if p != job.pid and is_rank(p)]
+            while fault == FAULTS[2] and not ranks and job.poll() is None:
+                # SLURM's USR1 comes minutes into a job; one in the launcher's first 0.1 s,
+                # before Python runs its handler, ends it as any process (138, nothing to save)
+                time.sleep(0.2)
+                pids = job_pids(tag)
+                ranks = [p for p in pids if p != job.pid and is_rank(p)]
             workers = len(pids) - len(ranks) - 1
             if job.poll() is not None:
                 fault, victim = "none (the run had finished)", None
