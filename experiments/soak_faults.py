@@ -65,7 +65,13 @@ def job_pids(tag: str) -> list[int]:
     return found
 
 
-def is_rank(pid: int) -> bool:
+def job_and_ranks(tag: str, launcher: int) -> tuple[list[int], list[int]]:
+    """The job's live processes and, among them, its ranks (``jddp.train``, not the launcher)."""
+    pids = job_pids(tag)
+    return pids, [p for p in pids if p != launcher and _is_rank(p)]
+
+
+def _is_rank(pid: int) -> bool:
     try:
         return b"jddp.train" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -114,14 +120,12 @@ def main() -> int:
                 time.sleep(0.05)
             time.sleep(rng.uniform(0, 1.5))
             fault = FAULTS[k % len(FAULTS)]
-            pids = job_pids(tag)
-            ranks = [p for p in pids if p != job.pid and is_rank(p)]
+            pids, ranks = job_and_ranks(tag, job.pid)
             while fault == FAULTS[2] and not ranks and job.poll() is None:
                 # SLURM's USR1 comes minutes into a job; one in the launcher's first 0.1 s,
                 # before Python runs its handler, ends it as any process (138, nothing to save)
                 time.sleep(0.2)
-                pids = job_pids(tag)
-                ranks = [p for p in pids if p != job.pid and is_rank(p)]
+                pids, ranks = job_and_ranks(tag, job.pid)
             workers = len(pids) - len(ranks) - 1
             if job.poll() is not None:
                 fault, victim = "none (the run had finished)", None
