@@ -223,7 +223,7 @@ def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> d
     eval split over the job's devices and processes; process 0 prints the result, then
     appends it to metrics.jsonl (a file it cannot write is one warning line: the result
     stands)."""
-    comm = make_comm(job, cfg.dist.backend, cfg.dist.grad_allreduce_dtype)
+    comm = make_comm(job, cfg.dist.backend, cfg.dist.grad_allreduce_dtype, cfg.dist.fuse_allreduce)
     check_same_config(comm, cfg)
     mesh, layout = build_mesh(cfg, comm)
     splits = load_data(cfg)

@@ -131,12 +131,14 @@ def _sync_model_state(comm: Comm, model_state: Any) -> Any:
     type system so (exact, unlike a mean) when they went through per-device code.
     """
 
-    def sync(x: jax.Array) -> jax.Array:
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            return comm.average(x)
-        return jax.lax.pmax(x, DATA_AXIS)
-
-    return jax.tree.map(sync, model_state)
+    leaves, treedef = jax.tree.flatten(model_state)
+    floating = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    averaged = comm.average([leaves[i] for i in floating])  # one collective where fused
+    synced = [x if jnp.issubdtype(x.dtype, jnp.inexact) else jax.lax.pmax(x, DATA_AXIS)
+              for x in leaves]  # fmt: skip
+    for i, x in zip(floating, averaged, strict=True):
+        synced[i] = x
+    return jax.tree.unflatten(treedef, synced)
 
 
 def _accumulate(local_grads: Callable, params, model_state, images, labels, k: int):

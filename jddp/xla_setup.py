@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import mmap
 import os
+import threading
 from importlib import metadata
 from pathlib import Path
 
@@ -122,8 +123,54 @@ def enable_compilation_cache(directory: str | None) -> Path | None:
     if directory is None:
         return None
     path = Path(directory).expanduser()
+    _same_cpu_cache_key_on_every_process()
     jax.config.update("jax_compilation_cache_dir", str(path))
     # Cache every program that took a while to compile (the default skips those under 1 s).
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def _same_cpu_cache_key_on_every_process() -> None:
+    """Give CPU programs the same persistent-cache key on every process of a job.
+
+    JAX writes the cache from process 0 only and expects the others to read what it wrote; on
+    GPUs the key leaves out which devices a program runs on, but on CPUs (jax 0.10.2 and
+    0.11) it hashes the device ids and each process's own view of the topology, so no process
+    but 0 ever found an entry: each compiled every program again on every start (~30 s of
+    eager model-init ops and ~30 s of the step for the tests' tiny ResNet-18 on the 2-core
+    VM, the other processes waiting at the first collective). Here CPU keys leave the device
+    assignment out as GPU keys do (JAX loads an entry onto the devices asked for) and hash
+    the devices' kinds; elsewhere, and where JAX lacks these functions, nothing changes."""
+    try:
+        from jax._src import cache_key
+    except ImportError:
+        return
+    original = (
+        getattr(cache_key, name, None)
+        for name in ("get", "_hash_serialized_compile_options", "_hash_accelerator_config",
+                     "_hash_devices")
+    )  # fmt: skip
+    get, hash_options, hash_config, hash_kinds = original
+    if None in (get, hash_options, hash_config, hash_kinds) or getattr(get, "jddp", False):
+        return
+    on_cpu = threading.local()  # whether the key being made is a CPU program's
+
+    def key(module, devices, compile_options, backend, *args, **kwargs) -> str:
+        on_cpu.now = backend.platform == "cpu"
+        try:
+            return get(module, devices, compile_options, backend, *args, **kwargs)
+        finally:
+            on_cpu.now = False
+
+    def options(hash_obj, compile_options, strip_device_assignment=False) -> None:
+        strip = strip_device_assignment or getattr(on_cpu, "now", False)
+        return hash_options(hash_obj, compile_options, strip_device_assignment=strip)
+
+    def accelerator_config(hash_obj, devices) -> None:
+        return (hash_kinds if getattr(on_cpu, "now", False) else hash_config)(hash_obj, devices)
+
+    key.jddp = True  # type: ignore[attr-defined]
+    cache_key.get = key
+    cache_key._hash_serialized_compile_options = options
+    cache_key._hash_accelerator_config = accelerator_config

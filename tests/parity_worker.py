@@ -78,7 +78,8 @@ def main() -> None:
     out = sys.argv[2]
     dtype = jnp.float64 if "--x64" in sys.argv else jnp.float32
     grad_dtype = "bfloat16" if "--grad-dtype=bfloat16" in sys.argv else "float32"
-    comm = SumComm() if "--comm=psum" in sys.argv else XlaComm(grad_dtype)
+    fuse = False if "--no-fuse" in sys.argv else None  # None: the default (on for CPUs)
+    comm = SumComm() if "--comm=psum" in sys.argv else XlaComm(grad_dtype, fuse=fuse)
     accum = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--accum=")), 1)
     mesh = make_mesh(jax.devices()[:num_devices])
     model = (
@@ -111,10 +112,13 @@ def main() -> None:
             collectives = count_collectives(jax.make_jaxpr(step)(state, batch).jaxpr)
         state, metrics = step(state, batch)
         losses.append(float(metrics["train/loss"]))
-    # Element types of the all-reduces in the step's program (what goes over the wire).
-    reduce_types = re.findall(
-        r"stablehlo\.all_reduce.*?\}\) : \(tensor<(?:[0-9x]*x)?([a-z]+[0-9]+)>", hlo, re.S
+    # Shapes and element types of the all-reduces in the step's program (what goes over the
+    # wire), e.g. ("44622", "bf16").
+    reduces = re.findall(
+        r"stablehlo\.all_reduce.*?\}\) : \(tensor<(?:([0-9x]*)x)?([a-z]+[0-9]+)>", hlo, re.S
     )
+    reduce_types = [dtype for _, dtype in reduces]
+    reduce_sizes = [int(np.prod([int(d) for d in shape.split("x") if d])) for shape, _ in reduces]
     params = np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.params)])
     stats = np.concatenate([np.zeros(0), *map(np.ravel, jax.tree.leaves(state.model_state))])
     np.savez(
@@ -123,6 +127,8 @@ def main() -> None:
         params=params,
         stats=stats,
         reduce_types=np.array(reduce_types),
+        reduce_sizes=np.array(reduce_sizes, np.int64),
+        num_params=params.size,
         num_param_leaves=len(jax.tree.leaves(state.params)),
         collectives_total=collectives[0],
         collectives_in_loop=collectives[1],

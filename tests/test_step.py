@@ -86,11 +86,24 @@ def test_bfloat16_gradient_allreduce(tmp_path, two_devices_x32):
 
     f32 = two_devices_x32
     bf16 = run_worker(tmp_path, 2, "--grad-dtype=bfloat16")
-    n_leaves = int(bf16["num_param_leaves"])
     assert list(f32["reduce_types"]).count("bf16") == 0
-    assert list(bf16["reduce_types"]).count("bf16") == n_leaves
+    # Fused (the CPU default): every gradient in one bf16 all-reduce.
+    pairs = zip(bf16["reduce_sizes"], bf16["reduce_types"], strict=True)
+    bf16_sizes = [size for size, dtype in pairs if dtype == "bf16"]
+    assert bf16_sizes == [int(bf16["num_params"])]
     assert bf16["losses"][0] == f32["losses"][0]  # no update has happened yet
     drift = rel(bf16["losses"][1:], f32["losses"][1:])
     assert 0 < drift < 2e-2  # bf16 keeps 8 mantissa bits (~4e-3 relative per rounding)
     shapes = {"w": np.zeros((3, 3, 64, 64), np.float32), "b": np.zeros(64, np.float32)}
     assert allreduce_bytes(shapes, "bfloat16") * 2 == allreduce_bytes(shapes, "float32")
+
+
+def test_fused_allreduce_is_one_collective_for_all_gradients(tmp_path, two_devices_x32):
+    """dist.fuse_allreduce (on for CPUs): the step sends all gradients in one all-reduce and
+    takes the same steps as one all-reduce per gradient (dist.fuse_allreduce=false)."""
+    fused, per_leaf = two_devices_x32, run_worker(tmp_path, 2, "--no-fuse")
+    n_params, n_leaves = int(fused["num_params"]), int(fused["num_param_leaves"])
+    assert list(fused["reduce_sizes"]).count(n_params) == 1
+    assert list(per_leaf["reduce_sizes"]).count(n_params) == 0
+    assert len(per_leaf["reduce_sizes"]) >= len(fused["reduce_sizes"]) + n_leaves - 1
+    assert rel(fused["losses"], per_leaf["losses"]) < 1e-6

@@ -32,11 +32,14 @@ __all__ = [
 ]
 
 
-def make_comm(job: Job, backend: str, grad_dtype: str = "float32") -> Comm:
-    """The backend named by ``dist.backend`` for ``job`` (from ``distributed.initialize``)."""
+def make_comm(
+    job: Job, backend: str, grad_dtype: str = "float32", fuse: bool | None = None
+) -> Comm:
+    """The backend named by ``dist.backend`` for ``job`` (from ``distributed.initialize``);
+    ``grad_dtype`` and ``fuse`` are ``dist.grad_allreduce_dtype`` and ``dist.fuse_allreduce``."""
     if backend == "xla":
-        return XlaComm(grad_dtype, job)
+        return XlaComm(grad_dtype, job, fuse)
     if backend != "mpi":
         raise ConfigError(f"dist.backend: {backend!r} is not available; choose xla or mpi")
     require_mpi_launch()
-    return MpiComm(grad_dtype, job)
+    return MpiComm(grad_dtype, job, fuse)

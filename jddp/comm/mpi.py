@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jddp.comm.base import Comm, GradsStage, PyTree, UpdateStage
+from jddp.comm.base import Comm, GradsStage, PyTree, UpdateStage, fused
 from jddp.config import DistConfig
 from jddp.distributed import Job, current_job, mpi_world
 from jddp.mesh import DATA_AXIS, DTYPES, put_replicated, replicated, to_host
@@ -29,8 +29,10 @@ class MpiComm(Comm):
 
     name = "mpi"
 
-    def __init__(self, grad_dtype: str = "float32", job: Job | None = None):
-        super().__init__(grad_dtype, job)
+    def __init__(
+        self, grad_dtype: str = "float32", job: Job | None = None, fuse: bool | None = None
+    ):
+        super().__init__(grad_dtype, job, fuse)
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -68,7 +70,10 @@ class MpiComm(Comm):
             total = mpi4jax.allreduce(x, op=self._MPI.SUM, comm=self.world)
             return (total / self.process_count).astype(x.dtype)
 
-        return jax.tree.map(reduce, tree)
+        if self._fuse is False:
+            return jax.tree.map(reduce, tree)
+        # One MPI call per dtype (mpi4jax stages each call through the host on GPUs).
+        return fused(reduce, tree)
 
     def bf16_allreduce_sum(self, x: jax.Array) -> jax.Array:
         """Sum over ranks with bfloat16 on the wire: reduce-scatter then all-gather.

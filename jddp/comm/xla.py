@@ -47,7 +47,8 @@ class XlaComm(Comm):
         if self.grad_dtype == "float32":
             return self.average(grads)
         wire = DTYPES[self.grad_dtype]
-        return jax.tree.map(lambda g: self.average(g.astype(wire)).astype(g.dtype), grads)
+        sent = self.average(jax.tree.map(lambda g: g.astype(wire), grads))
+        return jax.tree.map(lambda m, g: m.astype(g.dtype), sent, grads)
 
     def compose(self, grads_stage: GradsStage, update_stage: UpdateStage) -> Callable:
         """One jitted program; the train state buffers are donated."""

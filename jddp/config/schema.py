@@ -135,6 +135,12 @@ class DistConfig:
     grad_allreduce_dtype: Literal["float32", "bfloat16"] = _f(
         "float32", "dtype in which gradients are sent for averaging (bfloat16 halves the bytes)"
     )
+    fuse_allreduce: bool | None = _f(
+        None,
+        "average all gradients (and BatchNorm statistics) of a step in one all-reduce per "
+        "dtype instead of one per tensor; null: on for CPUs (and mpi's MPI stage), off for "
+        "GPUs, whose XLA combines all-reduces itself",
+    )
     check_sync_every: int = _f(
         0, "every k steps verify (checksum) that all replicas hold the same parameters (0: off)"
     )

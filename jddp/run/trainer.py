@@ -68,7 +68,10 @@ def train_and_evaluate(
     :class:`~jddp.errors.ConfigError` for bad input.
     """
     enable_compilation_cache(cfg.train.compilation_cache_dir)
-    comm = make_comm(job or current_job(cfg.dist), cfg.dist.backend, cfg.dist.grad_allreduce_dtype)
+    dist = cfg.dist
+    comm = make_comm(
+        job or current_job(dist), dist.backend, dist.grad_allreduce_dtype, dist.fuse_allreduce
+    )
     check_same_config(comm, cfg)
     folder = RunFolder(cfg.workdir)
     lock = WorkdirLock(folder.lock_file)
