@@ -117,13 +117,13 @@ def enable_compilation_cache(directory: str | None) -> Path | None:
     None or the user configured one already; returns the folder in use."""
     import jax  # lazily: the CLIs import this module before JAX may start (apply_cpu_flags)
 
+    _same_cpu_cache_key_on_every_process()
     current = jax.config.jax_compilation_cache_dir
     if current:
         return Path(current)
     if directory is None:
         return None
     path = Path(directory).expanduser()
-    _same_cpu_cache_key_on_every_process()
     jax.config.update("jax_compilation_cache_dir", str(path))
     # Cache every program that took a while to compile (the default skips those under 1 s).
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
