@@ -56,18 +56,25 @@ def build_model(cfg: Config, rngs: nnx.Rngs, in_channels: int = 3) -> nnx.Module
     except ValueError as e:
         raise ConfigError(f"model.name: {e}") from None
     dtype = DTYPES[cfg.train.precision]
-    if ":" in cfg.model.name:
+    if ":" in cfg.model.name:  # the user's code runs as written (it may not be traceable)
         return factory(config=config_lib.to_dict(cfg)["model"], dtype=dtype, rngs=rngs)
-    return factory(
-        num_classes=cfg.model.num_classes,
-        stem=cfg.model.stem,
-        width=cfg.model.width,
-        sync_batchnorm=cfg.model.sync_batchnorm,
-        zero_init_residual=cfg.model.zero_init_residual,
-        in_channels=in_channels,
-        dtype=dtype,
-        rngs=rngs,
-    )
+
+    def make(rngs: nnx.Rngs) -> nnx.Module:
+        return factory(
+            num_classes=cfg.model.num_classes,
+            stem=cfg.model.stem,
+            width=cfg.model.width,
+            sync_batchnorm=cfg.model.sync_batchnorm,
+            zero_init_residual=cfg.model.zero_init_residual,
+            in_channels=in_channels,
+            dtype=dtype,
+            rngs=rngs,
+        )
+
+    # Initialised in one compiled program: eagerly, each parameter shape compiled its own
+    # random-normal program (a ResNet-18: ~40 compilations, 3.7 s of a 14 s start even with a
+    # warm compilation cache; jitted: 1.4 s).
+    return nnx.jit(make)(rngs)
 
 
 def total_steps(cfg: Config, steps_per_epoch: int) -> int:

@@ -88,7 +88,7 @@ def create_train_state(
         step=jnp.zeros((), jnp.int32),
         params=params,
         model_state=model_state,
-        opt_state=tx.init(params),
+        opt_state=jax.jit(tx.init)(params),  # one compilation, not one per leaf
         skipped_steps=jnp.zeros((), jnp.int32),
     )
     return put_replicated(model_def, mesh), put_replicated(state, mesh)
