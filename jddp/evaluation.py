@@ -43,6 +43,7 @@ from jddp.preflight import check_same_config, output_shape
 from jddp.state import TrainState, create_train_state
 from jddp.step import LossFn, PixelNorm, cross_entropy_loss, make_eval_step
 from jddp.workdir import RunFolder
+from jddp.xla_setup import enable_compilation_cache
 
 
 @dataclass
@@ -223,6 +224,7 @@ def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> d
     eval split over the job's devices and processes; process 0 prints the result, then
     appends it to metrics.jsonl (a file it cannot write is one warning line: the result
     stands)."""
+    enable_compilation_cache(cfg.train.compilation_cache_dir)  # the run's eval step, compiled
     comm = make_comm(job, cfg.dist.backend, cfg.dist.grad_allreduce_dtype, cfg.dist.fuse_allreduce)
     check_same_config(comm, cfg)
     mesh, layout = build_mesh(cfg, comm)

@@ -82,19 +82,21 @@ def main() -> None:
     comm = SumComm() if "--comm=psum" in sys.argv else XlaComm(grad_dtype, fuse=fuse)
     accum = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--accum=")), 1)
     mesh = make_mesh(jax.devices()[:num_devices])
-    model = (
-        SmallCnn(dtype, nnx.Rngs(0))
-        if "--model=cnn" in sys.argv
-        else resnet18(
+
+    def make(rngs):
+        if "--model=cnn" in sys.argv:
+            return SmallCnn(dtype, rngs)
+        return resnet18(
             num_classes=10,
             stem="cifar",
             width=4,
             sync_batchnorm=True,
             dtype=dtype,
             param_dtype=dtype,
-            rngs=nnx.Rngs(0),
+            rngs=rngs,
         )
-    )
+
+    model = nnx.jit(make)(nnx.Rngs(0))  # one compilation, as jddp.build.build_model does
     tx = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9))
     model_def, state = create_train_state(model, tx, mesh)
     cfg = load_config(overrides=[f"train.grad_accum_steps={accum}"])

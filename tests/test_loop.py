@@ -118,10 +118,12 @@ from jddp.run.hooks import StopRequest
 from jddp.run.loop import train_loop
 from jddp.run.setup import Parts, build_run
 from jddp.workdir import RunFolder
+from jddp.xla_setup import enable_compilation_cache
 
 for check_every in (2, 0):  # with the check, then the same drift without it
     cfg = config_lib.load(None, [*sys.argv[2:], f"workdir={sys.argv[1]}/{check_every}",
                                  f"dist.check_sync_every={check_every}"])
+    enable_compilation_cache(cfg.train.compilation_cache_dir)  # as train_and_evaluate does
     with StopRequest() as stop:
         run = build_run(cfg, XlaComm(), RunFolder(cfg.workdir), stop, Parts())
         leaves, treedef = jax.tree.flatten(run.state.params)

@@ -45,9 +45,8 @@ def test_train_writes_outputs(tmp_path):
 @pytest.mark.slow
 def test_resume_continues_the_same_trajectory(tmp_path):
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    cache = tmp_path / "xla-cache"
-    assert train(straight, "train.steps=6", f"train.compilation_cache_dir={cache}").returncode == 0
-    assert any(cache.iterdir())  # the compiled programs went to the persistent cache
+    # (That a restart loads its step from the compilation cache: test_fault_tolerance.py.)
+    assert train(straight, "train.steps=6").returncode == 0
     first = train(interrupted, "train.steps=4", "checkpoint.every_steps=2")
     assert first.returncode == 0, first.stderr
     again = train(interrupted, "train.steps=6", "checkpoint.every_steps=2")

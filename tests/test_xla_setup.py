@@ -76,3 +76,22 @@ def test_each_process_computes_on_its_share_of_the_cores():
     out = subprocess.run([sys.executable, "-c", THREADS_PROBE], env=env, capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert out.stdout.split()[:3] == ["0", str(cores), "None"], out.stdout
+
+
+def test_train_compilation_cache_dir_is_where_jax_caches(tmp_path):
+    """``train.compilation_cache_dir`` (``~`` expanded) becomes JAX's persistent cache, and
+    programs taking 0.5 s or more to compile are kept (JAX's default: 1 s)."""
+    probe = (
+        "import jax\n"
+        "from jddp.xla_setup import enable_compilation_cache\n"
+        "print(enable_compilation_cache('~/jddp-cache-probe'))\n"
+        "print(jax.config.jax_compilation_cache_dir,"
+        " jax.config.jax_persistent_cache_min_compile_time_secs)\n"
+    )
+    env = {**os.environ, "HOME": str(tmp_path)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    folder = str(tmp_path / "jddp-cache-probe")
+    assert out.stdout.split() == [folder, folder, "0.5"]
