@@ -7,7 +7,7 @@
 # Writes /etc/slurm/slurm.conf (Debian's default path, so srun/sbatch find it) unless a config
 # that this script did not write is there; state and logs in $JDDP_SLURM_DIR (/tmp/jddp-slurm).
 # One node with CPUs=$(nproc), proctrack/linuxproc, task/none (no cgroups), select/cons_tres,
-# auth/munge. Exit 0 when the cluster answers `sinfo`; 1 with one line saying why otherwise.
+# auth/munge. A start that has to launch slurmctld drops the jobs of an earlier cluster. Exit 0 when the cluster answers `sinfo`; 1 with one line saying why otherwise.
 set -euo pipefail
 STATE=${JDDP_SLURM_DIR:-/tmp/jddp-slurm}
 CONF=/etc/slurm/slurm.conf
@@ -72,8 +72,11 @@ start() {
     chmod 0700 /etc/munge 2>/dev/null || true
     (su -s /bin/sh munge -c munged 2>/dev/null || munged --force) || { say "munged did not start"; exit 1; }
   fi
-  pgrep -x slurmctld >/dev/null || slurmctld -f "$CONF"
-  pgrep -x slurmd >/dev/null || slurmd -f "$CONF"
+  # -c: start from a clean slate. A machine that went down mid-job leaves that job in the saved
+  # state; recovered, it holds the node's CPUs for ever (slurmd no longer knows it), and every
+  # later srun waits "for resources". This cluster is a throwaway: its old jobs are not kept.
+  pgrep -x slurmctld >/dev/null || slurmctld -c -f "$CONF"
+  pgrep -x slurmd >/dev/null || slurmd -c -f "$CONF"
   for _ in $(seq 60); do
     if sinfo -h -o %T 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then
       say "up: $(sinfo -h -o '%N %c CPUs %T')"

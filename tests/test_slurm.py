@@ -58,9 +58,12 @@ STEPS = 10
 
 
 def srun_cmd(workdir, *overrides) -> list[str]:
+    # --immediate: a node held by someone else's job fails the step in 2 minutes, saying so,
+    # instead of "queued and waiting for resources" until the test's timeout
     return [
-        "srun", "-N1", "-n2", "--cpus-per-task=1", "--wait=60", sys.executable, "-m",
-        "jddp.train", f"workdir={workdir}", *with_overrides(TINY_SYNC, *overrides),
+        "srun", "-N1", "-n2", "--cpus-per-task=1", "--wait=60", "--immediate=120",
+        sys.executable, "-m", "jddp.train", f"workdir={workdir}",
+        *with_overrides(TINY_SYNC, *overrides),
     ]  # fmt: skip
 
 
@@ -148,7 +151,10 @@ def test_a_task_killed_with_sigkill_ends_the_step(cluster, tmp_path):
     wd = tmp_path / "run"
     step = subprocess.Popen(srun_cmd(wd, "train.steps=100000"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=SLURM_ENV)  # fmt: skip
-    assert wait_for(lambda: (wd / "metrics.jsonl").exists() and len(read_losses(wd)) >= 2, 600)
+    metrics = wd / "metrics.jsonl"
+    started = wait_for(lambda: step.poll() is not None
+                       or (metrics.exists() and len(read_losses(wd)) >= 2), 600)  # fmt: skip
+    assert started and step.poll() is None, step.communicate(timeout=60)[1][-2000:]
     ranks = [int(p) for p in subprocess.run(["pgrep", "-f", f"workdir={wd}"], capture_output=True,
              text=True).stdout.split() if int(p) != step.pid]  # fmt: skip
     ranks = [p for p in ranks if "jddp.train" in Path(f"/proc/{p}/cmdline").read_text()
