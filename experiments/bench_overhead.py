@@ -60,7 +60,7 @@ def build_steps(
     from jddp import XlaComm, build_steps, create_train_state, load_config, make_mesh
     from jddp.data.loader import batch_layout, place_batch  # jddp-internal: the trainer's
     from jddp.models import resnet18
-    from jddp.run.hooks import StopRequest  # placement and its per-step stop flag, as it adds them
+    from jddp.run.stop import StopRequest  # placement and its per-step stop flag, as it adds them
 
     dtype = jnp.float32
     num_classes = 10

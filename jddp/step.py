@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jddp.comm import Comm
 from jddp.errors import DataConfigError
 from jddp.mesh import DATA_AXIS
+from jddp.run.stop import STOP_KEY
 from jddp.state import MODEL_STATE, ModelDef, TrainState
 
 Batch = dict[str, jax.Array]
@@ -110,7 +111,6 @@ class PixelNorm:
         return (x * scale + shift).astype(dtype)
 
 
-STOP_KEY = "sys/stop"  # per-row stop request in a batch; > 0 in the metrics if any process asked
 NONFINITE_KEY = "train/nonfinite"  # 1.0 when this step's update was dropped
 
 

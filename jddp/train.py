@@ -14,6 +14,7 @@ import sys
 from jddp import config as config_lib
 from jddp.cli import OneLineParser, Session, run
 from jddp.launch.lifeline import watch_launcher
+from jddp.run.stop import StopRequest
 
 USAGE = (
     "python -m jddp.train --config FILE.yaml [key.sub=value ...] [--print-config] "
@@ -62,10 +63,15 @@ def main(argv: list[str] | None = None) -> int:
         job = session.start_jax(cfg.dist)  # before any computation
         from jddp.run.trainer import train_and_evaluate  # flax: after start_jax's version check
 
-        train_and_evaluate(cfg, job=job)
+        train_and_evaluate(cfg, job=job, stop=stop)
         return 0
 
-    return run(body)
+    # The stop signals are caught from here on: one that arrives while JAX starts or the job
+    # assembles (seconds; under a launcher, until every peer joined) stops the run at its
+    # first step with a checkpoint and exit 75, instead of killing it (SIGUSR1's and SIGHUP's
+    # default) with an exit code a requeueing job script does not read as preemption.
+    with StopRequest() as stop:
+        return run(body)
 
 
 if __name__ == "__main__":

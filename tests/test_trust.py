@@ -16,6 +16,7 @@ from flax import nnx
 
 import jddp
 from jddp.errors import (
+    STOP_SIGNALS,
     ConfigError,
     DataConfigError,
     EvalFailed,
@@ -24,7 +25,7 @@ from jddp.errors import (
     Preempted,
     WorkdirLost,
 )
-from jddp.run.hooks import STOP_SIGNALS, StopRequest
+from jddp.run.stop import StopRequest
 from tests.helpers import (
     TINY,
     data,
@@ -32,6 +33,7 @@ from tests.helpers import (
     read_losses,
     read_metrics,
     run,
+    run_python,
     start_training,
     steps_saved,
     train,
@@ -118,6 +120,30 @@ def test_ctrl_c_saves_like_sigterm(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
     stopped = int(out.split("preempted at step ")[1].split()[0])
     assert steps_saved(wd)[-1] == stopped and not (wd / ".jddp.lock").exists()
+
+
+SIGNAL_WHILE_JAX_STARTS = """
+import os, signal, sys
+from jddp import cli, train
+start_jax = cli.Session.start_jax
+def preempted_while_starting(self, dist_cfg):
+    os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning, before JAX is even imported
+    return start_jax(self, dist_cfg)
+cli.Session.start_jax = preempted_while_starting
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_a_stop_signal_while_the_run_starts_saves_at_once(tmp_path):
+    """SIGUSR1's default action kills a process (exit 138, which a requeueing job script does
+    not read as preemption): from the CLI's first line on, the signal is kept and the run stops
+    at its first steps with a checkpoint and exit 75."""
+    wd = tmp_path / "run"
+    out = run_python("-c", SIGNAL_WHILE_JAX_STARTS, *train_cmd(wd, "train.steps=50")[3:])
+    assert out.returncode == 75, out.stderr[-2000:]
+    stopped = int(out.stdout.split("preempted at step ")[1].split()[0])
+    assert stopped <= 2, out.stdout  # the loop reads a step's stop flag one step late
+    assert steps_saved(wd) == [stopped] and sorted(read_losses(wd)) == list(range(1, stopped + 1))
 
 
 def test_the_stop_signals_are_those_a_scheduler_or_terminal_sends():

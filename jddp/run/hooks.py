@@ -1,14 +1,13 @@
 """Periodic work of the run loop as small objects, each with its own period.
 
 The loop (:mod:`jddp.run.loop`) calls ``hook(step, state)`` for every hook after every step; a hook
-does its work when :meth:`Every.due`. The throughput meter, the stop-signal flag and the
-one-step-late metrics reader live here too, so the loop itself is a dozen lines.
+does its work when :meth:`Every.due`. The throughput meter and the one-step-late metrics
+reader live here too (the stop-signal flag in :mod:`jddp.run.stop`), so the loop itself is a
+dozen lines.
 """
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -20,11 +19,12 @@ import numpy as np
 
 from jddp.checkpoint import Checkpoints
 from jddp.comm import Comm
-from jddp.errors import STOP_SIGNALS, NonFiniteLoss, ReplicasDiverged
+from jddp.errors import NonFiniteLoss, ReplicasDiverged
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, MetricsLog
+from jddp.run.stop import STOP_KEY
 from jddp.state import TrainState
-from jddp.step import NONFINITE_KEY, STOP_KEY
+from jddp.step import NONFINITE_KEY
 
 Metrics = dict[str, jax.Array]
 
@@ -250,34 +250,3 @@ class Profiler:
             self.console.say(
                 f"jddp: profile of steps {self.range[0]}..{self.range[1] - 1} in {self.folder}"
             )
-
-
-class StopRequest:
-    """Records SIGTERM/SIGUSR1 (SLURM's warning before a time-out), Ctrl-C (SIGINT) and SIGHUP
-    (:data:`~jddp.errors.STOP_SIGNALS`) while
-    installed; every batch carries the flag so all processes agree on the step at which to stop
-    and save. A second SIGINT raises ``KeyboardInterrupt`` at once (no checkpoint)."""
-
-    def __init__(self) -> None:
-        self.signal_name: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if signum == signal.SIGINT and self.signal_name == name:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
-        self.signal_name = name
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def flags(self, rows: int) -> dict[str, np.ndarray]:
-        """This process's rows of the batch's stop flags."""
-        return {STOP_KEY: np.full(rows, self.signal_name is not None, np.float32)}

@@ -40,10 +40,10 @@ from jddp.run.hooks import (
     EvalHook,
     Profiler,
     StepReporter,
-    StopRequest,
     SyncCheck,
     ThroughputMeter,
 )
+from jddp.run.stop import StopRequest
 from jddp.state import ModelDef, TrainState, create_train_state
 from jddp.step import PixelNorm, TrainStep
 from jddp.workdir import RunFolder

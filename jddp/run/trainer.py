@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from flax import nnx
@@ -22,9 +23,10 @@ from jddp.errors import ConfigError, EvalFailed, JddpError, NonFiniteLoss, Preem
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, describe_eval, nonfinite_eval
 from jddp.preflight import check_same_config
-from jddp.run.hooks import LockCheck, StopRequest
+from jddp.run.hooks import LockCheck
 from jddp.run.loop import train_loop
 from jddp.run.setup import Parts, Run, build_run
+from jddp.run.stop import StopRequest
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
 from jddp.xla_setup import enable_compilation_cache
@@ -57,12 +59,18 @@ class RunResult:
 
 
 def train_and_evaluate(
-    cfg: Config, parts: Parts | None = None, job: Job | None = None
+    cfg: Config,
+    parts: Parts | None = None,
+    job: Job | None = None,
+    stop: StopRequest | None = None,
 ) -> RunResult:
     """Train ``cfg`` to its last step (resuming from ``workdir`` if allowed), evaluate, save.
 
     ``parts`` replaces the model, optimizer, data or loss that ``cfg`` names; ``job`` is what
-    :func:`jddp.distributed.initialize` returned (default: the processes as they run now).
+    :func:`jddp.distributed.initialize` returned (default: the processes as they run now);
+    ``stop`` is a :class:`StopRequest` already installed by the caller (default: one installed
+    for the run), so a signal that arrived before this call still stops the run at its first
+    step, with a checkpoint.
     Raises :class:`~jddp.errors.Preempted` after saving when a stop signal arrives,
     :class:`~jddp.errors.NonFiniteLoss` for a non-finite step under ``train.on_nonfinite=halt``,
     :class:`~jddp.errors.ConfigError` for bad input.
@@ -96,7 +104,7 @@ def train_and_evaluate(
     if comm.allgather_int(int(continues))[0]:  # process 0 decides for everyone
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
     try:
-        with StopRequest() as stop:
+        with nullcontext(stop) if stop is not None else StopRequest() as stop:
             wall_start = time.perf_counter()
             run = build_run(cfg, comm, folder, stop, parts or Parts())
             run.hooks.insert(0, LockCheck(lock))  # a no-op where the lock is not held

@@ -1,0 +1,47 @@
+"""Stop signals to a stop every process agrees on: :class:`StopRequest` records SIGTERM, SIGUSR1,
+SIGINT and SIGHUP; each batch carries the flag (:data:`STOP_KEY`), so all processes stop and
+save at the same step. Light on purpose (no JAX): ``python -m jddp.train`` installs it first
+thing, so a signal that arrives while JAX starts or the job assembles is kept, not fatal."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import numpy as np
+
+from jddp.errors import STOP_SIGNALS
+
+STOP_KEY = "sys/stop"  # per-row stop request in a batch; > 0 in the metrics if any process asked
+
+
+class StopRequest:
+    """Records SIGTERM/SIGUSR1 (SLURM's warning before a time-out), Ctrl-C (SIGINT) and SIGHUP
+    (:data:`~jddp.errors.STOP_SIGNALS`) while installed; every batch carries the flag so all
+    processes agree on the step at which to stop and save. A second SIGINT raises
+    ``KeyboardInterrupt`` at once (no checkpoint)."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.signal_name == name:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self.signal_name = name
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def flags(self, rows: int) -> dict[str, np.ndarray]:
+        """This process's rows of the batch's stop flags."""
+        return {STOP_KEY: np.full(rows, self.signal_name is not None, np.float32)}
