@@ -298,6 +298,26 @@ def test_a_preemption_signal_is_forwarded_and_the_ranks_75_returned(
     assert f"jddp.launch: received {sig.name}; forwarding to 2 processes" in err
 
 
+def test_a_preemption_signal_waits_for_a_rank_that_is_still_starting(tmp_path: Path) -> None:
+    """A rank in its first moments (Python starting, ``jddp.train`` not yet running) has no
+    handler for SIGUSR1, whose default kills it with nothing saved (the launcher then exited
+    138). The launcher holds the signal until the rank catches it: both save, exit 75."""
+    body = """
+    mark(f"ready{RANK}")
+    time.sleep(1.5)  # still "importing": no handler yet
+    def handler(signum, frame):
+        print("got", signal.Signals(signum).name, flush=True)
+        sys.exit(75)
+    signal.signal(signal.SIGUSR1, handler)
+    time.sleep(600)
+    """
+    launcher = _start_and_wait_ready(tmp_path, body, nproc=2)
+    launcher.send_signal(signal.SIGUSR1)
+    out, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 75, err
+    assert "[rank 0] got SIGUSR1" in out and "[rank 1] got SIGUSR1" in out
+
+
 def test_second_signal_escalates_to_sigkill(tmp_path: Path) -> None:
     body = """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

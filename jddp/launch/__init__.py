@@ -19,6 +19,8 @@ prefix. Children read from ``/dev/null``. The signals ``jddp.train`` treats as p
 (SIGINT, SIGTERM, SIGUSR1, SIGHUP; :data:`jddp.errors.STOP_SIGNALS`) received by the launcher are
 forwarded to every child's process group (a second signal escalates to SIGKILL); when every rank
 then exits 75 (preempted: checkpoint saved), so does the launcher, else it exits 128 + signal.
+SIGUSR1 and SIGHUP, which kill a process that has no handler for them, are held for a child in
+its first seconds until it catches them (a rank still starting Python would die of them).
 
 Fail-fast: when a child exits nonzero, the launcher reports it on stderr, sends SIGTERM to the
 other children's process groups, SIGKILLs whatever is still alive after ``--kill-timeout``

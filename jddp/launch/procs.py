@@ -21,6 +21,12 @@ _POLL_INTERVAL = 0.05
 _READER_JOIN_TIMEOUT = 5.0  # after all children are reaped, how long to wait for EOF on pipes
 _REAP_TIMEOUT = 2.0  # after SIGKILL, how long to wait for a child / group to disappear
 _READ_LIMIT = 1 << 16  # longest piece of a newline-less line forwarded at once
+# SIGUSR1 and SIGHUP kill a process that has no handler for them yet: a rank in its first moments
+# (Python starting, before ``jddp.train`` catches them, ~0.3 s) would die of a forwarded one with
+# nothing saved. The launcher holds such a signal until the rank catches it, for at most this
+# long after the rank's start. (SIGTERM and SIGINT go at once: a plain script's default.)
+_HELD_SIGNALS = (signal.SIGUSR1, signal.SIGHUP)
+_STARTUP_GRACE_S = 5.0
 
 
 def describe_exit(returncode: int) -> str:
@@ -33,6 +39,19 @@ def describe_exit(returncode: int) -> str:
 def exit_code_for(returncode: int) -> int:
     """Map a child's ``Popen.returncode`` to a shell-style exit status (128+N for signals)."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` of ``/proc/PID/status``);
+    True where that cannot be read (not Linux, the process gone): then nothing is held."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return True
 
 
 def _signal_name(signum: int) -> str:
@@ -130,17 +149,43 @@ class _Launcher:
         self.stop_deadline: float | None = None  # when to escalate to SIGKILL
         self.killed_at: float | None = None  # when kill_all() first ran
         self.returncodes: dict[int, int] = {}  # rank -> Popen.returncode, filled by wait()
+        self.started_at: dict[int, float] = {}  # pgid -> when its leader was started
+        self.held: dict[int, int] = {}  # pgid -> a signal held until the leader catches it
 
     # -- signalling -------------------------------------------------------------------------
     def signal_groups(self, sig: int) -> None:
         """Send ``sig`` to every process group we have not yet seen empty."""
         for pgid in list(self.live_groups):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                self._forget_group_if_reaped(pgid)
-            except PermissionError:
-                pass
+            self._signal_group(pgid, sig)
+
+    def forward(self, sig: int) -> None:
+        """Send ``sig`` to every live group now, or, for a held signal (SIGUSR1, SIGHUP) and a
+        leader in its first seconds that does not catch it yet, once it does
+        (:meth:`send_held`)."""
+        for pgid in list(self.live_groups):
+            if sig in _HELD_SIGNALS and self._starting_without_handler(pgid, sig):
+                self.held[pgid] = sig
+            else:
+                self._signal_group(pgid, sig)
+
+    def send_held(self) -> None:
+        """Send each held signal whose rank now catches it, has ended or is past its grace."""
+        for pgid, sig in list(self.held.items()):
+            if not self._starting_without_handler(pgid, sig) or pgid not in self.live_groups:
+                del self.held[pgid]
+                self._signal_group(pgid, sig)
+
+    def _starting_without_handler(self, pgid: int, sig: int) -> bool:
+        young = time.monotonic() - self.started_at.get(pgid, 0.0) < _STARTUP_GRACE_S
+        return young and not catches(pgid, sig)
+
+    def _signal_group(self, pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            self._forget_group_if_reaped(pgid)
+        except PermissionError:
+            pass
 
     def _forget_group_if_reaped(self, pgid: int) -> None:
         for p in self.procs:
@@ -178,6 +223,7 @@ class _Launcher:
         """SIGKILL every remaining process group."""
         if self.killed_at is None:
             self.killed_at = time.monotonic()
+        self.held.clear()
         self.signal_groups(signal.SIGKILL)
 
     def on_signal(self, signum: int, frame: object) -> None:
@@ -188,7 +234,9 @@ class _Launcher:
                 f"{PROG}: received {_signal_name(signum)}; forwarding to "
                 f"{self._alive_count()} processes\n"
             )
-            self.begin_stop(signum)
+            self.forward(signum)
+            held_for = _STARTUP_GRACE_S if self.held else 0.0  # the ranks' time starts later
+            self.stop_deadline = time.monotonic() + self.kill_timeout + held_for
         else:
             if self.signal_received is None:
                 self.signal_received = signum
@@ -219,12 +267,10 @@ class _Launcher:
                     preexec_fn=die_with_launcher,
                 )
                 self.procs.append(proc)
+                self.started_at[proc.pid] = time.monotonic()
                 self.live_groups.add(proc.pid)
                 if self.signal_received is not None:  # arrived while Popen ran: forward it too
-                    try:
-                        os.killpg(proc.pid, self.signal_received)
-                    except OSError:
-                        pass
+                    self.forward(self.signal_received)
         finally:
             for rank, proc in enumerate(self.procs):
                 prefix = f"[rank {rank}] "
@@ -243,6 +289,7 @@ class _Launcher:
         """Supervise the children until all have exited; return the launcher's exit code."""
         failure: int | None = None  # exit code of the first failed rank
         while len(self.returncodes) < len(self.procs):
+            self.send_held()
             exited = []
             for rank, proc in enumerate(self.procs):
                 if rank not in self.returncodes and proc.poll() is not None:
