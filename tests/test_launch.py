@@ -231,10 +231,12 @@ def test_sigterm_ignoring_child_is_killed_after_kill_timeout(tmp_path: Path) -> 
     assert pid_gone(pid1)
 
 
-def _start_and_wait_ready(tmp_path: Path, body: str, nproc: int) -> subprocess.Popen[str]:
+def _start_and_wait_ready(
+    tmp_path: Path, body: str, nproc: int, kill_timeout: str = "5"
+) -> subprocess.Popen[str]:
     launcher = start(
         launcher_argv(
-            "--nproc", str(nproc), "--kill-timeout", "5", "--", *child_cmd(tmp_path, body)
+            "--nproc", str(nproc), "--kill-timeout", kill_timeout, "--", *child_cmd(tmp_path, body)
         )
     )
     try:
@@ -296,6 +298,28 @@ def test_a_preemption_signal_is_forwarded_and_the_ranks_75_returned(
     assert launcher.returncode == 75, err
     assert f"[rank 0] got {sig.name}" in out and f"[rank 1] got {sig.name}" in out
     assert f"jddp.launch: received {sig.name}; forwarding to 2 processes" in err
+
+
+def test_ranks_saving_after_a_stop_signal_are_not_cut_off_by_the_kill_timeout(
+    tmp_path: Path,
+) -> None:
+    """The ranks save at their next step, which may first need the rest of a compile (tens of
+    seconds on a GPU): a forwarded stop signal is not escalated after --kill-timeout (for
+    failures), only after a second signal or 120 s. (The launcher SIGKILLed them: 138.)"""
+    body = """
+    def handler(signum, frame):
+        time.sleep(3)  # the rest of a compile, a step, the checkpoint
+        print("saved", flush=True)
+        sys.exit(75)
+    signal.signal(signal.SIGUSR1, handler)
+    mark(f"ready{RANK}")
+    time.sleep(600)
+    """
+    launcher = _start_and_wait_ready(tmp_path, body, nproc=2, kill_timeout="1")
+    launcher.send_signal(signal.SIGUSR1)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 75, err
+    assert out.count("saved") == 2
 
 
 def test_a_preemption_signal_waits_for_a_rank_that_is_still_starting(tmp_path: Path) -> None:
@@ -507,8 +531,10 @@ def test_training_ranks_die_with_a_sigkilled_launcher_and_the_rerun_resumes(
         assert rerun.poll() is None, logs[3].read_text()[-3000:]
         assert "in use by a live run" not in logs[3].read_text()
         rerun.terminate()  # forwarded: the ranks save and stop
-        rerun.wait(timeout=120)
+        rerun.wait(timeout=110)  # before the launcher's own 120-s escalation
         assert "taking over stale lock" in logs[3].read_text()
+        # SIGTERM reached jddp's handler, not only jax.distributed's (TSL's preemption notifier)
+        assert rerun.returncode == 75, logs[3].read_text()[-3000:]
     finally:
         for p in (first, rerun):
             if p is not None and p.poll() is None:

@@ -17,7 +17,8 @@ environment that :mod:`jddp.distributed` reads:
 Every line a child writes is forwarded to the launcher's stdout / stderr with a ``[rank i] ``
 prefix. Children read from ``/dev/null``. The signals ``jddp.train`` treats as preemption
 (SIGINT, SIGTERM, SIGUSR1, SIGHUP; :data:`jddp.errors.STOP_SIGNALS`) received by the launcher are
-forwarded to every child's process group (a second signal escalates to SIGKILL); when every rank
+forwarded to every child's process group (a second signal, or 120 s without an end, escalates to
+SIGKILL: time for the ranks' next step and checkpoint); when every rank
 then exits 75 (preempted: checkpoint saved), so does the launcher, else it exits 128 + signal.
 SIGUSR1 and SIGHUP, which kill a process that has no handler for them, are held for a child in
 its first seconds until it catches them (a rank still starting Python would die of them).
@@ -47,7 +48,7 @@ from typing import Any, NoReturn
 
 from jddp.errors import STOP_SIGNALS
 from jddp.launch.lifeline import LAUNCHER_PID_ENV, watch_launcher
-from jddp.launch.procs import PROG, _Launcher, describe_exit, exit_code_for
+from jddp.launch.procs import PROG, STOP_GRACE_S, _Launcher, describe_exit, exit_code_for
 
 __all__ = [
     "LAUNCHER_PID_ENV",
@@ -109,8 +110,9 @@ def _build_parser() -> _Parser:
         type=float,
         default=DEFAULT_KILL_TIMEOUT,
         metavar="S",
-        help=f"seconds between SIGTERM and SIGKILL when stopping processes "
-        f"(default {DEFAULT_KILL_TIMEOUT:g}, at most {MAX_KILL_TIMEOUT:g})",
+        help=f"seconds between SIGTERM and SIGKILL when stopping processes after a failure "
+        f"(default {DEFAULT_KILL_TIMEOUT:g}, at most {MAX_KILL_TIMEOUT:g}); after a forwarded "
+        f"stop signal the ranks get {STOP_GRACE_S:g} s to save, a second signal kills at once",
     )
     return parser
 

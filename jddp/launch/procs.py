@@ -26,6 +26,9 @@ _READ_LIMIT = 1 << 16  # longest piece of a newline-less line forwarded at once
 # nothing saved. The launcher holds such a signal until the rank catches it, for at most this
 # long after the rank's start. (SIGTERM and SIGINT go at once: a plain script's default.)
 _HELD_SIGNALS = (signal.SIGUSR1, signal.SIGHUP)
+# How long the ranks get to save after a forwarded stop signal before SIGKILL (SLURM's
+# --signal=USR1@120 gives a job the same); a second signal kills at once.
+STOP_GRACE_S = 120.0
 _STARTUP_GRACE_S = 5.0
 
 
@@ -235,8 +238,9 @@ class _Launcher:
                 f"{self._alive_count()} processes\n"
             )
             self.forward(signum)
-            held_for = _STARTUP_GRACE_S if self.held else 0.0  # the ranks' time starts later
-            self.stop_deadline = time.monotonic() + self.kill_timeout + held_for
+            # The ranks save at their next step, which may first need a compile (tens of
+            # seconds on a GPU) and then the checkpoint: --kill-timeout is for failures.
+            self.stop_deadline = time.monotonic() + max(self.kill_timeout, STOP_GRACE_S)
         else:
             if self.signal_received is None:
                 self.signal_received = signum

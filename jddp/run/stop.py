@@ -27,10 +27,16 @@ class StopRequest:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
+        self.install()
+        return self
+
+    def install(self) -> None:
+        """Install the handlers (again): ``jax.distributed.initialize`` installs its own SIGTERM
+        handler (TSL's preemption notifier), which would take SIGTERM from the run unless this
+        runs after it; ``__exit__`` restores what was there before the first install."""
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
+                self._previous.setdefault(sig, signal.signal(sig, self._handle))
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name

@@ -104,6 +104,8 @@ def train_and_evaluate(
     if comm.allgather_int(int(continues))[0]:  # process 0 decides for everyone
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
     try:
+        if stop is not None:
+            stop.install()  # again: jax.distributed.initialize took SIGTERM since
         with nullcontext(stop) if stop is not None else StopRequest() as stop:
             wall_start = time.perf_counter()
             run = build_run(cfg, comm, folder, stop, parts or Parts())
