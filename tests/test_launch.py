@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from jddp import launch
+from jddp.launch import procs
 from tests.helpers import launch_cmd, run, run_pids, start, steps_saved, wait_for
 
 pytestmark = pytest.mark.serial  # launcher tests start processes and time their exits
@@ -320,6 +321,30 @@ def test_ranks_saving_after_a_stop_signal_are_not_cut_off_by_the_kill_timeout(
     out, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 75, err
     assert out.count("saved") == 2
+
+
+def test_forwarding_holds_usr1_for_a_starting_rank_and_signals_only_the_groups_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In-process: a signal that arrives while a rank is being started goes to that rank alone
+    (the others have it already: a second SIGINT would interrupt them without a checkpoint)."""
+    launcher = procs._Launcher(["true"], 3, kill_timeout=1.0)
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(launcher, "_signal_group", lambda pgid, sig: sent.append((pgid, sig)))
+    monkeypatch.setattr(procs, "catches", lambda pid, sig: pid != 12)  # 12 is still starting
+    launcher.live_groups = {11, 12, 13}
+    launcher.started_at = {11: time.monotonic(), 12: time.monotonic(), 13: 0.0}
+    launcher.forward(signal.SIGINT, [13])
+    assert sent == [(13, signal.SIGINT)]
+    sent.clear()
+    launcher.forward(signal.SIGUSR1)
+    assert sorted(sent) == [(11, signal.SIGUSR1), (13, signal.SIGUSR1)]
+    assert launcher.held == {12: signal.SIGUSR1}
+    launcher.send_held()
+    assert launcher.held == {12: signal.SIGUSR1}  # not caught yet, still young
+    monkeypatch.setattr(procs, "catches", lambda pid, sig: True)
+    launcher.send_held()
+    assert launcher.held == {} and sent[-1] == (12, signal.SIGUSR1)
 
 
 def test_a_preemption_signal_waits_for_a_rank_that_is_still_starting(tmp_path: Path) -> None:

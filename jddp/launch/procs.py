@@ -26,10 +26,10 @@ _READ_LIMIT = 1 << 16  # longest piece of a newline-less line forwarded at once
 # nothing saved. The launcher holds such a signal until the rank catches it, for at most this
 # long after the rank's start. (SIGTERM and SIGINT go at once: a plain script's default.)
 _HELD_SIGNALS = (signal.SIGUSR1, signal.SIGHUP)
+_STARTUP_GRACE_S = 5.0
 # How long the ranks get to save after a forwarded stop signal before SIGKILL (SLURM's
 # --signal=USR1@120 gives a job the same); a second signal kills at once.
 STOP_GRACE_S = 120.0
-_STARTUP_GRACE_S = 5.0
 
 
 def describe_exit(returncode: int) -> str:
@@ -161,11 +161,11 @@ class _Launcher:
         for pgid in list(self.live_groups):
             self._signal_group(pgid, sig)
 
-    def forward(self, sig: int) -> None:
-        """Send ``sig`` to every live group now, or, for a held signal (SIGUSR1, SIGHUP) and a
-        leader in its first seconds that does not catch it yet, once it does
-        (:meth:`send_held`)."""
-        for pgid in list(self.live_groups):
+    def forward(self, sig: int, groups: list[int] | None = None) -> None:
+        """Send ``sig`` to ``groups`` (default: every live group) now, or, for a held signal
+        (SIGUSR1, SIGHUP) and a leader in its first seconds that does not catch it yet, once it
+        does (:meth:`send_held`)."""
+        for pgid in list(self.live_groups) if groups is None else groups:
             if sig in _HELD_SIGNALS and self._starting_without_handler(pgid, sig):
                 self.held[pgid] = sig
             else:
@@ -274,7 +274,7 @@ class _Launcher:
                 self.started_at[proc.pid] = time.monotonic()
                 self.live_groups.add(proc.pid)
                 if self.signal_received is not None:  # arrived while Popen ran: forward it too
-                    self.forward(self.signal_received)
+                    self.forward(self.signal_received, [proc.pid])
         finally:
             for rank, proc in enumerate(self.procs):
                 prefix = f"[rank {rank}] "
