@@ -7,7 +7,8 @@
 # Writes /etc/slurm/slurm.conf (Debian's default path, so srun/sbatch find it) unless a config
 # that this script did not write is there; state and logs in $JDDP_SLURM_DIR (/tmp/jddp-slurm).
 # One node with CPUs=$(nproc), proctrack/linuxproc, task/none (no cgroups), select/cons_tres,
-# auth/munge. A start that has to launch slurmctld drops the jobs of an earlier cluster. Exit 0 when the cluster answers `sinfo`; 1 with one line saying why otherwise.
+# auth/munge. A start that has to launch slurmctld drops the jobs of an earlier cluster.
+# Exit 0 when the cluster answers `sinfo`; 1 with one line saying why otherwise.
 set -euo pipefail
 STATE=${JDDP_SLURM_DIR:-/tmp/jddp-slurm}
 CONF=/etc/slurm/slurm.conf

@@ -9,6 +9,7 @@ import pytest
 
 from jddp import xla_setup
 from jddp.xla_setup import CPU_CONV_OFF_YNNPACK, YNN_FLAG, apply_cpu_flags
+from tests.helpers import run_python
 
 
 def test_cpu_flag_is_added_on_cpu_once():
@@ -90,8 +91,7 @@ def test_train_compilation_cache_dir_is_where_jax_caches(tmp_path):
     )
     env = {**os.environ, "HOME": str(tmp_path)}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = run_python("-c", probe, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     folder = str(tmp_path / "jddp-cache-probe")
     assert out.stdout.split() == [folder, folder, "0.5"]
