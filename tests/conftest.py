@@ -41,34 +41,48 @@ class _Exclusive:
         self.gate = open(f"{base}.gate", "a+")  # noqa: SIM115 - held for the session
         self.rw = open(f"{base}.rw", "a+")  # noqa: SIM115
 
+        self.exclusive = False
+
     def hold(self, serial: bool):
         fcntl.flock(self.gate, fcntl.LOCK_EX)
         fcntl.flock(self.rw, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
         if not serial:
             fcntl.flock(self.gate, fcntl.LOCK_UN)
+        self.exclusive = serial
 
     def release(self):
         fcntl.flock(self.rw, fcntl.LOCK_UN)
         fcntl.flock(self.gate, fcntl.LOCK_UN)  # a no-op unless serial
+        self.exclusive = False
 
 
 _LOCK = None
 
 
+def _serial(item) -> bool:
+    return item is not None and item.get_closest_marker("serial") is not None
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Set-up, call and tear-down of a serial test (its module fixtures included) run alone."""
+    """Set-up, call and tear-down of a serial test (its module fixtures included) run alone.
+
+    A worker keeps the machine from one serial test to the next it runs (a serial file's
+    tests): released in between, each would wait again for the other worker's current test
+    (up to minutes) while this worker idles."""
     global _LOCK
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run_id is None:  # one process: nothing runs beside anything
         return (yield)
     if _LOCK is None:
         _LOCK = _Exclusive(run_id)
-    _LOCK.hold(item.get_closest_marker("serial") is not None)
+    if not _LOCK.exclusive:
+        _LOCK.hold(_serial(item))
     try:
         return (yield)
     finally:
-        _LOCK.release()
+        if not (_serial(item) and _serial(nextitem)):
+            _LOCK.release()
 
 
 @pytest.fixture(scope="session")

@@ -78,13 +78,17 @@ def test_user_model_factory_from_the_cli(tmp_path):
     assert "jddp: done step=3" in out.stdout
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "launcher, script, min_accuracy",
     [
         ([], "custom_cnn_digits.py", 0.9),
-        ([sys.executable, "-m", "jddp.launch", "--nproc", "2", "--"], "custom_cnn_digits.py", 0.9),
+        pytest.param(  # two processes: alone on the machine (tests/conftest.py)
+            [sys.executable, "-m", "jddp.launch", "--nproc", "2", "--"],
+            "custom_cnn_digits.py",
+            0.9,
+            marks=pytest.mark.serial,
+        ),
         ([], "label_smoothing_loss.py", 0.9),
     ],
 )
