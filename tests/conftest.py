@@ -63,6 +63,14 @@ def _serial(item) -> bool:
     return item is not None and item.get_closest_marker("serial") is not None
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files with serial tests first (each file's order kept): while they run, a serial
+    test waits at most for a serial file's test, not for a minute-long compile of another
+    file; the parallel-only files then keep both workers busy to the end."""
+    files_with_serial = {item.path for item in items if _serial(item)}
+    items.sort(key=lambda item: item.path not in files_with_serial)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Set-up, call and tear-down of a serial test (its module fixtures included) run alone.
