@@ -63,20 +63,12 @@ def _serial(item) -> bool:
     return item is not None and item.get_closest_marker("serial") is not None
 
 
-# The parallel-only files that take longest on a cold compilation cache (each 2-6 min of one
-# worker, f2b02d5): started first among those files, so that short ones fill the end.
-LONG_FILES = ("test_step.py", "test_optimizer.py", "test_recipes.py", "test_train_cli.py")
-
-
 def pytest_collection_modifyitems(config, items):
     """The files with serial tests first (each file's order kept): while they run, a serial
     test waits at most for a serial file's test, not for a minute-long compile of another
-    file; then the long parallel-only files, then the rest, keeping both workers busy to the
-    end."""
+    file; the parallel-only files then keep both workers busy to the end."""
     files_with_serial = {item.path for item in items if _serial(item)}
-    items.sort(
-        key=lambda item: (item.path not in files_with_serial, item.path.name not in LONG_FILES)
-    )
+    items.sort(key=lambda item: item.path not in files_with_serial)
 
 
 @pytest.hookimpl(wrapper=True)
