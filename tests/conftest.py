@@ -40,8 +40,7 @@ class _Exclusive:
         base = Path(os.environ.get("TMPDIR", "/tmp")) / f"jddp-pytest-{run_id}"
         self.gate = open(f"{base}.gate", "a+")  # noqa: SIM115 - held for the session
         self.rw = open(f"{base}.rw", "a+")  # noqa: SIM115
-
-        self.exclusive = False
+        self.exclusive = False  # held for a serial test (kept across consecutive ones)
 
     def hold(self, serial: bool):
         fcntl.flock(self.gate, fcntl.LOCK_EX)

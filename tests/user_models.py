@@ -84,6 +84,8 @@ def bottleneck_resnet(config: dict, dtype, rngs: nnx.Rngs):
         num_classes=config["num_classes"],
         stem=config["stem"],
         width=config["width"],
+        sync_batchnorm=config["sync_batchnorm"],
+        zero_init_residual=config["zero_init_residual"],
         dtype=dtype,
         rngs=rngs,
     )
