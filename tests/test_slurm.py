@@ -55,6 +55,10 @@ def cluster():
 
 
 STEPS = 10
+# resnet18 (TINY_SYNC's model, the same losses bit for bit) held ~0.3 s a step: a signal sent
+# once step 2 is logged lands before step 8 however fast the machine (at ~2 ms a step it came
+# after the last step). The srun run uses it too, so the sbatch jobs reuse its compilation.
+PACED = "model.name=tests.user_models:paced_resnet18"
 
 
 def srun_cmd(workdir, *overrides) -> list[str]:
@@ -69,9 +73,9 @@ def srun_cmd(workdir, *overrides) -> list[str]:
 
 @pytest.fixture(scope="module")
 def straight(cluster, tmp_path_factory):
-    """``srun -N1 -n2`` of the tiny run, STEPS steps, uninterrupted."""
+    """``srun -N1 -n2`` of the tiny run (paced), STEPS steps, uninterrupted."""
     wd = tmp_path_factory.mktemp("srun") / "run"
-    out = run(srun_cmd(wd, f"train.steps={STEPS}"), env=SLURM_ENV, timeout=900)
+    out = run(srun_cmd(wd, f"train.steps={STEPS}", PACED), env=SLURM_ENV, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return wd, out
 
@@ -123,7 +127,7 @@ def test_sbatch_preempted_requeued_and_resubmitted_resumes_bitwise(straight, tmp
     the losses those of the uninterrupted srun run, bit for bit; one log with both attempts."""
     name = f"jddp-test-{uuid.uuid4().hex[:6]}"
     wd = tmp_path / "runs" / name
-    job = _sbatch(tmp_path, name, "train.steps=8")
+    job = _sbatch(tmp_path, name, "train.steps=8", PACED)
     metrics = wd / "metrics.jsonl"
     assert wait_for(lambda: metrics.exists() and len(read_losses(wd)) >= 2, 600), (
         f"no train lines; job {_job_state(job)}; log: {_log(tmp_path, name, job)[-2000:]}"
@@ -134,7 +138,7 @@ def test_sbatch_preempted_requeued_and_resubmitted_resumes_bitwise(straight, tmp
     assert "preempted (exit 75): requeueing" in log and "attempt 2" in log, log[-3000:]
     stopped = int(log.split("preempted at step ")[1].split()[0])
     assert 2 <= stopped < 8
-    job2 = _sbatch(tmp_path, name, "train.steps=10")
+    job2 = _sbatch(tmp_path, name, "train.steps=10", PACED)
     assert _wait_done(job2, 900) == "COMPLETED", _log(tmp_path, name, job2)[-3000:]
     assert "at step 8" in _log(tmp_path, name, job2)
     steps = [r["step"] for r in read_metrics(wd) if "train/loss" in r]

@@ -1,5 +1,6 @@
 """A user model factory for the ``model.name="pkg.module:factory"`` CLI path (used by tests)."""
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -89,3 +90,37 @@ def bottleneck_resnet(config: dict, dtype, rngs: nnx.Rngs):
         dtype=dtype,
         rngs=rngs,
     )
+
+
+
+
+PACE_ITERATIONS = 150_000_000  # a scalar loop of ~0.33 s on this VM's CPU (~2.2 ns each)
+
+
+def paced_resnet18(config: dict, dtype, rngs: nnx.Rngs):
+    """jddp's resnet18 as ``model.name=resnet18`` builds it (the same parameters, initialised in
+    one jitted program), each forward pass first running a scalar loop of PACE_ITERATIONS in the
+    compiled step: the same losses bit for bit (the loop's value enters the images times 0),
+    steps that last long enough for a test's signal to land mid-run however fast the machine
+    (at ~2 ms a step, 6 steps ended between a test seeing step 2 and its `scancel`), and unlike
+    a host callback (jax.debug.callback, time.sleep) a step the compilation cache keeps."""
+    from jddp.models.resnet import RESNET_CONFIGS, ResNet
+
+    class PacedResNet(ResNet):
+        def __call__(self, x_BxHxWxC):
+            # data-dependent bounds and a carried float: XLA can neither count nor drop the loop
+            limit = PACE_ITERATIONS + (x_BxHxWxC[0, 0, 0, 0] * 0).astype(jnp.int32)
+            _, value = jax.lax.while_loop(
+                lambda carry: carry[0] < limit,
+                lambda carry: (carry[0] + 1, carry[1] * 0.5 + 1.0),
+                (jnp.int32(0), x_BxHxWxC[0, 0, 0, 0]),
+            )
+            return super().__call__(x_BxHxWxC + value * 0)
+
+    block_cls, stage_sizes = RESNET_CONFIGS["resnet18"]
+    keys = ("num_classes", "stem", "width", "sync_batchnorm", "zero_init_residual")
+    return nnx.jit(
+        lambda rngs: PacedResNet(
+            block_cls, stage_sizes, **{k: config[k] for k in keys}, dtype=dtype, rngs=rngs
+        )
+    )(rngs)
