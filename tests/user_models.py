@@ -92,8 +92,6 @@ def bottleneck_resnet(config: dict, dtype, rngs: nnx.Rngs):
     )
 
 
-
-
 PACE_ITERATIONS = 150_000_000  # a scalar loop of ~0.33 s on this VM's CPU (~2.2 ns each)
 
 
