@@ -338,7 +338,12 @@ def trainer_rows(args, tmp: Path) -> list[dict]:
             env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
             load = load1()
             r = run_trainer(
-                tmp / f"run{i}", [*free, *overrides], devices=2, env=env, skip_steps=WARM_STEPS
+                tmp / f"run{i}",
+                [*free, *overrides],
+                devices=2,
+                env=env,
+                skip_steps=WARM_STEPS,
+                tree=trees[name],
             )
             rate, wait = (
                 float(np.median(r["img_per_s"])),

@@ -240,13 +240,15 @@ def run_trainer(
     skip_steps: int = 0,
     check: bool = True,
     timeout: float | None = None,
+    tree: Path = REPO,
 ) -> dict[str, Any]:
     """Run the trainer (:func:`trainer_command`) to the end and read what it logged itself in
     ``workdir/metrics.jsonl``: ``train/compile_s`` (the first step, compilation included) and,
     for every logging window ending after step ``skip_steps``, ``train/step_time_s``,
     ``train/img_per_s`` and ``perf/input_wait_fraction``; also every step's ``train/loss`` and
     the last eval line. Output goes to ``workdir/train.log``. A failed run raises SystemExit,
-    or with ``check=False`` returns ``{"error": ...}``."""
+    or with ``check=False`` returns ``{"error": ...}``. ``tree``: the checkout whose jddp runs
+    (the working directory: ``python -m`` puts it first on ``sys.path``, before PYTHONPATH)."""
     env = dict(os.environ if env is None else env)
     if backend == "mpi" and devices > 1:  # jddp.launch sets this itself for its ranks
         flags = env.get("XLA_FLAGS", "")
@@ -256,7 +258,7 @@ def run_trainer(
     start = time.perf_counter()
     try:
         out = subprocess.run(
-            cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout
+            cmd, capture_output=True, text=True, env=env, cwd=tree, timeout=timeout
         )
         rc, stdout, stderr = out.returncode, out.stdout, out.stderr
     except subprocess.TimeoutExpired as e:
