@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jddp.models.resnet import RESNET_CONFIGS, Bottleneck, ResNet
+
 
 class TinyMLP(nnx.Module):
     """No BatchNorm, no mutable state: flatten, one hidden layer."""
@@ -73,52 +75,44 @@ def nan_model(config: dict, dtype, rngs: nnx.Rngs) -> NanModel:
     return NanModel(8 * 8 * 3, config["num_classes"], rngs, dtype=dtype)
 
 
-def bottleneck_resnet(config: dict, dtype, rngs: nnx.Rngs):
+def _resnet(cls, block_cls, stage_sizes, config: dict, dtype, rngs: nnx.Rngs):
+    """A ResNet (or subclass) from the model section's keys, as ``build_model`` builds a built-in
+    one: initialised in one jitted program (the same parameters as ``model.name=resnetNN``)."""
+    keys = ("num_classes", "stem", "width", "sync_batchnorm", "zero_init_residual")
+    kwargs = {k: config[k] for k in keys}
+    return nnx.jit(lambda r: cls(block_cls, stage_sizes, **kwargs, dtype=dtype, rngs=r))(rngs)
+
+
+def bottleneck_resnet(config: dict, dtype, rngs: nnx.Rngs) -> ResNet:
     """ResNet-50's blocks (Bottleneck, 4x expansion) and stem, one block per stage instead of
     3-4-6-3: trains what ResNet-50 is made of at a quarter of its compiling (on CI's cold
     compilation cache ResNet-50's step alone compiled in 64 s)."""
-    from jddp.models.resnet import Bottleneck, ResNet
-
-    return ResNet(
-        Bottleneck,
-        (1, 1, 1, 1),
-        num_classes=config["num_classes"],
-        stem=config["stem"],
-        width=config["width"],
-        sync_batchnorm=config["sync_batchnorm"],
-        zero_init_residual=config["zero_init_residual"],
-        dtype=dtype,
-        rngs=rngs,
-    )
+    return _resnet(ResNet, Bottleneck, (1, 1, 1, 1), config, dtype, rngs)
 
 
 PACE_ITERATIONS = 150_000_000  # a scalar loop of ~0.33 s on this VM's CPU (~2.2 ns each)
 
 
-def paced_resnet18(config: dict, dtype, rngs: nnx.Rngs):
-    """jddp's resnet18 as ``model.name=resnet18`` builds it (the same parameters, initialised in
-    one jitted program), each forward pass first running a scalar loop of PACE_ITERATIONS in the
-    compiled step: the same losses bit for bit (the loop's value enters the images times 0),
-    steps that last long enough for a test's signal to land mid-run however fast the machine
-    (at ~2 ms a step, 6 steps ended between a test seeing step 2 and its `scancel`), and unlike
-    a host callback (jax.debug.callback, time.sleep) a step the compilation cache keeps."""
-    from jddp.models.resnet import RESNET_CONFIGS, ResNet
+class PacedResNet(ResNet):
+    """A ResNet whose forward pass first runs a scalar loop of PACE_ITERATIONS in the compiled
+    step; the loop's value enters the images times 0, so the losses are the plain ResNet's bit
+    for bit."""
 
-    class PacedResNet(ResNet):
-        def __call__(self, x_BxHxWxC):
-            # data-dependent bounds and a carried float: XLA can neither count nor drop the loop
-            limit = PACE_ITERATIONS + (x_BxHxWxC[0, 0, 0, 0] * 0).astype(jnp.int32)
-            _, value = jax.lax.while_loop(
-                lambda carry: carry[0] < limit,
-                lambda carry: (carry[0] + 1, carry[1] * 0.5 + 1.0),
-                (jnp.int32(0), x_BxHxWxC[0, 0, 0, 0]),
-            )
-            return super().__call__(x_BxHxWxC + value * 0)
-
-    block_cls, stage_sizes = RESNET_CONFIGS["resnet18"]
-    keys = ("num_classes", "stem", "width", "sync_batchnorm", "zero_init_residual")
-    return nnx.jit(
-        lambda rngs: PacedResNet(
-            block_cls, stage_sizes, **{k: config[k] for k in keys}, dtype=dtype, rngs=rngs
+    def __call__(self, x_BxHxWxC):
+        # data-dependent bounds and a carried float: XLA can neither count nor drop the loop
+        limit = PACE_ITERATIONS + (x_BxHxWxC[0, 0, 0, 0] * 0).astype(jnp.int32)
+        _, value = jax.lax.while_loop(
+            lambda carry: carry[0] < limit,
+            lambda carry: (carry[0] + 1, carry[1] * 0.5 + 1.0),
+            (jnp.int32(0), x_BxHxWxC[0, 0, 0, 0]),
         )
-    )(rngs)
+        return super().__call__(x_BxHxWxC + value * 0)
+
+
+def paced_resnet18(config: dict, dtype, rngs: nnx.Rngs) -> PacedResNet:
+    """jddp's resnet18 with the same parameters as ``model.name=resnet18`` and the same losses,
+    each step held ~0.33 s by :class:`PacedResNet`: long enough for a test's signal to land
+    mid-run however fast the machine (at ~2 ms a step, 6 steps ended between a test seeing step
+    2 and its `scancel`), and unlike a host callback (jax.debug.callback, time.sleep) a step
+    the compilation cache keeps."""
+    return _resnet(PacedResNet, *RESNET_CONFIGS["resnet18"], config, dtype, rngs)
