@@ -1,5 +1,8 @@
 """The CLI end to end on a tiny model: outputs, metrics, checkpoints, resume, exit codes."""
 
+import gzip
+import json
+
 import pytest
 import yaml
 
@@ -37,7 +40,11 @@ def test_train_writes_outputs(tmp_path):
     assert all(r["eval/count"] == 256 for r in evals)  # every synthetic eval example once
     assert sorted(int(p.name) for p in (wd / "checkpoints").iterdir()) == [3, 6]
     assert list((wd / "tensorboard").glob("events.out.tfevents.*"))
-    assert list((wd / "profile").rglob("*.xplane.pb"))  # log.profile_steps=2:4
+    # log.profile_steps=2:4: steps 2 and 3 traced, each marked with its number
+    trace = next((wd / "profile").rglob("*.trace.json.gz"))
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    marked = [e["args"]["step_num"] for e in events if e.get("name") == "train"]
+    assert marked == ["2", "3"] and "jddp: profile of steps 2..3" in out.stdout
     assert "jddp: summary" in out.stdout and "img/s on 1 devices" in out.stdout
     assert not (wd / ".jddp.lock").exists()  # released at the end
 

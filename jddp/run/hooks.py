@@ -8,6 +8,7 @@ dozen lines.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -231,22 +232,31 @@ def check_replicas_in_sync(comm: Comm, state: TrainState, step: int) -> None:
 
 
 class Profiler:
-    """``log.profile_steps='a:b'``: a ``jax.profiler`` trace of steps a..b-1."""
+    """``log.profile_steps='a:b'``: a ``jax.profiler`` trace of steps a..b-1 (numbered as in
+    metrics.jsonl), each step's dispatch marked with its number (``StepTraceAnnotation``, the
+    steps of TensorBoard's profile plugin)."""
 
     def __init__(self, steps: str | None, folder: Path, console: Console):
         self.range = tuple(int(x) for x in steps.split(":")) if steps else None
         self.folder, self.console = folder, console
+        self.first: int | None = None  # the first traced step, while tracing
 
-    def before(self, step: int) -> None:
-        """Start tracing before step ``a`` runs."""
-        if self.range and step == self.range[0]:
+    def step(self, step: int, state: TrainState) -> contextlib.AbstractContextManager:
+        """Wrap the dispatch of ``step``. The trace starts at the first step in a..b-1 (also
+        after a resume inside the range) once the device has finished the steps before it:
+        dispatch is asynchronous, and their work would otherwise land in the trace."""
+        if self.range and self.first is None and self.range[0] <= step < self.range[1]:
+            jax.block_until_ready(state)
             jax.profiler.start_trace(str(self.folder))
+            self.first = step
+        if self.first is None:
+            return contextlib.nullcontext()
+        return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
     def after(self, step: int, metrics: Metrics) -> None:
         """Stop once step ``b - 1`` has finished."""
-        if self.range and step == self.range[1]:
+        if self.range and self.first is not None and step >= self.range[1] - 1:
             jax.block_until_ready(metrics)
             jax.profiler.stop_trace()
-            self.console.say(
-                f"jddp: profile of steps {self.range[0]}..{self.range[1] - 1} in {self.folder}"
-            )
+            self.console.say(f"jddp: profile of steps {self.first}..{step} in {self.folder}")
+            self.first = None

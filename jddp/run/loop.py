@@ -15,9 +15,9 @@ def train_loop(run: Run) -> tuple[TrainState, int, bool]:
     batches = run.batches.iterate(step, run.total_steps, run.cfg.data.prefetch_batches)
     pending = None  # the previous step's (step, metrics): read one step late
     for batch in run.meter.timed(batches):
-        run.profiler.before(step)
-        flags = place_batch(run.stop.flags(rows), run.mesh, run.layout)
-        state, metrics = run.train_step(state, {**batch, **flags})
+        with run.profiler.step(step + 1, state):
+            flags = place_batch(run.stop.flags(rows), run.mesh, run.layout)
+            state, metrics = run.train_step(state, {**batch, **flags})
         step += 1
         run.profiler.after(step, metrics)
         if step == run.start_step + 1:  # the first step compiles: timed apart
