@@ -1,16 +1,17 @@
 """Where one CPU training step's time goes: jddp's trainer against the PyTorch peer, one core each.
 
     .venv/bin/python experiments/profile_step.py [--batch 64] [--warmup 3] [--steps 2]
-        [--cpu 0] [--machine NAME] [--quick]
+        [--cpu 0] [--machine NAME] [--out PATH] [--quick]
 
 Both run ResNet-18 (CIFAR stem, width 64) in float32 on ``--batch`` synthetic images, pinned to
 one core (``--cpu``; each process of a 2-process run on 2 cores holds one). jddp: ``python -m
 jddp.train`` with ``log.profile_steps`` (one process, one device, no communication), its
 ``jax.profiler`` trace read back. PyTorch: ``experiments/peers/torch_ddp.py``'s step (DDP over a
-one-process gloo group, so no communication either) under ``torch.profiler``. Every op's own
-time is put in a category; table and ``results/profile-<date>-<machine>.json`` give ms per step.
-The "1.2x budget" row is PyTorch's step over 1.2: what jddp's whole step would have to fit in
-to be 1.2x PyTorch (issue 22's goal).
+one-process gloo group, so no communication either) under ``torch.profiler``. Every op's
+time (XLA:CPU's op spans, which do not nest; PyTorch's self time) is put in a category; the
+table and ``results/profile-<date>-<machine>.json`` give ms per step. The "1.2× budget" row
+is PyTorch's step over 1.2: what jddp's whole step would have to fit in to be 1.2× PyTorch
+(issue 22's goal).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def jddp_category(op: str) -> str:
 
 def torch_category(op: str) -> str:
     """The category of an ``aten::`` op (self time, so nested calls are not counted twice)."""
-    if op == "aten::convolution_backward":
+    if "convolution" in op and "backward" in op:
         return "conv backward"
     if "convolution" in op:
         return "conv forward"
@@ -57,39 +58,48 @@ def torch_category(op: str) -> str:
 
 
 def profile_jddp(args, work: Path) -> dict:
-    """Train ``warmup`` steps, trace ``steps`` more, train one; ms per step by category."""
+    """Train ``warmup`` steps, trace ``steps`` more, train one (the trace's end ``b`` of
+    ``log.profile_steps='a:b'`` must be a step of the run); ms per step by category, and the
+    ops that took longest."""
     first = args.warmup + 1
     overrides = [
         *synthetic("resnet18", "cifar", 64, 10, 32, args.batch),
-        f"train.steps={first + args.steps}", "log.every_steps=1",  # b of 'a:b' is a step too
+        f"train.steps={first + args.steps}", "log.every_steps=1",
         f"log.profile_steps={first}:{first + args.steps}", "checkpoint.every_steps=0",
         f"train.compilation_cache_dir={work / 'cache'}",
     ]  # fmt: skip
     run = benchlib.run_trainer(work / "jddp", overrides)
     untraced = [s for step, s in zip(run["steps"], run["step_s"], strict=True) if step < first]
-    trace = next((work / "jddp" / "profile").rglob("*.trace.json.gz"))
+    trace = next((work / "jddp" / "profile").rglob("*.trace.json.gz"), None)
+    if trace is None:
+        raise SystemExit(f"no trace.json.gz under {work / 'jddp' / 'profile'}")
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    # The trainer marks each traced step's dispatch ("train", step_num); it starts the trace
+    # once the steps before have finished, so the trace holds exactly these steps.
+    traced = sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train")
+    if not traced:
+        raise SystemExit(f"{trace}: no step markers (a jddp from before 2026-11-25?)")
     threads = {
         (e["pid"], e["tid"]): e["args"]["name"]
         for e in events
         if e.get("ph") == "M" and e.get("name") == "thread_name"
     }
-    op_name = re.compile(r"^[a-z][a-z0-9_.-]*$")  # HLO instruction names; not Python frames
-    own_us, runs = collections.Counter(), collections.Counter()
+    # XLA:CPU's ops as they run (HLO instruction names; not Python frames or the executor's
+    # own spans): one event per op run, not nested, so the durations add up to the step.
+    op_name = re.compile(r"^[a-z][a-z0-9_.-]*$")
+    op_us = collections.Counter()
     for e in events:
         thread = threads.get((e.get("pid"), e.get("tid")), "")
         if e.get("ph") == "X" and thread.startswith("tf_XLA") and op_name.match(e["name"]):
-            own_us[e["name"]] += e["dur"]
-            runs[e["name"]] += 1
-    # The trace holds whole steps, but not always ``steps`` of them (the loop dispatches one step
-    # ahead): most ops run once a step, so the commonest run count is the number of steps.
-    traced = collections.Counter(runs.values()).most_common(1)[0][0]
+            op_us[e["name"]] += e["dur"]
     ms = collections.Counter()
-    for name, us in own_us.items():
-        ms[jddp_category(name)] += us / 1000 / traced
+    for name, us in op_us.items():
+        ms[jddp_category(name)] += us / 1000 / len(traced)
+    top = {name: us / 1000 / len(traced) for name, us in op_us.most_common(25)}
     return {
         "ms": dict(ms),
         "traced_steps": traced,
+        "top_ops_ms": top,
         "untraced_step_s": untraced,
         "command": run["command"],
     }
@@ -126,10 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--cpu", type=int, default=0)
     parser.add_argument("--machine", default=None)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/...)")
     parser.add_argument("--quick", action="store_true", help="batch 8, smoke run")
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.warmup, args.steps = 8, 2, 1
+    if args.warmup < 2 or args.steps < 1:
+        parser.error("--warmup must be >= 2 (the first step compiles) and --steps >= 1")
     os.sched_setaffinity(0, {args.cpu})  # inherited by the trainer's process
     with tempfile.TemporaryDirectory(prefix="jddp-profile-") as tmp:
         jddp = profile_jddp(args, Path(tmp))
@@ -142,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {cat} | {jddp['ms'].get(cat, 0):,.0f} | {peer['ms'].get(cat, 0):,.0f} |")
     print(f"| **sum** | {sum(jddp['ms'].values()):,.0f} | {sum(peer['ms'].values()):,.0f} |")
     conv_ms = jddp["ms"].get("conv forward", 0) + jddp["ms"].get("conv backward", 0)
-    print(f"| 1.2x budget (PyTorch's sum / 1.2) | {budget_ms:,.0f} | |")
+    print(f"| 1.2× budget (PyTorch's sum / 1.2) | {budget_ms:,.0f} | |")
     print(f"| jddp's convolutions alone | {conv_ms:,.0f} | |")
     untraced = [statistics.median(r["untraced_step_s"]) * 1000 for r in (jddp, peer)]
     print("| untraced steps before (median) | {:,.0f} | {:,.0f} |".format(*untraced))
@@ -150,11 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": benchlib.machine_info(args.machine),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "batch": args.batch, "cpu": args.cpu, "profiled_steps": args.steps,
+        "batch": args.batch, "cpu": args.cpu, "warmup": args.warmup, "steps": args.steps,
         "jddp": jddp, "torch": peer, "budget_1_2x_ms": budget_ms, "jddp_conv_ms": conv_ms,
     }  # fmt: skip
     machine = result["machine"]["name"] + ("-quick" if args.quick else "")
-    benchlib.save_result("profile", machine, result)
+    if args.out:
+        benchlib.write_json(args.out, result)
+    else:
+        benchlib.save_result("profile", machine, result)
     return 0
 
 
