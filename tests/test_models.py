@@ -126,6 +126,44 @@ def test_split_merge_inside_jit_train_and_eval():
     jax.tree.map(np.testing.assert_array_equal, nnx.state(model, nnx.BatchStat), batch_stats)
 
 
+@pytest.mark.parametrize(
+    "factory, stem, size, dtype",
+    [(resnet18, "cifar", 8, jnp.float32), (resnet18, "imagenet", 32, jnp.bfloat16)],
+    ids=["cifar-float32", "imagenet-bfloat16"],
+)
+def test_stored_conv_inputs_change_no_bit(factory, stem, size, dtype):
+    """On CPU the ResNets divide each convolution's input by an unfoldable 1 (so XLA stores it
+    instead of recomputing it in the weight gradients' transposes): loss, gradients and batch
+    statistics equal a model with plain convolutions bit for bit."""
+    assert jax.default_backend() == "cpu"
+    model = factory(num_classes=10, stem=stem, width=8, dtype=dtype, rngs=nnx.Rngs(0))
+    plain = nnx.clone(model)
+    for _, module in nnx.iter_modules(plain):
+        if isinstance(module, nnx.Conv):
+            module.conv_general_dilated = jax.lax.conv_general_dilated
+    x = jax.random.normal(jax.random.key(1), (4, size, size, 3))
+    y = jnp.arange(4) % 10
+
+    def loss_grads_stats(m):
+        graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+
+        @jax.jit
+        def f(params, rest):
+            def loss(params):
+                mm = nnx.merge(graphdef, params, rest, copy=True)
+                logits = mm(x)
+                ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1).mean()
+                return ce, nnx.state(mm, nnx.BatchStat)
+
+            return jax.value_and_grad(loss, has_aux=True)(params)
+
+        return f(params, rest), str(jax.make_jaxpr(f)(params, rest))
+
+    (ours, our_jaxpr), (reference, plain_jaxpr) = map(loss_grads_stats, (model, plain))
+    jax.tree.map(np.testing.assert_array_equal, ours, reference)
+    assert our_jaxpr.count(" div ") > plain_jaxpr.count(" div ")  # the models really differ
+
+
 def test_bfloat16_compute_dtype():
     model = _tiny(dtype=jnp.bfloat16)
     graphdef, params, batch_stats = nnx.split(model, nnx.Param, nnx.BatchStat)

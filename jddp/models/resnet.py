@@ -50,6 +50,25 @@ _PAD3 = ((3, 3), (3, 3))
 _STEMS = ("imagenet", "cifar")
 
 
+def _conv_of_stored_input(lhs: jax.Array, rhs: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
+    """``lax.conv_general_dilated`` whose input, on CPU, is computed once and stored.
+
+    XLA:CPU computes a weight gradient as a convolution over the input with images and channels
+    swapped, so it transposes the stored input first, and its fusion recomputes the cheap
+    elementwise chain that made the input (BatchNorm, ReLU, residual adds, several layers back)
+    inside each transpose instead of reading it: 0.35 s of a 2.2 s ResNet-18-CIFAR step on one
+    core (experiments/RESULTS.md, "Where the rest of the gap is"). XLA never duplicates a
+    division into another fusion, so dividing the input by a 1 it cannot fold (0 times one of
+    its elements, plus 1) keeps it stored. Exact: ``x / 1 == x`` and the gradient is unchanged;
+    only a non-finite input, which makes the step non-finite anyway, spreads further. Other
+    platforms get the plain convolution (cuDNN reads NHWC weight gradients directly).
+    """
+    if jax.default_backend() == "cpu":
+        one = 1 + 0 * jax.lax.stop_gradient(lhs[(0,) * lhs.ndim])
+        lhs = lhs / one
+    return jax.lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
+
+
 class _ResidualBlock(nnx.Module):
     """A residual block: a branch of convolutions and BatchNorms plus the identity, or a
     projection when the shape changes; ReLU after the sum.
@@ -216,6 +235,7 @@ class ResNet(nnx.Module):
         self.acc_dtype = acc_dtype
         conv = functools.partial(
             nnx.Conv,
+            conv_general_dilated=_conv_of_stored_input,
             use_bias=False,
             kernel_init=_CONV_INIT,
             dtype=dtype,
