@@ -96,7 +96,8 @@ def pytest_runtest_protocol(item, nextitem):
 def two_by_two(tmp_path_factory):
     """The one 2 processes x 2 devices run that several modules compare with (2-process runs
     are the slowest thing CI does on 2 cores: share them): ``python -m jddp.launch --nproc 2
-    --devices-per-proc 2`` of ``TINY_SYNC`` plus ``TWO_BY_TWO``, uninterrupted; its workdir
+    --devices-per-proc 2`` of ``TINY_SYNC`` plus ``TWO_BY_TWO`` (and a trace of step 2),
+    uninterrupted; its workdir
     (checkpoints 4, 8, ..., 20) and completed process. Made once per test session: under
     xdist the first worker to need it runs it, the other reads it (a lock file beside both
     workers' temporary folders)."""
@@ -110,7 +111,7 @@ def two_by_two(tmp_path_factory):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not saved.exists():
             saved.parent.mkdir(exist_ok=True)
-            out = run(launch_cmd(2, 2, wd, *TWO_BY_TWO))
+            out = run(launch_cmd(2, 2, wd, *TWO_BY_TWO, "log.profile_steps=2:3"))
             saved.write_text(json.dumps([out.args, out.returncode, out.stdout, out.stderr]))
     out = subprocess.CompletedProcess(*json.loads(saved.read_text()))
     assert out.returncode == 0, out.stderr[-3000:]

@@ -3,6 +3,8 @@
 Each test starts real processes (``python -m jddp.launch`` or ``mpirun``), no mocks.
 """
 
+import gzip
+import json
 import sys
 import time
 
@@ -64,6 +66,11 @@ def test_topology_invariance(reference, two_by_two):
     done = [line for line in out.stdout.splitlines() if "jddp: done step=20" in line]
     assert len(done) == 1 and done[0].startswith("[rank 0]")
     assert sorted(int(p.name) for p in (wd / "checkpoints").iterdir()) == [4, 8, 12, 16, 20]
+    # log.profile_steps=2:3: a whole trace of step 2 from each process, in its own folder
+    for process in (0, 1):
+        (trace,) = (wd / "profile" / f"process_{process}").rglob("*.trace.json.gz")
+        events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+        assert [e["args"]["step_num"] for e in events if e.get("name") == "train"] == ["2"]
 
 
 @pytest.mark.serial

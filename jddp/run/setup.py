@@ -213,7 +213,15 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         meter=meter,
         stop=stop,
         reporter=reporter,
-        profiler=Profiler(cfg.log.profile_steps, folder.profile, console),
+        # One trace per process: jax.profiler names its files after the host only, so the
+        # processes of one machine would write the same files.
+        profiler=Profiler(
+            cfg.log.profile_steps,
+            folder.profile / f"process_{comm.process_index}"
+            if comm.process_count > 1
+            else folder.profile,
+            console,
+        ),
         hooks=[
             EvalHook(cfg.train.eval_every_steps, steps, evaluate, log, meter, progress),
             CheckpointHook(ckpts, config_lib.to_dict(cfg)),
