@@ -132,7 +132,7 @@ def test_split_merge_inside_jit_train_and_eval():
     ids=["cifar-float32", "imagenet-bfloat16"],
 )
 def test_stored_conv_inputs_change_no_bit(factory, stem, size, dtype):
-    """On CPU the ResNets divide each convolution's input by an unfoldable 1 (so XLA stores it
+    """On CPU the ResNets divide each convolution's input by ``1 + 0 * input`` (so XLA stores it
     instead of recomputing it in the weight gradients' transposes): loss, gradients and batch
     statistics equal a model with plain convolutions bit for bit."""
     assert jax.default_backend() == "cpu"

@@ -50,22 +50,38 @@ _PAD3 = ((3, 3), (3, 3))
 _STEMS = ("imagenet", "cifar")
 
 
+@jax.custom_jvp
+def _stored(x: jax.Array) -> jax.Array:
+    """``x``, bit for bit, as a value XLA:CPU stores instead of recomputing in its consumers.
+
+    XLA duplicates a cheap elementwise producer into each fusion that consumes it, but never an
+    "expensive" op such as a division. So ``x`` is divided, element by element, by ``1 + 0 * x``:
+    1 exactly for every finite ``x`` (a non-finite element stays non-finite), which XLA cannot
+    fold (``0 * x`` is NaN for an infinite ``x``), nor turn into a multiplication by a
+    reciprocal as it does for a divisor broadcast from a scalar. The derivative is the identity
+    (no division in the backward pass).
+    """
+    return x / (1 + 0 * x)
+
+
+@_stored.defjvp
+def _stored_jvp(primals: tuple[jax.Array], tangents: tuple[jax.Array]):
+    return _stored(primals[0]), tangents[0]
+
+
 def _conv_of_stored_input(lhs: jax.Array, rhs: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
-    """``lax.conv_general_dilated`` whose input, on CPU, is computed once and stored.
+    """``lax.conv_general_dilated`` whose input, on CPU, is computed once and stored
+    (:func:`_stored`).
 
     XLA:CPU computes a weight gradient as a convolution over the input with images and channels
-    swapped, so it transposes the stored input first, and its fusion recomputes the cheap
-    elementwise chain that made the input (BatchNorm, ReLU, residual adds, several layers back)
-    inside each transpose instead of reading it: 0.35 s of a 2.2 s ResNet-18-CIFAR step on one
-    core (experiments/RESULTS.md, "Where the rest of the gap is"). XLA never duplicates a
-    division into another fusion, so dividing the input by a 1 it cannot fold (0 times one of
-    its elements, plus 1) keeps it stored. Exact: ``x / 1 == x`` and the gradient is unchanged;
-    only a non-finite input, which makes the step non-finite anyway, spreads further. Other
-    platforms get the plain convolution (cuDNN reads NHWC weight gradients directly).
+    swapped, so it transposes the input first, and its fusion recomputes the elementwise chain
+    that made the input (BatchNorm, ReLU, residual adds, several layers back) inside each
+    transpose instead of reading it: 0.35 s of a 2.2 s ResNet-18-CIFAR step on one core
+    (experiments/RESULTS.md, "Where the rest of the gap is"). Other platforms get the plain
+    convolution (cuDNN reads NHWC weight gradients directly).
     """
     if jax.default_backend() == "cpu":
-        one = 1 + 0 * jax.lax.stop_gradient(lhs[(0,) * lhs.ndim])
-        lhs = lhs / one
+        lhs = _stored(lhs)
     return jax.lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
 
 
