@@ -76,9 +76,10 @@ def _conv_of_stored_input(lhs: jax.Array, rhs: jax.Array, *args: Any, **kwargs: 
     XLA:CPU computes a weight gradient as a convolution over the input with images and channels
     swapped, so it transposes the input first, and its fusion recomputes the elementwise chain
     that made the input (BatchNorm, ReLU, residual adds, several layers back) inside each
-    transpose instead of reading it: 0.35 s of a 2.2 s ResNet-18-CIFAR step on one core
-    (experiments/RESULTS.md, "Where the rest of the gap is"). Other platforms get the plain
-    convolution (cuDNN reads NHWC weight gradients directly).
+    transpose instead of reading it. Those transposes took 0.48 s of a 2.1 s ResNet-18-CIFAR
+    step on one core, 0.14 s with the input stored (experiments/RESULTS.md, "Where the rest of
+    the gap was"). Other platforms get the plain convolution (XLA:GPU computes weight gradients
+    with cuDNN; this was neither needed nor measured there).
     """
     if jax.default_backend() == "cpu":
         lhs = _stored(lhs)
