@@ -1,6 +1,7 @@
 """Runs that must not lose work or report a false success: starting over, rerunning a finished
 run, changed configs on resume, every step skipped, Ctrl-C."""
 
+import gzip
 import importlib
 import json
 import os
@@ -110,9 +111,13 @@ def test_a_run_that_skipped_every_step_fails(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_saves_like_sigterm(tmp_path):
     """Ctrl-C in a terminal: SIGINT to the whole foreground group, the input worker processes
-    included. The run saves and exits 75; the workers print no traceback of their own."""
+    included. The run saves and exits 75; the workers print no traceback of their own. A
+    profile the stop cuts short is written up to the last step."""
     wd = tmp_path / "run"
-    cmd = train_cmd(wd, "train.steps=100000", "data.worker_kind=process", "data.workers=2")
+    cmd = train_cmd(
+        wd, "train.steps=100000", "data.worker_kind=process", "data.workers=2",
+        "log.profile_steps=2:100000",
+    )  # fmt: skip
     job = start_training(cmd, wd, steps=3, start_new_session=True)
     os.killpg(job.pid, signal.SIGINT)
     out, err = job.communicate(timeout=60)
@@ -120,6 +125,11 @@ def test_ctrl_c_saves_like_sigterm(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
     stopped = int(out.split("preempted at step ")[1].split()[0])
     assert steps_saved(wd)[-1] == stopped and not (wd / ".jddp.lock").exists()
+    (trace,) = (wd / "profile").rglob("*.trace.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    marked = [int(e["args"]["step_num"]) for e in events if e.get("name") == "train"]
+    assert marked == list(range(2, stopped + 1)), (marked, stopped)
+    assert f"profile of steps 2..{stopped} (the run ended there)" in out
 
 
 SIGNAL_WHILE_JAX_STARTS = """

@@ -240,6 +240,7 @@ class Profiler:
         self.range = tuple(int(x) for x in steps.split(":")) if steps else None
         self.folder, self.console = folder, console
         self.first: int | None = None  # the first traced step, while tracing
+        self.last = 0  # the last step dispatched while tracing
 
     def step(self, step: int, state: TrainState) -> contextlib.AbstractContextManager:
         """Wrap the dispatch of ``step``. The trace starts at the first step in a..b-1 (also
@@ -251,6 +252,7 @@ class Profiler:
             self.first = step
         if self.first is None:
             return contextlib.nullcontext()
+        self.last = step
         return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
     def after(self, step: int, metrics: Metrics) -> None:
@@ -260,3 +262,17 @@ class Profiler:
             jax.profiler.stop_trace()
             self.console.say(f"jddp: profile of steps {self.first}..{step} in {self.folder}")
             self.first = None
+
+    def close(self) -> None:
+        """Write a trace the loop left open (it ended inside a..b-1: a stop signal, an error)."""
+        if self.first is None:
+            return
+        first, self.first = self.first, None
+        try:
+            jax.profiler.stop_trace()
+        except Exception as e:  # an error already on its way out matters more than the trace
+            self.console.say(f"jddp: warning: the profile of steps {first}.. was lost ({e})")
+            return
+        self.console.say(
+            f"jddp: profile of steps {first}..{self.last} (the run ended there) in {self.folder}"
+        )

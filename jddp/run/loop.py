@@ -10,6 +10,13 @@ from jddp.state import TrainState
 def train_loop(run: Run) -> tuple[TrainState, int, bool]:
     """Run steps ``run.start_step .. run.total_steps``; returns the final state, its step, and
     whether a stop signal (on any process) ended the loop early."""
+    try:
+        return _steps(run)
+    finally:
+        run.profiler.close()  # a trace the loop left open (a stop, an error) is still written
+
+
+def _steps(run: Run) -> tuple[TrainState, int, bool]:
     state, step = run.state, run.start_step
     rows = run.layout.rows.stop - run.layout.rows.start
     batches = run.batches.iterate(step, run.total_steps, run.cfg.data.prefetch_batches)
