@@ -52,14 +52,16 @@ _STEMS = ("imagenet", "cifar")
 
 @jax.custom_jvp
 def _stored(x: jax.Array) -> jax.Array:
-    """``x``, bit for bit, as a value XLA:CPU stores instead of recomputing in its consumers.
+    """``x`` as a value XLA:CPU stores instead of recomputing it in its consumers.
 
-    XLA duplicates a cheap elementwise producer into each fusion that consumes it, but never an
-    "expensive" op such as a division. So ``x`` is divided, element by element, by ``1 + 0 * x``:
-    1 exactly for every finite ``x`` (a non-finite element stays non-finite), which XLA cannot
+    XLA:CPU (jaxlib 0.10) duplicates a cheap elementwise producer into each fusion that
+    consumes it, but not one holding an "expensive" op such as a division. So ``x`` is divided,
+    element by element, by ``1 + 0 * x``: 1 exactly for every finite ``x``, which XLA cannot
     fold (``0 * x`` is NaN for an infinite ``x``), nor turn into a multiplication by a
-    reciprocal as it does for a divisor broadcast from a scalar. The derivative is the identity
-    (no division in the backward pass).
+    reciprocal as it does for a divisor broadcast from a scalar. The result is ``x`` bit for bit
+    except that subnormals become zeros of their sign (XLA:CPU flushes them, as its
+    convolutions do with their inputs anyway) and infinities NaN (the step is non-finite
+    either way). The derivative is the identity (no division in the backward pass).
     """
     return x / (1 + 0 * x)
 
