@@ -141,10 +141,12 @@ def validate(cfg: Config) -> Config:
         if (
             len(parts) != 2
             or not all(p.strip().isdigit() for p in parts)
-            or not 1 <= int(parts[0]) < int(parts[1])  # steps are numbered from 1
+            or not 0 <= int(parts[0]) < int(parts[1])
+            or int(parts[1]) < 2  # steps are numbered from 1 (a=0 means from step 1)
         ):
             raise ConfigError(
-                f"log.profile_steps: expected 'a:b' with integers 1 <= a < b, got "
+                f"log.profile_steps: expected 'a:b' with integers 0 <= a < b, b >= 2 (steps are "
+                f"numbered from 1), got "
                 f"{cfg.log.profile_steps!r}"
             )
     if cfg.train.steps is not None and cfg.train.epochs is not None:
