@@ -1,6 +1,7 @@
 """Shared pieces of the end-to-end tests: the tiny run, how to start and read it, the fake-device
 environment and the one way to run a command."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -90,6 +91,14 @@ def read_metrics(workdir) -> list[dict]:
 def read_losses(workdir) -> dict[int, float]:
     """``{step: train/loss}`` of a run."""
     return {r["step"]: r["train/loss"] for r in read_metrics(workdir) if "train/loss" in r}
+
+
+def traced_steps(profile_folder) -> list[int]:
+    """The steps marked in the one ``jax.profiler`` trace under ``profile_folder`` (jddp marks
+    each traced step's dispatch: ``"train"``, ``step_num``)."""
+    (trace,) = Path(profile_folder).rglob("*.trace.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    return [int(e["args"]["step_num"]) for e in events if e.get("name") == "train"]
 
 
 def steps_saved(workdir) -> list[int]:

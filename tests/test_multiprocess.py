@@ -3,8 +3,6 @@
 Each test starts real processes (``python -m jddp.launch`` or ``mpirun``), no mocks.
 """
 
-import gzip
-import json
 import sys
 import time
 
@@ -18,6 +16,7 @@ from tests.helpers import (
     read_losses,
     read_metrics,
     run,
+    traced_steps,
     train_cmd,
 )
 
@@ -68,9 +67,7 @@ def test_topology_invariance(reference, two_by_two):
     assert sorted(int(p.name) for p in (wd / "checkpoints").iterdir()) == [4, 8, 12, 16, 20]
     # log.profile_steps=2:3: a whole trace of step 2 from each process, in its own folder
     for process in (0, 1):
-        (trace,) = (wd / "profile" / f"process_{process}").rglob("*.trace.json.gz")
-        events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
-        assert [e["args"]["step_num"] for e in events if e.get("name") == "train"] == ["2"]
+        assert traced_steps(wd / "profile" / f"process_{process}") == [2]
 
 
 @pytest.mark.serial

@@ -1,12 +1,9 @@
 """The CLI end to end on a tiny model: outputs, metrics, checkpoints, resume, exit codes."""
 
-import gzip
-import json
-
 import pytest
 import yaml
 
-from tests.helpers import TINY, assert_losses_match, read_losses, read_metrics
+from tests.helpers import TINY, assert_losses_match, read_losses, read_metrics, traced_steps
 from tests.helpers import train as train_run
 
 
@@ -41,10 +38,8 @@ def test_train_writes_outputs(tmp_path):
     assert sorted(int(p.name) for p in (wd / "checkpoints").iterdir()) == [3, 6]
     assert list((wd / "tensorboard").glob("events.out.tfevents.*"))
     # log.profile_steps=2:4: steps 2 and 3 traced, each marked with its number
-    trace = next((wd / "profile").rglob("*.trace.json.gz"))
-    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
-    marked = [e["args"]["step_num"] for e in events if e.get("name") == "train"]
-    assert marked == ["2", "3"] and "jddp: profile of steps 2..3" in out.stdout
+    assert traced_steps(wd / "profile") == [2, 3]
+    assert "jddp: profile of steps 2..3" in out.stdout
     assert "jddp: summary" in out.stdout and "img/s on 1 devices" in out.stdout
     assert not (wd / ".jddp.lock").exists()  # released at the end
 

@@ -1,7 +1,6 @@
 """Runs that must not lose work or report a false success: starting over, rerunning a finished
 run, changed configs on resume, every step skipped, Ctrl-C."""
 
-import gzip
 import importlib
 import json
 import os
@@ -37,6 +36,7 @@ from tests.helpers import (
     run_python,
     start_training,
     steps_saved,
+    traced_steps,
     train,
     train_cmd,
     wait_for,
@@ -125,9 +125,7 @@ def test_ctrl_c_saves_like_sigterm(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
     stopped = int(out.split("preempted at step ")[1].split()[0])
     assert steps_saved(wd)[-1] == stopped and not (wd / ".jddp.lock").exists()
-    (trace,) = (wd / "profile").rglob("*.trace.json.gz")
-    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
-    marked = [int(e["args"]["step_num"]) for e in events if e.get("name") == "train"]
+    marked = traced_steps(wd / "profile")
     assert marked == list(range(2, stopped + 1)), (marked, stopped)
     assert f"profile of steps 2..{stopped} (the run ended there)" in out
 

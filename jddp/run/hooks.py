@@ -257,7 +257,7 @@ class Profiler:
 
     def after(self, step: int, metrics: Metrics) -> None:
         """Stop once step ``b - 1`` has finished."""
-        if self.range and self.first is not None and step >= self.range[1] - 1:
+        if self.first is not None and step >= self.range[1] - 1:
             jax.block_until_ready(metrics)
             jax.profiler.stop_trace()
             self.console.say(f"jddp: profile of steps {self.first}..{step} in {self.folder}")
