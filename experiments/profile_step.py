@@ -11,7 +11,10 @@ one-process gloo group, so no communication either) under ``torch.profiler``. Ev
 time (XLA:CPU's op spans, which do not nest; PyTorch's self time) is put in a category; the
 table and ``results/profile-<date>-<machine>.json`` give ms per step. The "1.2× budget" row
 is PyTorch's step over 1.2: what jddp's whole step would have to fit in to be 1.2× PyTorch
-(issue 22's goal).
+(issue 22's goal). A second table puts the convolutions' rate (the model's convolution FLOPs,
+:func:`benchlib.train_step_flops`, over their time) beside what the same core reaches on a large
+float32 matmul in each framework: how much faster any convolution kernel could still be (the
+nominal clock's vector peak is no ceiling: turbo clocks let PyTorch's matmul pass it).
 """
 
 from __future__ import annotations
@@ -129,6 +132,38 @@ def profile_torch(args) -> dict:
     return {"ms": dict(ms), "untraced_step_s": times[1 : args.warmup], "torch": torch.__version__}
 
 
+def matmul_gflops(size: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """GFLOP/s of a ``size``-square float32 matmul on this process's core, best of ``repeats``,
+    in JAX (XLA:CPU) and in PyTorch (one thread): a practical ceiling for dense float32 work."""
+    import time
+
+    import numpy as np
+    import torch
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    flop = 2 * size**3
+    a, b = np.random.default_rng(0).standard_normal((2, size, size), dtype=np.float32)
+
+    def best(call) -> float:
+        call()  # compiles / warms
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        return flop / min(times) / 1e9
+
+    dot = jax.jit(jax.numpy.dot)
+    ja, jb = jax.device_put(a), jax.device_put(b)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    return {
+        "jax": best(lambda: dot(ja, jb).block_until_ready()),
+        "torch": best(lambda: torch.mm(ta, tb)),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -147,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="jddp-profile-") as tmp:
         jddp = profile_jddp(args, Path(tmp))
     peer = profile_torch(args)
+    figures = benchlib.model_figures("resnet18", "cifar", 64, 10, 32)
+    conv_gflop = benchlib.train_step_flops(figures, args.batch) / 1e9
+    matmul = matmul_gflops()
+    machine = benchlib.machine_info(args.machine)
     budget_ms = sum(peer["ms"].values()) / 1.2
 
     print(f"ms per step, ResNet-18 CIFAR float32, batch {args.batch}, one core (CPU {args.cpu})")
@@ -154,23 +193,35 @@ def main(argv: list[str] | None = None) -> int:
     for cat in CATEGORIES:
         print(f"| {cat} | {jddp['ms'].get(cat, 0):,.0f} | {peer['ms'].get(cat, 0):,.0f} |")
     print(f"| **sum** | {sum(jddp['ms'].values()):,.0f} | {sum(peer['ms'].values()):,.0f} |")
-    conv_ms = jddp["ms"].get("conv forward", 0) + jddp["ms"].get("conv backward", 0)
+    conv_ms_each = [
+        r["ms"].get("conv forward", 0) + r["ms"].get("conv backward", 0) for r in (jddp, peer)
+    ]
+    conv_ms = conv_ms_each[0]
     print(f"| 1.2× budget (PyTorch's sum / 1.2) | {budget_ms:,.0f} | |")
     print(f"| jddp's convolutions alone | {conv_ms:,.0f} | |")
     untraced = [statistics.median(r["untraced_step_s"]) * 1000 for r in (jddp, peer)]
     print("| untraced steps before (median) | {:,.0f} | {:,.0f} |".format(*untraced))
 
+    conv_rate = [conv_gflop / (ms / 1000) for ms in conv_ms_each]
+    print(f"\nGFLOP/s on the same core ({conv_gflop:,.0f} GFLOP of convolutions a step)")
+    print("| | jddp (XLA:CPU) | PyTorch (oneDNN) |\n|---|---:|---:|")
+    print("| convolutions, forward + backward | {:,.0f} | {:,.0f} |".format(*conv_rate))
+    print(f"| float32 matmul 2048² | {matmul['jax']:,.0f} | {matmul['torch']:,.0f} |")
+
     result = {
-        "machine": benchlib.machine_info(args.machine),
+        "machine": machine,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "batch": args.batch, "cpu": args.cpu, "warmup": args.warmup, "steps": args.steps,
         "jddp": jddp, "torch": peer, "budget_1_2x_ms": budget_ms, "jddp_conv_ms": conv_ms,
+        "conv_gflop_per_step": conv_gflop,
+        "conv_gflops": {"jddp": conv_rate[0], "torch": conv_rate[1]},
+        "matmul_2048_gflops": matmul,
     }  # fmt: skip
-    machine = result["machine"]["name"] + ("-quick" if args.quick else "")
+    name = machine["name"] + ("-quick" if args.quick else "")
     if args.out:
         benchlib.write_json(args.out, result)
     else:
-        benchlib.save_result("profile", machine, result)
+        benchlib.save_result("profile", name, result)
     return 0
 
 
