@@ -7,7 +7,9 @@
 
 jddp is measured through its trainer: ``python -m jddp.train`` (``jddp-1x1``), under ``python
 -m jddp.launch --nproc P --devices-per-proc D`` (``jddp-PxD``, gloo collectives on CPU) or under
-``mpirun -np P`` with ``dist.backend=mpi`` (``jddp-mpi-PxD``), on synthetic images, reading the
+``mpirun -np P`` with ``dist.backend=mpi`` (``jddp-mpi-PxD``) or as the tasks of ``srun -N1 -n P
+--cpus-per-task=C`` (``jddp-srun-Px1``, a SLURM on this machine: scripts/slurm_local.sh), on
+synthetic images, reading the
 step times the trainer logs itself (``train/step_time_s`` with ``log.every_steps=1``,
 ``train/compile_s``, ``perf/input_wait_fraction``; :func:`benchlib.run_trainer`). PyTorch is
 ``experiments/peers/torch_ddp.py`` (``torch-ddp-PxT``: P processes x T threads; on GPU
@@ -62,14 +64,15 @@ PRESETS = {
 QUICK = dict(configs="jddp-1x1,torch-ddp-1x1", dtypes="float32", rounds=1, steps_per_round=1,
              warmup=1, width=8, image_size=8, global_batch=8)  # fmt: skip
 CONFIG_RE = re.compile(
-    r"^(jddp|jddp-mpi|torch-ddp)-(\d+)x(\d+)((?:-(?:1t|pin|noynnconv|xladefaults|compile))*)$"
+    r"^(jddp|jddp-mpi|jddp-srun|torch-ddp)-(\d+)x(\d+)((?:-(?:1t|pin|noynnconv|xladefaults|compile))*)$"
 )
 
 
 def pin_and_exec(argv: list[str]) -> None:
     """``bench.py --_pin -- CMD...``: pin this rank (``JDDP_PROCESS_ID`` from ``jddp.launch``,
-    ``PMI_RANK`` from MPICH) to one CPU, then become ``CMD``."""
-    rank = int(os.environ.get("JDDP_PROCESS_ID") or os.environ.get("PMI_RANK") or 0)
+    ``PMI_RANK`` from MPICH, ``SLURM_PROCID`` from srun) to one CPU, then become ``CMD``."""
+    env = os.environ
+    rank = int(env.get("JDDP_PROCESS_ID") or env.get("PMI_RANK") or env.get("SLURM_PROCID") or 0)
     os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     os.execv(argv[0], argv)
 
@@ -79,7 +82,7 @@ def parse_config(name: str, platform: str) -> dict:
     m = CONFIG_RE.match(name)
     if not m:
         raise ValueError(
-            f"bad config {name!r}: expected jddp-PxD, jddp-mpi-PxD or torch-ddp-PxT "
+            f"bad config {name!r}: expected jddp-PxD, jddp-mpi-PxD, jddp-srun-Px1 or torch-ddp-PxT "
             "[-pin] [-1t] [-noynnconv] [-xladefaults] [-compile]"
         )
     framework = "torch" if m.group(1) == "torch-ddp" else "jddp"
@@ -90,9 +93,13 @@ def parse_config(name: str, platform: str) -> dict:
         raise ValueError(f"{name!r}: -compile (torch.compile) is for torch-ddp only")
     if framework == "torch" and platform == "gpu" and int(m.group(3)) != 1:
         raise ValueError(f"{name!r}: on GPU each PyTorch process drives one GPU (use -Px1)")
+    if m.group(1) == "jddp-srun" and int(m.group(3)) != 1:
+        raise ValueError(f"{name!r}: srun runs one device per task (use -Px1)")
     backend = "mpi" if m.group(1) == "jddp-mpi" else "xla"
-    return dict(name=name, framework=framework, backend=backend, nproc=int(m.group(2)),
-                per_proc=int(m.group(3)), variants=sorted(variants))  # fmt: skip
+    launcher = "srun" if m.group(1) == "jddp-srun" else "jddp.launch"
+    return dict(name=name, framework=framework, backend=backend, launcher=launcher,
+                nproc=int(m.group(2)), per_proc=int(m.group(3)),
+                variants=sorted(variants))  # fmt: skip
 
 
 def jddp_env(spec: dict, platform: str) -> dict[str, str]:
@@ -116,7 +123,8 @@ def run_jddp(spec: dict, work: dict, args, workdir: Path, cache: Path) -> dict:
     pin = (sys.executable, str(HERE), "--_pin", "--") if "pin" in spec["variants"] else ()
     run = benchlib.run_trainer(
         workdir, overrides, nproc=spec["nproc"], devices=spec["per_proc"],
-        backend=spec["backend"], wrap=pin, env=jddp_env(spec, args.platform),
+        backend=spec["backend"], wrap=pin, launcher=spec["launcher"],
+        env=jddp_env(spec, args.platform),
         skip_steps=args.warmup, check=False,
     )  # fmt: skip
     if "error" not in run:

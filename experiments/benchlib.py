@@ -214,14 +214,21 @@ def trainer_command(
     devices: int = 1,
     backend: str = "xla",
     wrap: tuple[str, ...] = (),
+    launcher: str = "jddp.launch",
 ) -> list[str]:
     """``python -m jddp.train <overrides> workdir=...``, as one process, under ``python -m
-    jddp.launch --nproc P --devices-per-proc D`` (``backend="xla"``, P or D > 1) or under
-    ``mpirun -np P`` with ``dist.backend=mpi``. ``wrap``: a command each rank is started
-    through (e.g. ``bench.py``'s CPU pinning)."""
+    jddp.launch --nproc P --devices-per-proc D`` (``backend="xla"``, P or D > 1), under
+    ``srun -N1 -n P --cpus-per-task=C`` (``launcher="srun"``, one device per task, C: this
+    machine's cores over P) or under ``mpirun -np P`` with ``dist.backend=mpi``. ``wrap``: a
+    command each rank is started through (e.g. ``bench.py``'s CPU pinning)."""
     train = [*wrap, sys.executable, "-m", "jddp.train", *overrides, f"workdir={workdir}"]
     if backend == "mpi":
         return [mpirun(), "-np", str(nproc), *train, "dist.backend=mpi"]
+    if launcher == "srun":
+        if devices != 1:
+            raise ValueError("srun runs one device per task (devices=1)")
+        cores = max(1, len(os.sched_getaffinity(0)) // nproc)
+        return ["srun", "-N1", "-n", str(nproc), f"--cpus-per-task={cores}", *train]
     if nproc > 1 or devices > 1:
         launch = [sys.executable, "-m", "jddp.launch", "--nproc", str(nproc)]
         return [*launch, "--devices-per-proc", str(devices), "--", *train]
@@ -236,6 +243,7 @@ def run_trainer(
     devices: int = 1,
     backend: str = "xla",
     wrap: tuple[str, ...] = (),
+    launcher: str = "jddp.launch",
     env: dict[str, str] | None = None,
     skip_steps: int = 0,
     check: bool = True,
@@ -253,7 +261,7 @@ def run_trainer(
     if backend == "mpi" and devices > 1:  # jddp.launch sets this itself for its ranks
         flags = env.get("XLA_FLAGS", "")
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
-    cmd = trainer_command(workdir, overrides, nproc, devices, backend, wrap)
+    cmd = trainer_command(workdir, overrides, nproc, devices, backend, wrap, launcher)
     workdir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:

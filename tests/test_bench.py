@@ -7,6 +7,7 @@ none: the PyTorch peer is skipped by ``--quick``).
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,13 @@ def test_configs_and_ratios():
             bench.parse_config(bad, "cpu")
     with pytest.raises(ValueError, match="one GPU"):
         bench.parse_config("torch-ddp-1x2", "gpu")
+    spec = bench.parse_config("jddp-srun-2x1", "cpu")
+    assert (spec["backend"], spec["launcher"], spec["nproc"]) == ("xla", "srun", 2)
+    with pytest.raises(ValueError, match="one device per task"):
+        bench.parse_config("jddp-srun-2x2", "cpu")
+    assert benchlib.trainer_command(Path("w"), [], 2, launcher="srun")[:5] == [
+        "srun", "-N1", "-n", "2", f"--cpus-per-task={max(1, len(os.sched_getaffinity(0)) // 2)}"
+    ]  # fmt: skip
 
     def rec(name, step_s):
         return {**bench.parse_config(name, "cpu"), "dtype": "float32", "img_per_s": 256 / step_s}
