@@ -66,6 +66,12 @@ MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCA
 def require_mpi_launch() -> None:
     """``ConfigError`` unless this process was started by ``mpirun`` and mpi4py/mpi4jax import."""
     if not any(v in os.environ for v in MPI_RANK_VARIABLES):
+        if "SLURM_PROCID" in os.environ:  # srun without a PMI plugin: MPI sees no peers
+            raise ConfigError(
+                "dist.backend=mpi needs an MPI launch: under SLURM run it as "
+                "'srun --mpi=pmi2 ... python -m jddp.train ... dist.backend=mpi' "
+                "(or use dist.backend=xla, which srun alone starts)"
+            )
         raise ConfigError(
             "dist.backend=mpi needs an MPI launch: run it as "
             "'mpirun -np N python -m jddp.train ... dist.backend=mpi' "

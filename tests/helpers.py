@@ -206,3 +206,18 @@ def toy_source(n=50, classes=7):
         std=np.ones(1, np.float32),
         name="toy",
     )
+
+
+# Run as `python -c THREADS_PROBE` by a launcher: jddp sizes the process as the CLI does, XLA:CPU
+# starts; prints the cores pinned, XLA's compute (Eigen) threads, the input workers' share and
+# the affinity.
+THREADS_PROBE = """
+import collections, os, sys
+from jddp.xla_setup import size_cpu_threads
+pinned = size_cpu_threads(None)
+import jax, jax.numpy as jnp
+x = jnp.ones((256, 256)); (x @ x).block_until_ready()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+eigen = sum(n.startswith("tf_XLAEigen") for n in names)
+print(len(pinned), eigen, os.environ.get("JDDP_CPU_THREADS"), sorted(os.sched_getaffinity(0)))
+"""

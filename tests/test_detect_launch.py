@@ -4,7 +4,7 @@ launcher is imitated by the environment variables it sets (nothing is joined).""
 import pytest
 
 from jddp.config import ConfigError, DistConfig
-from jddp.distributed import Launch, detect_launch
+from jddp.distributed import MPI_RANK_VARIABLES, Launch, detect_launch, require_mpi_launch
 
 # every variable detect_launch reads, cleared before each test so the host's own (a CI job under
 # SLURM, say) cannot leak in
@@ -138,3 +138,18 @@ def test_slurm_wins_over_the_mpi_variables_it_also_sets(env):
     # srun --mpi=pmi2 sets PMI_SIZE/PMI_RANK as well as SLURM_*: SLURM's detection is used
     env(SLURM_NTASKS="2", SLURM_PROCID="0", PMI_SIZE="2", PMI_RANK="0")
     assert detect_launch(DistConfig()) == Launch("slurm")
+
+
+def test_mpi_backend_needs_mpi_rank_variables(env, monkeypatch):
+    """dist.backend=mpi checks its launch before MPI starts: a plain process is told to use
+    mpirun, a task of plain `srun` (no PMI plugin, so MPI would see one rank) `srun --mpi=pmi2`;
+    pmi2 and mpirun set PMI_RANK, which is enough."""
+    for name in MPI_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=r"'mpirun -np N python -m jddp.train"):
+        require_mpi_launch()
+    env(SLURM_NTASKS="2", SLURM_PROCID="1")
+    with pytest.raises(ConfigError, match=r"under SLURM run it as 'srun --mpi=pmi2 "):
+        require_mpi_launch()
+    env(PMI_RANK="1", PMI_SIZE="2")
+    require_mpi_launch()

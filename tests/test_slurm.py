@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    THREADS_PROBE,
     TINY_SYNC,
     assert_losses_match,
     read_losses,
@@ -78,6 +79,27 @@ def straight(cluster, tmp_path_factory):
     out = run(srun_cmd(wd, f"train.steps={STEPS}", PACED), env=SLURM_ENV, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return wd, out
+
+
+def test_srun_tasks_compute_on_the_cores_slurm_gave_them(cluster):
+    """`srun -n2 --cpus-per-task=1` without CPU binding (task/none: both tasks may run on every
+    core) and without --ntasks-per-node: each task still pins itself to one core of its own and
+    XLA:CPU starts one compute thread; the input workers get the same share."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("needs 2 cores")
+    out = run(["srun", "-N1", "-n2", "--cpus-per-task=1", "--immediate=120", "--label",
+               sys.executable, "-c", THREADS_PROBE], env={**SLURM_ENV, "JAX_PLATFORMS": "cpu"},
+              timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    tasks = dict(line.split(": ", 1) for line in out.stdout.strip().splitlines())
+    assert sorted(tasks) == ["0", "1"], out.stdout
+    seen = []
+    for line in tasks.values():
+        pinned, eigen, workers, affinity = line.split(maxsplit=3)
+        assert (pinned, eigen, workers) == ("1", "1", "1"), out.stdout
+        seen.append(affinity)
+    assert seen[0] != seen[1], out.stdout
 
 
 def test_srun_two_tasks_log_the_losses_of_one_process(straight, tmp_path):

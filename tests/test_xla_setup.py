@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from jddp import xla_setup
+from jddp.data.pipeline import cores_per_process, slurm_step_tasks_here
 from jddp.xla_setup import CPU_CONV_OFF_YNNPACK, YNN_FLAG, apply_cpu_flags
-from tests.helpers import run_python
+from tests.helpers import THREADS_PROBE, run_python
 
 
 def test_cpu_flag_is_added_on_cpu_once():
@@ -39,18 +40,6 @@ def test_the_flag_is_only_used_where_xla_knows_it(monkeypatch):
     assert not xla_setup._xla_knows("--xla_cpu_no_such_flag_in_any_release")
     monkeypatch.setattr(xla_setup, "_xla_knows", lambda flag: False)
     assert apply_cpu_flags({"JAX_PLATFORMS": "cpu"}) == []
-
-
-THREADS_PROBE = """
-import collections, os, sys
-from jddp.xla_setup import size_cpu_threads
-pinned = size_cpu_threads(None)
-import jax, jax.numpy as jnp
-x = jnp.ones((256, 256)); (x @ x).block_until_ready()
-names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-eigen = sum(n.startswith("tf_XLAEigen") for n in names)
-print(len(pinned), eigen, os.environ.get("JDDP_CPU_THREADS"), sorted(os.sched_getaffinity(0)))
-"""
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to divide")
@@ -95,3 +84,49 @@ def test_train_compilation_cache_dir_is_where_jax_caches(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     folder = str(tmp_path / "jddp-cache-probe")
     assert out.stdout.split() == [folder, folder, "0.5"]
+
+
+SLURM_STEP_2_TASKS = {"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0"}
+
+
+@pytest.mark.parametrize(
+    ("environ", "tasks"),
+    [
+        (SLURM_STEP_2_TASKS, 2),  # srun -n2: no SLURM_NTASKS_PER_NODE unless the job asked it
+        ({**SLURM_STEP_2_TASKS, "SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}, 3),
+        ({**SLURM_STEP_2_TASKS, "SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "1"}, 4),
+        ({"SLURM_STEP_ID": "0", "SLURM_NTASKS_PER_NODE": "4"}, 4),  # an older srun's spelling
+        ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_TASKS_PER_NODE": "4"}, None),  # the batch script
+        ({}, None),
+    ],
+)
+def test_slurm_step_tasks_on_this_node(environ, tasks):
+    assert slurm_step_tasks_here(environ) == tasks
+
+
+@pytest.mark.parametrize(
+    ("environ", "share"),
+    [
+        ({}, 16),  # one process owns its affinity
+        (SLURM_STEP_2_TASKS, 8),  # two srun tasks on the node divide it
+        ({**SLURM_STEP_2_TASKS, "SLURM_CPUS_PER_TASK": "3"}, 3),  # srun -c3 without binding
+        ({"SLURM_CPUS_PER_TASK": "3", "SLURM_TASKS_PER_NODE": "2"}, 16),  # batch script: 1 process
+        ({"JDDP_LOCAL_RANK": "0", "JDDP_NUM_PROCESSES": "4", "SLURM_CPUS_PER_TASK": "3"}, 4),
+        ({"MPI_LOCALNRANKS": "2", **SLURM_STEP_2_TASKS, "SLURM_CPUS_PER_TASK": "1"}, 8),
+    ],
+)
+def test_cores_each_process_owns(monkeypatch, environ, share):
+    """A 16-core affinity (no launcher binding), divided as the launcher says: under srun the
+    step's tasks on this node, at most --cpus-per-task each; a process that jddp.launch or mpirun
+    (also inside salloc, where the SLURM variables belong to the launcher's task) started is one
+    of their local processes."""
+    names = ("JDDP_CPU_THREADS", "JDDP_LOCAL_RANK", "JDDP_NUM_PROCESSES", "MPI_LOCALNRANKS",
+             "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_STEP_ID", "SLURM_STEP_TASKS_PER_NODE",
+             "SLURM_NODEID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+             "SLURM_CPUS_PER_TASK")  # fmt: skip
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert cores_per_process() == share

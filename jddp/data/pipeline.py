@@ -12,8 +12,9 @@ whatever the number or kind of workers.
 from __future__ import annotations
 
 import os
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -27,18 +28,48 @@ __all__ = ["WORKER_KINDS", "HostBatches", "default_workers", "eval_rows", "host_
 WORKER_KINDS: tuple[str, ...] = ("thread", "process")
 
 _QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
-_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+def slurm_step_tasks_here(environ: Mapping[str, str] | None = None) -> int | None:
+    """Tasks of this SLURM job step on this node, or None outside a step.
+
+    ``srun`` writes them per node in ``SLURM_STEP_TASKS_PER_NODE`` ("2", "4(x2),3": two nodes
+    of 4 then one of 3), indexed by ``SLURM_NODEID``; ``SLURM_NTASKS_PER_NODE`` is set only when
+    the job asked ``--ntasks-per-node``. The batch script itself (no step) gets None: it is one
+    process whatever the job's task count."""
+    env = os.environ if environ is None else environ
+    counts: list[int] = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if match is None:
+            counts = []
+            break
+        counts += [int(match[1])] * int(match[2] or 1)
+    node = env.get("SLURM_NODEID", "0")
+    if counts and node.isdigit() and int(node) < len(counts):
+        return counts[int(node)]
+    if "SLURM_STEP_ID" in env:
+        text = env.get("SLURM_NTASKS_PER_NODE", "")
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return None
+
+
+def _launcher_local_count() -> int | None:
+    """Processes on this machine as jddp.launch or mpirun (also inside ``salloc``) say."""
+    if os.environ.get("JDDP_LOCAL_RANK") is not None:  # jddp.launch: one machine
+        return max(1, int(os.environ.get("JDDP_NUM_PROCESSES", "1")))
+    for var in _LOCAL_SIZE_VARS:
+        text = os.environ.get(var, "")
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return None
 
 
 def local_process_count() -> int:
     """Processes of this job on this machine, as far as the launcher tells (else 1)."""
-    if os.environ.get("JDDP_LOCAL_RANK") is not None:  # jddp.launch: one machine
-        return max(1, int(os.environ.get("JDDP_NUM_PROCESSES", "1")))
-    for var in _LOCAL_SIZE_VARS:
-        text = os.environ.get(var, "").split("(")[0]  # SLURM writes e.g. "4(x2)"
-        if text.isdigit() and int(text) > 0:
-            return int(text)
-    return 1
+    return _launcher_local_count() or slurm_step_tasks_here() or 1
 
 
 CPU_THREADS_VAR = "JDDP_CPU_THREADS"  # set once jddp has sized this process (xla_setup)
@@ -51,7 +82,14 @@ def cores_per_process() -> int:
     pinned = os.environ.get(CPU_THREADS_VAR, "")
     if pinned.isdigit() and int(pinned) > 0:
         return int(pinned)
-    return max(1, len(os.sched_getaffinity(0)) // local_process_count())
+    share = max(1, len(os.sched_getaffinity(0)) // local_process_count())
+    # A task of srun without CPU binding (TaskPlugin=task/none) sees every core of the node in
+    # its affinity but owns only --cpus-per-task of them: other jobs may run on the rest.
+    allocated = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    is_slurm_task = _launcher_local_count() is None and slurm_step_tasks_here() is not None
+    if is_slurm_task and allocated.isdigit() and int(allocated) > 0:
+        share = min(share, int(allocated))
+    return share
 
 
 def default_workers() -> int:
