@@ -147,7 +147,8 @@ class DistConfig:
     cpu_threads: int | None = _f(
         None,
         "CPU: cores each process computes on (XLA's thread pool; the process is pinned to "
-        "them); null: its CPU affinity divided among this machine's processes",
+        "them); null: its CPU affinity divided among this machine's processes (under srun at "
+        "most --cpus-per-task)",
     )
     init_timeout_s: int = _f(300, "seconds to wait for all processes to join at start")
     heartbeat_timeout_s: int = _f(
