@@ -162,3 +162,31 @@ def test_a_resume_sets_aside_a_checkpoint_whose_config_is_damaged(run_copy, capf
     err = capfd.readouterr().err
     assert f"checkpoint {run_copy}/checkpoints/4 is damaged: its config cannot be read" in err
     assert [p.name.split("-")[0] for p in (run_copy / "checkpoints-damaged").iterdir()] == ["4"]
+
+
+def test_late_failed_reads_of_a_damaged_checkpoint_stay_off_stderr(caplog):
+    """A restore that failed leaves orbax's other reads behind; on a loaded machine they fail
+    too and asyncio reports each as "Task exception was never retrieved" with a traceback
+    (seen in tests/test_bad_input.py's all-damaged run, 2 of 12 times with both cores busy).
+    jddp drops exactly those reports of orbax's coroutines; asyncio's others still show."""
+    import asyncio
+    import gc
+
+    from jddp.checkpoint import _silence_late_read_callbacks
+
+    _silence_late_read_callbacks()
+    scope: dict = {}
+    source = "async def async_deserialize():\n    raise ValueError('OUT_OF_RANGE: damaged')\n"
+    exec(compile(source, "/site-packages/orbax/checkpoint/serialization.py", "exec"), scope)
+    exec(compile(source.replace("async_deserialize", "user_read"), "/work/mine.py", "exec"), scope)
+
+    async def leave_failed_tasks():
+        for coro in (scope["async_deserialize"](), scope["user_read"]()):
+            asyncio.get_running_loop().create_task(coro)
+        await asyncio.sleep(0)  # both run and fail; nobody awaits them
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(leave_failed_tasks())
+        gc.collect()  # asyncio reports an unretrieved exception when its task is collected
+    reports = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert len(reports) == 1 and "user_read" in reports[0], reports
