@@ -67,15 +67,13 @@ def require_mpi_launch() -> None:
     """``ConfigError`` unless this process was started by ``mpirun`` and mpi4py/mpi4jax import."""
     if not any(v in os.environ for v in MPI_RANK_VARIABLES):
         if "SLURM_PROCID" in os.environ:  # srun without a PMI plugin: MPI sees no peers
-            raise ConfigError(
-                "dist.backend=mpi needs an MPI launch: under SLURM run it as "
-                "'srun --mpi=pmi2 ... python -m jddp.train ... dist.backend=mpi' "
-                "(or use dist.backend=xla, which srun alone starts)"
-            )
+            how = "under SLURM run it as 'srun --mpi=pmi2 ... python -m jddp.train ..."
+            other = "dist.backend=xla, which srun alone starts"
+        else:
+            how = "run it as 'mpirun -np N python -m jddp.train ..."
+            other = "dist.backend=xla with python -m jddp.launch"
         raise ConfigError(
-            "dist.backend=mpi needs an MPI launch: run it as "
-            "'mpirun -np N python -m jddp.train ... dist.backend=mpi' "
-            "(or use dist.backend=xla with python -m jddp.launch)"
+            f"dist.backend=mpi needs an MPI launch: {how} dist.backend=mpi' (or use {other})"
         )
     try:
         import mpi4jax  # noqa: F401

@@ -67,27 +67,24 @@ def _launcher_local_count() -> int | None:
     return None
 
 
-def local_process_count() -> int:
-    """Processes of this job on this machine, as far as the launcher tells (else 1)."""
-    return _launcher_local_count() or slurm_step_tasks_here() or 1
-
-
 CPU_THREADS_VAR = "JDDP_CPU_THREADS"  # set once jddp has sized this process (xla_setup)
 
 
 def cores_per_process() -> int:
     """The cores this process owns: the ones its CPU affinity allows (SLURM, taskset, mpirun
-    binding set it), divided among the job's processes on this machine; once
-    :func:`jddp.xla_setup.size_cpu_threads` has pinned the process, the number it pinned."""
+    binding set it), divided among the job's processes on this machine (as jddp.launch, mpirun
+    or srun say, else 1); once :func:`jddp.xla_setup.size_cpu_threads` has pinned the process,
+    the number it pinned."""
     pinned = os.environ.get(CPU_THREADS_VAR, "")
     if pinned.isdigit() and int(pinned) > 0:
         return int(pinned)
-    share = max(1, len(os.sched_getaffinity(0)) // local_process_count())
+    local = _launcher_local_count()
+    slurm_tasks = None if local else slurm_step_tasks_here()
+    share = max(1, len(os.sched_getaffinity(0)) // (local or slurm_tasks or 1))
     # A task of srun without CPU binding (TaskPlugin=task/none) sees every core of the node in
     # its affinity but owns only --cpus-per-task of them: other jobs may run on the rest.
     allocated = os.environ.get("SLURM_CPUS_PER_TASK", "")
-    is_slurm_task = _launcher_local_count() is None and slurm_step_tasks_here() is not None
-    if is_slurm_task and allocated.isdigit() and int(allocated) > 0:
+    if slurm_tasks is not None and allocated.isdigit() and int(allocated) > 0:
         share = min(share, int(allocated))
     return share
 
