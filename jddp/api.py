@@ -6,6 +6,7 @@ preemption) goes through the same trainer; ``fit`` only swaps in the pieces you 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,9 @@ from flax import nnx
 
 from jddp import config as config_lib
 from jddp import distributed
-from jddp.build import Parts
+from jddp.build import Parts, user_splits
 from jddp.config import Config
-from jddp.data.source import Splits, as_source
+from jddp.data.source import as_source  # noqa: F401 - jddp.as_source
 from jddp.run.trainer import RunResult, train_and_evaluate
 
 ConfigLike = Config | dict[str, Any] | str | Path | None
@@ -35,7 +36,7 @@ def load_config(config: ConfigLike = None, overrides: Iterable[str] = ()) -> Con
         return config_lib.load(config, list(overrides))
     else:
         base = {}
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    data = copy.deepcopy(base)  # overrides must not write into the caller's dicts
     for text in overrides:
         key, value = config_lib.parse_override(text)
         config_lib.set_dotted(data, key, value)
@@ -58,6 +59,8 @@ def fit(
     train_data: Any = None,
     eval_data: Any = None,
     *,
+    loss: Callable[[nnx.Module, Any], Any] | None = None,
+    metrics: Callable[[nnx.Module, Any], dict[str, Any]] | None = None,
     loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     metrics_fn: Callable[[jax.Array, jax.Array], dict[str, jax.Array]] | None = None,
     config: ConfigLike = None,
@@ -69,33 +72,53 @@ def fit(
     and is ``result.model``); ``jddp.load(result.checkpoint_dir, model=...)`` gets them back
     later.
 
-    Args:
-      model: any Flax NNX module mapping images ``[B,H,W,C]`` to logits ``[B,K]`` (with or
-        without BatchNorm, dropout or other mutable ``nnx.Variable`` state, all of which is
-        carried between steps and checkpointed); build it identically on every process (same
-        seed).
-      optimizer: any optax transformation (default: the config's ``optim`` section).
-      train_data, eval_data: see :func:`as_source`: ``(images, labels)`` arrays, a list or
-        iterable of such batches, a Source or a record source (default: the config's ``data``
-        section; without ``eval_data`` the train data is evaluated). Labels are class indices.
-      loss_fn: ``(logits_BxK, labels_B) -> loss_B`` (default: softmax cross-entropy).
-      metrics_fn: ``(logits_BxK, labels_B) -> {name: value_B}``, logged as ``train/<name>``.
-      config: a :class:`~jddp.config.Config`, a nested dict, a YAML path or None; ``overrides``
-        are dotted ``key=value`` strings, as on the command line. ``train.steps``,
-        ``data.global_batch_size``, ``workdir`` and the ``checkpoint``/``log``/``dist`` keys
-        apply as in the CLI (rerunning with the same workdir resumes).
+    **Any task** (``loss`` given): ``loss(model, batch)`` gets the model (train mode) and this
+    device's slice of a batch pytree and returns per-example losses ``[B]``, or ``(loss_B,
+    weight_B)``; the objective, and the logged ``train/loss``, is ``Σ w·loss / Σ w`` over the
+    global batch (w = 1 by default: a language model's weights are its tokens per sequence),
+    the same on every topology. ``metrics(model, batch)`` returns ``{name: value_B}`` or
+    ``{name: (value_B, weight_B)}``, logged as ``train/<name>`` and ``eval/<name>``;
+    ``eval/loss`` is the weighted mean loss over every eval example exactly once. Data: a
+    pytree of arrays with a leading example axis (a dict, a tuple, nested), a list or
+    random-access source (``len`` + ``[i]``, e.g. a grain ``MapDataset``) of examples without
+    it, an iterator of batches, or an object with ``get_batch(indices)``
+    (:mod:`jddp.data.trees`).
+
+    **Image classification** (no ``loss``): ``model`` maps images ``[B,H,W,C]`` to logits
+    ``[B,K]``; data as :func:`as_source` takes it (``(images, labels)`` arrays, a list or
+    iterable of such batches, a Source or a record source; labels are class indices);
+    ``loss_fn(logits_BxK, labels_B) -> loss_B`` (default: softmax cross-entropy) and
+    ``metrics_fn(logits_BxK, labels_B) -> {name: value_B}``; accuracy and top-5 are logged.
+
+    Either way: the model may hold BatchNorm, dropout or other mutable ``nnx.Variable`` state,
+    all of which is carried between steps and checkpointed; build it identically on every
+    process (same seed). ``optimizer``: any optax transformation (default: the config's
+    ``optim`` section). Without ``train_data`` the config's ``data`` section is read; without
+    ``eval_data`` the train data is evaluated. ``config``: a :class:`~jddp.config.Config`, a
+    nested dict, a YAML path or None; ``overrides`` are dotted ``key=value`` strings, as on the
+    command line. ``train.steps``, ``data.global_batch_size``, ``workdir`` and the
+    ``checkpoint``/``log``/``dist`` keys apply as in the CLI (rerunning with the same workdir
+    resumes).
     """
     cfg = load_config(config, overrides)
-    splits = None
-    if train_data is not None:
-        train = as_source(train_data, None, "train", label="train_data")
-        evals = (
-            as_source(eval_data, train.num_classes, "eval", label="eval_data")
-            if eval_data is not None
-            else train
-        )
-        splits = Splits(train=train, eval=evals)
     parts = Parts(
-        model=model, optimizer=optimizer, splits=splits, loss_fn=loss_fn, metrics_fn=metrics_fn
+        model=model,
+        optimizer=optimizer,
+        loss=loss,
+        metrics=metrics,
+        loss_fn=loss_fn,
+        metrics_fn=metrics_fn,
     )
+    if loss is None and metrics is not None:
+        raise TypeError(
+            "fit: metrics= (metrics(model, batch)) belongs to a custom task: pass loss= too, or "
+            "metrics_fn=(logits, labels) for image classification"
+        )
+    if loss is not None and (loss_fn is not None or metrics_fn is not None):
+        raise TypeError(
+            "fit: loss= (any task) and loss_fn=/metrics_fn= (the classification shorthand) "
+            "exclude each other; pass one form"
+        )
+    if train_data is not None:
+        parts.splits = user_splits(train_data, eval_data, parts.custom)
     return train_and_evaluate(cfg, parts)

@@ -20,12 +20,17 @@ from jddp.comm import Comm
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, batch_layout
 from jddp.data.registry import load_splits
-from jddp.data.source import Splits
-from jddp.errors import ConfigError
+from jddp.data.source import Splits, as_source
+from jddp.data.trees import as_tree_source
+from jddp.errors import ConfigError, TaskError
+from jddp.imports import import_callable
 from jddp.mesh import DTYPES, make_mesh, select_devices
 from jddp.models import get_model_factory
 from jddp.state import ModelDef
-from jddp.step import PixelNorm, TrainStep, cross_entropy_loss, make_eval_step, make_train_step
+from jddp.step import TrainStep, make_eval_step, make_train_step
+from jddp.tasks import Task
+from jddp.tasks.classification import ClassificationTask, PixelNorm, cross_entropy_loss
+from jddp.tasks.custom import CustomTask
 
 
 @dataclass
@@ -33,16 +38,69 @@ class Parts:
     """What a library user supplies instead of the config's built-in choices (all optional).
 
     ``model``: an NNX module, built identically on every process. ``optimizer``: an optax
-    transformation. ``splits``: train/eval :class:`~jddp.data.source.Source` objects.
-    ``loss_fn``: ``(logits_BxK, labels_B) -> loss_B``. ``metrics_fn``: ``(logits_BxK, labels_B)
-    -> {name: value_B}``, logged as ``train/<name>`` means over the global batch.
+    transformation. ``splits``: train/eval sources (:class:`~jddp.data.source.Source` objects
+    for images, any source of batch pytrees for a custom task). ``loss``/``metrics``: a custom
+    task, ``loss(model, batch) -> loss_B | (loss_B, weight_B)`` and ``metrics(model, batch) ->
+    {name: value_B | (value_B, weight_B)}`` (:mod:`jddp.tasks.custom`). ``loss_fn``/``metrics_fn``:
+    the classification shorthand, ``(logits_BxK, labels_B) -> loss_B`` and ``-> {name:
+    value_B}``.
     """
 
     model: nnx.Module | None = None
     optimizer: Any = None
     splits: Splits | None = None
+    loss: Any = None
+    metrics: Any = None
     loss_fn: Any = None
     metrics_fn: Any = None
+
+    @property
+    def custom(self) -> bool:
+        """Whether these parts make a custom task (``jddp.fit(loss=...)``)."""
+        return self.loss is not None
+
+
+def is_custom_task(cfg: Config, parts: Parts | None = None) -> bool:
+    """Whether the run trains a custom task (``jddp.fit(loss=...)`` or ``train.loss``) rather
+    than image classification."""
+    return (parts is not None and parts.custom) or cfg.train.loss is not None
+
+
+def _user_function(spec: str, key: str) -> Any:
+    try:
+        return import_callable(spec, "function")
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def build_task(
+    cfg: Config, parts: Parts | None = None, pixel_norm: PixelNorm | None = None
+) -> Task:
+    """The run's task: the custom one of ``jddp.fit(loss=...)`` or ``train.loss``/
+    ``train.metrics``, else image classification (``loss_fn``/``metrics_fn`` or cross-entropy
+    with ``train.label_smoothing``; images normalised by ``pixel_norm``)."""
+    parts = parts or Parts()
+    if parts.custom:
+        return CustomTask(
+            parts.loss,
+            parts.metrics,
+            loss_name="the loss given to jddp.fit",
+            metrics_name="the metrics given to jddp.fit",
+        )
+    if cfg.train.loss is not None:
+        metrics = cfg.train.metrics
+        return CustomTask(
+            _user_function(cfg.train.loss, "train.loss"),
+            None if metrics is None else _user_function(metrics, "train.metrics"),
+            loss_name=f"train.loss={cfg.train.loss}",
+            metrics_name=f"train.metrics={metrics}",
+        )
+    return ClassificationTask(
+        loss_fn=parts.loss_fn or cross_entropy_loss(cfg.train.label_smoothing),
+        metrics_fn=parts.metrics_fn,
+        compute_dtype=DTYPES[cfg.train.precision],
+        pixel_norm=pixel_norm or PixelNorm(),
+    )
 
 
 def build_model(cfg: Config, rngs: nnx.Rngs, in_channels: int = 3) -> nnx.Module:
@@ -90,8 +148,12 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
     return steps
 
 
-def load_data(cfg: Config) -> Splits:
-    """Load the data set named in ``cfg.data`` and check it against ``model.num_classes``."""
+def load_data(cfg: Config, custom: bool = False) -> Splits:
+    """Load the data set named in ``cfg.data``: a built-in one, checked against
+    ``model.num_classes``, or what a ``pkg.module:factory`` returns (as a custom task's data
+    when ``custom``, else as labelled images)."""
+    if ":" in cfg.data.name:
+        return _factory_data(cfg, custom)
     splits = load_splits(
         cfg.data.name,
         cfg.data.path,
@@ -107,10 +169,60 @@ def load_data(cfg: Config) -> Splits:
     return splits
 
 
+def _factory_data(cfg: Config, custom: bool) -> Splits:
+    """``data.name=pkg.module:factory`` called as ``fn(config=<data section>,
+    seed=train.seed)``; it returns ``(train, eval)`` (eval may be None: the train data is
+    evaluated), ``{"train": ..., "eval": ...}`` or a :class:`Splits`."""
+    key = f"data.name={cfg.data.name}"
+    try:
+        factory = import_callable(cfg.data.name, "data factory")
+    except ValueError as e:
+        raise ConfigError(f"data.name: {e}") from None
+    out = factory(config=config_lib.to_dict(cfg)["data"], seed=cfg.train.seed)
+    if isinstance(out, Splits):
+        return out
+    if isinstance(out, dict) and "train" in out:
+        train, evals = out["train"], out.get("eval")
+    elif isinstance(out, tuple) and len(out) == 2:
+        train, evals = out
+    else:
+        raise TaskError(
+            f"{key} returned a {type(out).__name__}; expected (train, eval) or "
+            '{"train": ..., "eval": ...} (eval may be None), each in a form jddp.fit takes'
+        )
+    return user_splits(train, evals, custom, who=f"{key} ")
+
+
+def user_splits(train: Any, evals: Any, custom: bool, who: str = "") -> Splits:
+    """Train and eval sources of user data (``evals`` None: the train data is evaluated):
+    batch pytrees for a custom task (:func:`~jddp.data.trees.as_tree_source`), labelled images
+    otherwise (:func:`~jddp.data.source.as_source`). Errors name ``{who}train_data`` etc."""
+    if custom:
+        train_source = as_tree_source(train, "train", label=f"{who}train_data")
+        eval_source = (
+            train_source
+            if evals is None
+            else as_tree_source(evals, "eval", label=f"{who}eval_data")
+        )
+        return Splits(train=train_source, eval=eval_source)
+    train_source = as_source(train, None, "train", label=f"{who}train_data")
+    eval_source = (
+        train_source
+        if evals is None
+        else as_source(evals, train_source.num_classes, "eval", label=f"{who}eval_data")
+    )
+    return Splits(train=train_source, eval=eval_source)
+
+
 def pipeline_options(cfg: Config) -> dict[str, Any]:
     """The input pipeline's keys of ``cfg.data`` (augmentation, host workers), as
     :class:`~jddp.data.loader.TrainBatches` and ``eval_batches`` take them."""
     return {k: getattr(cfg.data, k) for k in ("augment", "workers", "worker_kind")}
+
+
+def per_device_rows(cfg: Config, mesh: Mesh, comm: Comm) -> int:
+    """Rows of every global batch each device holds (before micro-batching)."""
+    return cfg.data.global_batch_size // (len(mesh.local_devices) * comm.process_count)
 
 
 def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
@@ -122,8 +234,7 @@ def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    num_devices = len(mesh.local_devices) * comm.process_count
-    per_device = cfg.data.global_batch_size // num_devices
+    per_device = per_device_rows(cfg, mesh, comm)
     if per_device % cfg.train.grad_accum_steps:
         raise ConfigError(
             f"train.grad_accum_steps={cfg.train.grad_accum_steps} does not divide the "
@@ -142,25 +253,18 @@ def build_steps(
     parts: Parts | None = None,
     schedule: optax.Schedule | None = None,
     pixel_norm: PixelNorm | None = None,
+    task: Task | None = None,
 ) -> tuple[TrainStep, Any]:
-    """The trainer's train and eval steps for ``cfg`` (``parts`` may replace loss/metrics)."""
-    parts = parts or Parts()
-    compute_dtype = DTYPES[cfg.train.precision]
-    pixel_norm = pixel_norm or PixelNorm()
-    loss_fn = parts.loss_fn or cross_entropy_loss(cfg.train.label_smoothing)
+    """The trainer's train and eval steps for ``cfg`` and its task (default
+    :func:`build_task` of ``cfg``, ``parts`` and ``pixel_norm``)."""
+    task = task or build_task(cfg, parts, pixel_norm)
     train_step = make_train_step(
         model_def,
         tx,
         mesh,
         comm,
-        loss_fn=loss_fn,
-        metrics_fn=parts.metrics_fn,
+        task=task,
         grad_accum_steps=cfg.train.grad_accum_steps,
-        compute_dtype=compute_dtype,
         schedule=schedule,
-        pixel_norm=pixel_norm,
     )
-    eval_step = make_eval_step(
-        model_def, mesh, loss_fn=loss_fn, compute_dtype=compute_dtype, pixel_norm=pixel_norm
-    )
-    return train_step, eval_step
+    return train_step, make_eval_step(model_def, mesh, task=task)

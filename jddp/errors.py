@@ -45,6 +45,12 @@ class DataConfigError(DataError, ConfigError):
     exit_code = BAD_INPUT
 
 
+class TaskError(ConfigError):
+    """A task's own code — a loss, a metrics function, a data factory — returned something jddp
+    cannot use (a scalar loss, the wrong shape or dtype, a clashing metric name); the message
+    names the function and what is expected (exit 2)."""
+
+
 class CheckpointError(JddpError):
     """Checkpoints exist but none can be used, or one cannot be written (exit 1)."""
 

@@ -15,18 +15,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
 
 from jddp import config as config_lib
-from jddp.build import build_mesh, build_model, load_data, pipeline_options
+from jddp import weighted
+from jddp.build import (
+    Parts,
+    build_mesh,
+    build_model,
+    build_task,
+    is_custom_task,
+    load_data,
+    pipeline_options,
+)
 from jddp.checkpoint.weights import find_checkpoint, reader, sorted_steps
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, batch_layout, eval_batches
-from jddp.data.source import Source, as_source, check_label_range
+from jddp.data.source import as_source, check_label_range, is_image_source
+from jddp.data.trees import as_tree_source
 from jddp.distributed import Job, current_job
 from jddp.errors import (
     CheckpointError,
@@ -37,11 +47,13 @@ from jddp.errors import (
     one_line,
 )
 from jddp.inference import as_model, restore_into
-from jddp.mesh import DTYPES, make_mesh, to_host
+from jddp.mesh import make_mesh, to_host
 from jddp.metrics import Console, append_metrics, describe_eval, nonfinite_eval
 from jddp.preflight import check_same_config, output_shape
 from jddp.state import TrainState, create_train_state
-from jddp.step import LossFn, PixelNorm, cross_entropy_loss, make_eval_step
+from jddp.step import make_eval_step
+from jddp.tasks import Task
+from jddp.tasks.classification import PixelNorm
 from jddp.workdir import RunFolder
 from jddp.xla_setup import enable_compilation_cache
 
@@ -50,20 +62,25 @@ from jddp.xla_setup import enable_compilation_cache
 class EvalRun:
     """An eval pass, ready to run on any state of its model: the eval step, the eval source,
     the global batch and where it runs. ``pipeline``: the input pipeline's options
-    (``augment`` picks the eval transform, e.g. imagenet's centre crop; ``workers``)."""
+    (``augment`` picks the eval transform, e.g. imagenet's centre crop; ``workers``).
+    ``weight_unit``: what a weighted loss's weights count (``log.weight_unit``), reported as
+    ``eval/<unit>``."""
 
     eval_step: Callable
-    source: Source
+    source: Any
     global_batch_size: int
     mesh: Mesh
     layout: BatchLayout
     comm: Comm
     pipeline: dict[str, Any] | None = None
+    weight_unit: str | None = None
 
     def __call__(self, state: TrainState) -> dict:
-        """``eval/loss``, ``eval/accuracy``, ``eval/top5_accuracy`` (models with more than 5
-        outputs) and ``eval/count`` over every example of the source exactly once (the last
-        batch is padded and masked), summed over every process."""
+        """``eval/loss`` and ``eval/<metric>`` for each of the task's metrics (image
+        classification: ``eval/accuracy``, ``eval/top5_accuracy`` for models with more than 5
+        outputs), weighted means over every example of the source exactly once (the last batch
+        is padded and masked), summed over every process; ``eval/count``, the examples; and
+        ``eval/<weight_unit>``, the loss weights' sum, when a unit is set."""
         totals: dict[str, float] = {}
         batches = eval_batches(
             self.source, self.global_batch_size, self.mesh, self.layout, **(self.pipeline or {})
@@ -73,43 +90,43 @@ class EvalRun:
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
         totals = self.comm.sum_across_processes(totals)
-        count = max(totals.get("count", 0.0), 1.0)
-        out = {
-            "eval/loss": totals.get("loss_sum", 0.0) / count,
-            "eval/accuracy": totals.get("correct", 0.0) / count,
-        }
-        if "correct_top5" in totals:
-            out["eval/top5_accuracy"] = totals["correct_top5"] / count
-        out["eval/count"] = int(totals.get("count", 0.0))
+        count = totals.pop("count", 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):  # weights summing to 0: NaN
+            means, weights = weighted.divide({k: np.float64(v) for k, v in totals.items()})
+        # The loss first, then the task's metrics by name (the step's sums come back sorted).
+        out = {"eval/loss": float(means.pop("loss"))}
+        out.update({f"eval/{k}": float(v) for k, v in sorted(means.items())})
+        out["eval/count"] = int(count)
+        if self.weight_unit is not None:
+            out[f"eval/{self.weight_unit}"] = float(weights["loss"])
         return out
 
 
 def build_eval_run(
     model: nnx.Module,
-    source: Source,
+    source: Any,
     global_batch_size: int,
     mesh: Mesh,
     layout: BatchLayout,
     comm: Comm,
     *,
-    loss_fn: LossFn,
-    compute_dtype: Any,
-    pixel_norm: PixelNorm,
+    task: Task,
     pipeline: dict[str, Any] | None = None,
     labels_of: str | None = None,
+    weight_unit: str | None = None,
 ) -> tuple[EvalRun, TrainState]:
     """The eval run of a module outside training, and its state replicated over ``mesh``.
 
-    ``labels_of``: the user's name of ``source`` (e.g. ``"data"``); its labels must then lie in
-    ``[0, K)`` for the model's K outputs (``DataConfigError`` naming it otherwise).
+    ``labels_of`` (image classification): the user's name of ``source`` (e.g. ``"data"``); its
+    labels must then lie in ``[0, K)`` for the model's K outputs (``DataConfigError`` naming it
+    otherwise).
     """
     model_def, state = create_train_state(model, optax.identity(), mesh)
     if labels_of is not None and hasattr(source, "labels"):
         check_label_range(source.labels, num_logits(model_def, state, source), labels_of)
-    eval_step = make_eval_step(
-        model_def, mesh, loss_fn=loss_fn, compute_dtype=compute_dtype, pixel_norm=pixel_norm
-    )
-    return EvalRun(eval_step, source, global_batch_size, mesh, layout, comm, pipeline), state
+    eval_step = make_eval_step(model_def, mesh, task=task)
+    run = EvalRun(eval_step, source, global_batch_size, mesh, layout, comm, pipeline, weight_unit)
+    return run, state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,65 +139,84 @@ def evaluate_model(
     *,
     batch_size: int = 256,
     step: int | None = None,
+    loss: Callable | None = None,
+    metrics: Callable | None = None,
     loss_fn: Callable | None = None,
     overrides: Iterable[str] = (),
 ) -> dict:
     """Eval metrics (as :class:`EvalRun` returns them) of a model on ``data``.
 
     ``model_or_workdir``: an NNX module or a run (workdir or checkpoint folder, see
-    :func:`jddp.load`; ``step`` picks a checkpoint). ``data``: what :func:`jddp.as_source`
-    takes; default, for a run, its configured eval split (``overrides`` may change
-    ``data.*``). Every example counts once; the batches are spread over every device of every
-    process (under ``jax.distributed`` every process must call it with the same arguments).
-    ``loss_fn``: ``(logits_BxK, labels_B) -> loss_B`` (default: the run's cross-entropy).
+    :func:`jddp.load`; ``step`` picks a checkpoint). ``data``: what ``jddp.fit`` takes as data;
+    default, for a run, its configured eval split (``overrides`` may change ``data.*``). Every
+    example counts once; the batches are spread over every device of every process (under
+    ``jax.distributed`` every process must call it with the same arguments).
+
+    The task: ``loss``/``metrics`` as given to ``jddp.fit`` (any task; a run trained with
+    ``train.loss``/``train.metrics`` brings its own), else image classification with
+    ``loss_fn`` ``(logits_BxK, labels_B) -> loss_B`` (default: the run's cross-entropy).
     """
-    model, run_norm, augment = as_model(model_or_workdir, step)
+    run = as_model(model_or_workdir, step)
     cfg = None
-    if model is not model_or_workdir:  # a run: its config (optional when data is given)
+    if run.model is not model_or_workdir:  # a run: its config (optional when data is given)
         try:
             cfg = run_config(Path(model_or_workdir), overrides)
         except ConfigError:
             if data is None:
                 raise
+    parts = Parts(loss=loss, metrics=metrics, loss_fn=loss_fn)
+    custom = parts.custom or (cfg is not None and is_custom_task(cfg))
+    if run.task == "custom" and not custom:
+        raise ConfigError(
+            f"{model_or_workdir}: this run trained a custom task; pass its loss= (and metrics=) "
+            "as given to jddp.fit"
+        )
     if data is not None:
-        source = as_source(data, None, "eval", label="data")
+        source = (
+            as_tree_source(data, "eval", label="data")
+            if custom
+            else as_source(data, None, "eval", label="data")
+        )
     elif cfg is not None:
-        source = load_data(cfg).eval
+        source = load_data(cfg, custom).eval
     else:
         raise TypeError("evaluate: pass data= to evaluate a model (a run has its eval split)")
     if not len(source):
         raise DataConfigError(f"data: no examples to evaluate ({source!r})")
-    smoothing = cfg.train.label_smoothing if cfg is not None else 0.0
-    dtype = DTYPES[cfg.train.precision] if cfg is not None else jnp.float32
     comm = make_comm(current_job(config_lib.DistConfig()), "xla")
     mesh = make_mesh()
     devices = mesh.devices.size
     global_batch = -(-batch_size // devices) * devices
     layout = batch_layout(mesh, global_batch, comm.process_index, comm.process_count)
-    # Raw arrays or records of a run are fed as the run was trained (its recorded
-    # normalisation); a Source (or the run's own eval split) brings its own.
-    pixel_norm = (
-        run_norm
-        if run_norm is not None and data is not None and not hasattr(data, "get_batch")
-        else PixelNorm.of(source)
-    )
-    pixel_norm.check_channels((len(source), *source.image_shape), "data")
-    if cfg is not None and data is None:
-        pipeline = pipeline_options(cfg)
-    else:  # user data of a run get its eval transform (imagenet: the centre crop), as predict
-        pipeline = {"augment": augment}
+    run_cfg = cfg or config_lib.from_dict({})
+    if custom:
+        task, pipeline, labels_of = build_task(run_cfg, parts), None, None
+    else:
+        # Raw arrays or records of a run are fed as the run was trained (its recorded
+        # normalisation); a Source (or the run's own eval split) brings its own.
+        pixel_norm = (
+            run.pixel_norm
+            if run.pixel_norm is not None and data is not None and not hasattr(data, "get_batch")
+            else PixelNorm.of(source)
+        )
+        pixel_norm.check_channels((len(source), *source.image_shape), "data")
+        if cfg is not None and data is None:
+            pipeline = pipeline_options(cfg)
+        else:  # user data of a run get its eval transform (imagenet: the centre crop)
+            pipeline = {"augment": run.augment}
+        task = build_task(run_cfg, parts, pixel_norm)
+        labels_of = "data" if data is not None else None
     evaluate, state = build_eval_run(
-        model,
+        run.model,
         source,
         global_batch,
         mesh,
         layout,
         comm,
-        loss_fn=loss_fn or cross_entropy_loss(smoothing),
-        compute_dtype=dtype,
-        pixel_norm=pixel_norm,
+        task=task,
         pipeline=pipeline,
-        labels_of="data" if data is not None else None,
+        labels_of=labels_of,
+        weight_unit=run_cfg.log.weight_unit,
     )
     return evaluate(state)
 
@@ -228,8 +264,10 @@ def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> d
     comm = make_comm(job, cfg.dist.backend, cfg.dist.grad_allreduce_dtype, cfg.dist.fuse_allreduce)
     check_same_config(comm, cfg)
     mesh, layout = build_mesh(cfg, comm)
-    splits = load_data(cfg)
-    model = build_model(cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1])
+    splits = load_data(cfg, is_custom_task(cfg))
+    images = is_image_source(splits.train)
+    channels = splits.train.image_shape[-1] if images else 3
+    model = build_model(cfg, nnx.Rngs(cfg.train.seed), in_channels=channels)
     directory, step = restore_run_checkpoint(model, path, step, comm)
     evaluate, state = build_eval_run(
         model,
@@ -238,10 +276,9 @@ def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> d
         mesh,
         layout,
         comm,
-        loss_fn=cross_entropy_loss(cfg.train.label_smoothing),
-        compute_dtype=DTYPES[cfg.train.precision],
-        pixel_norm=PixelNorm.of(splits.train),
+        task=build_task(cfg, pixel_norm=PixelNorm.of(splits.train) if images else None),
         pipeline=pipeline_options(cfg),
+        weight_unit=cfg.log.weight_unit,
     )
     del model
     metrics = evaluate(state)
@@ -254,7 +291,7 @@ def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> d
         )
     Console(comm.process_index == 0).say(
         f"jddp: evaluated checkpoint {directory / str(step)} on {cfg.data.name} "
-        f"({len(splits.eval)} eval examples): {describe_eval(metrics)}\n"
+        f"({len(splits.eval)} eval examples): {describe_eval(metrics, cfg.log.weight_unit)}\n"
         f"jddp: eval step={step} "
         + " ".join(
             f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()

@@ -8,6 +8,7 @@ parameters and model state are read (the optimizer state is not).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ from jddp.checkpoint.weights import (
     open_checkpoint,
 )
 from jddp.data.pipeline import eval_rows
-from jddp.data.source import ArraySource, pixel_images
+from jddp.data.source import ArraySource, is_image_source, pixel_images
+from jddp.data.trees import as_tree_source, example_spec
 from jddp.errors import ConfigError
 from jddp.state import split_model
 from jddp.step import PixelNorm
@@ -81,15 +83,26 @@ def load(path: PathLike, step: int | None = None, *, model: nnx.Module | None = 
     its arrays are replaced in place and it is returned. Raises :class:`ConfigError` when there
     is no such checkpoint or the model does not fit it (naming the arrays).
     """
-    return load_run(path, step, model=model)[0]
+    return load_run(path, step, model=model).model
+
+
+@dataclass
+class LoadedRun:
+    """A run's trained model (eval mode) and how training fed it: the pixel normalisation
+    (None for checkpoints that predate its recording, and for custom tasks), ``data.augment``
+    (which picks the eval transform, e.g. imagenet's centre crop) and the task kind
+    (``"classification"`` or ``"custom"``, :mod:`jddp.tasks`)."""
+
+    model: nnx.Module
+    pixel_norm: PixelNorm | None = None
+    augment: str = "none"
+    task: str = "classification"
 
 
 def load_run(
     path: PathLike, step: int | None = None, *, model: nnx.Module | None = None
-) -> tuple[nnx.Module, PixelNorm | None, str]:
-    """:func:`load`, the pixel normalisation the run trained with (None for checkpoints that
-    predate its recording) and its ``data.augment`` (which picks the eval transform, e.g.
-    imagenet's centre crop)."""
+) -> LoadedRun:
+    """:func:`load` and how the run fed its model (:class:`LoadedRun`)."""
     ckpts, step = open_checkpoint(path, step, key="path")
 
     def like_of(step: int) -> dict[str, Any]:  # the weights of the model checkpoint step fits
@@ -99,13 +112,15 @@ def load_run(
     try:
         with damage_named(ckpts, step, like_of, "path", lambda step: f"step={step}"):
             saved_norm = ckpts.saved_pixel_norm(step)
+            task = ckpts.saved_task(step)
             saved = ckpts.saved_config(step)
             loaded = _restored_model(ckpts, step, model)
     finally:
         ckpts.close()
     loaded.eval()
     norm = None if saved_norm is None else PixelNorm.from_json(saved_norm)
-    return loaded, norm, str((saved.get("data") or {}).get("augment", "none"))
+    augment = str((saved.get("data") or {}).get("augment", "none"))
+    return LoadedRun(loaded, norm, augment, task)
 
 
 def _model_of(ckpts: Checkpoints, step: int) -> nnx.Module:
@@ -130,13 +145,11 @@ def _restored_model(ckpts: Checkpoints, step: int, model: nnx.Module | None) -> 
         ) from None
 
 
-def as_model(
-    model_or_workdir: nnx.Module | PathLike, step: int | None = None
-) -> tuple[nnx.Module, PixelNorm | None, str]:
-    """``model_or_workdir`` itself if it is a module (no known normalisation, no eval
-    transform), else :func:`load_run` of it."""
+def as_model(model_or_workdir: nnx.Module | PathLike, step: int | None = None) -> LoadedRun:
+    """``model_or_workdir`` itself if it is a module (no known normalisation, eval transform or
+    task), else :func:`load_run` of it."""
     if isinstance(model_or_workdir, nnx.Module):
-        return model_or_workdir, None, "none"
+        return LoadedRun(model_or_workdir, task="unknown")
     return load_run(model_or_workdir, step)
 
 
@@ -156,6 +169,23 @@ def pixel_norm_of(mean: Any, std: Any, default: PixelNorm | None) -> PixelNorm:
     return default or PixelNorm()
 
 
+def default_forward(model: nnx.Module, inputs: Any) -> Any:
+    """How :func:`predict` calls a model on a batch of a custom task's inputs: ``model(x)`` for
+    an array, ``model(*x)`` for a tuple, ``model(**x)`` for a dict."""
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
+
+
+def _is_images(inputs: Any) -> bool:
+    """Inputs :func:`predict` feeds as images: an image source, or one array ``[N, H, W(, C)]``."""
+    if hasattr(inputs, "get_batch"):
+        return is_image_source(inputs)
+    return hasattr(inputs, "shape") and np.ndim(inputs) in (3, 4)
+
+
 def predict(
     model_or_workdir: nnx.Module | PathLike,
     images: Any,
@@ -164,27 +194,50 @@ def predict(
     mean: Any = None,
     std: Any = None,
     step: int | None = None,
-) -> np.ndarray:
-    """Logits ``[N, K]`` of ``images`` in input order (``logits.argmax(-1)``: the labels).
+    forward: Callable[[nnx.Module, Any], Any] | None = None,
+) -> Any:
+    """The model's outputs for ``images`` (or any task's inputs), in input order.
 
-    ``images``: ``[N, H, W, C]`` (or ``[N, H, W]``) float images, normalised as in training,
-    or integer pixels 0..255 (any integer dtype), scaled to [0, 1] and standardised per channel
-    like the train step does: with ``mean``/``std`` (on the [0, 1] scale; both or neither) when
-    given, else, for a run, with the normalisation it trained with (recorded in its
-    checkpoints), else scaled only; or a data source (:func:`jddp.as_source`), whose own
-    normalisation is used. Images of another channel count than that normalisation, or
-    integers outside 0..255, are a ``DataConfigError``. For a run trained with
-    ``data.augment=imagenet``, each image is first centre-cropped as its eval does. Runs in eval
-    mode on the default device, ``batch_size`` images at a time (the last batch is padded, so
-    one program serves every batch); no images give ``[0, K]``. The model passed is not changed.
+    **Image classification** (a run trained on images, or a module given one image array or an
+    image source): logits ``[N, K]`` (``logits.argmax(-1)``: the labels). ``images``:
+    ``[N, H, W, C]`` (or ``[N, H, W]``) float images, normalised as in training, or integer
+    pixels 0..255 (any integer dtype), scaled to [0, 1] and standardised per channel like the
+    train step does: with ``mean``/``std`` (on the [0, 1] scale; both or neither) when given,
+    else, for a run, with the normalisation it trained with (recorded in its checkpoints), else
+    scaled only; or a data source (:func:`jddp.as_source`), whose own normalisation is used.
+    Images of another channel count than that normalisation, or integers outside 0..255, are a
+    ``DataConfigError``. For a run trained with ``data.augment=imagenet``, each image is first
+    centre-cropped as its eval does.
+
+    **Any other task** (a run trained with a custom loss, or inputs that are not one image
+    array): ``images`` is a batch pytree of the model's inputs with a leading example axis (an
+    array, a tuple, a dict; or a list or source of examples, as ``jddp.fit`` takes data), fed
+    as it is; ``forward(model, batch)`` computes the outputs (default :func:`default_forward`:
+    ``model(x)``, ``model(*x)`` or ``model(**x)``); the result has the outputs' structure, every
+    leaf ``[N, ...]``.
+
+    Runs in eval mode on the default device, ``batch_size`` examples at a time (the last batch
+    is padded, so one program serves every batch); no inputs give outputs with a leading 0.
+    The model passed is not changed.
     """
-    model, run_norm, augment = as_model(model_or_workdir, step)
+    run = as_model(model_or_workdir, step)
+    custom = run.task == "custom" or (run.task == "unknown" and not _is_images(images))
+    if custom or forward is not None:
+        source = as_tree_source(images, "inputs", label="inputs", allow_empty=True)
+        return _predict(
+            run.model,
+            source.get_batch,
+            len(source),
+            example_spec(source),
+            batch_size,
+            forward or default_forward,
+        )
     if hasattr(images, "get_batch"):
         source = images
         norm = PixelNorm.of(source)
     else:
         array = pixel_images(images, "images")
-        norm = pixel_norm_of(mean, std, run_norm)
+        norm = pixel_norm_of(mean, std, run.pixel_norm)
         source = ArraySource(
             array,
             np.zeros(len(array), np.int32),
@@ -194,24 +247,46 @@ def predict(
             name="images",
         )
     norm.check_channels((len(source), *source.image_shape), "images")
-    n = len(source)
+
+    def rows(indices: np.ndarray) -> np.ndarray:
+        # The eval transform of the run (imagenet: the centre crop its evaluate takes).
+        return np.asarray(eval_rows(source, indices, run.augment)[0])
+
+    def classify(model: nnx.Module, images_BxHxWxC: Any) -> Any:
+        return model(norm(images_BxHxWxC, jnp.float32))
+
+    one_image = jax.ShapeDtypeStruct(tuple(source.image_shape), np.uint8)
+    return _predict(run.model, rows, len(source), one_image, batch_size, classify)
+
+
+def _predict(
+    model: nnx.Module,
+    get_batch: Callable[[np.ndarray], Any],
+    n: int,
+    example: Any,
+    batch_size: int,
+    forward: Callable,
+) -> Any:
+    """``forward(model, batch)`` over examples ``0..n-1`` (``get_batch(indices)``; one is shaped
+    like ``example``) in order, in eval mode, in batches of ``batch_size`` (the last one padded),
+    concatenated leaf by leaf."""
     graphdef, state = nnx.split(model)
 
-    def forward(state, images_BxHxWxC):
+    def apply(state, batch):
         module = nnx.merge(graphdef, state)
         module.eval()
-        return module(norm(images_BxHxWxC, jnp.float32))
+        return forward(module, batch)
 
-    if n == 0:  # no images: [0, K], K from the model's output for one image
-        one = jax.ShapeDtypeStruct((1, *source.image_shape), np.uint8)
-        return np.zeros((0, *jax.eval_shape(forward, state, one).shape[1:]), np.float32)
-    forward = jax.jit(forward)
+    if n == 0:  # no inputs: the outputs' structure with a leading 0
+        one = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1, *s.shape), s.dtype), example)
+        shapes = jax.eval_shape(apply, state, one)
+        return jax.tree.map(lambda s: np.zeros((0, *s.shape[1:]), s.dtype), shapes)
+    apply = jax.jit(apply)
     size = max(1, min(batch_size, n))
     out = []
     for start in range(0, n, size):
         idx = np.arange(start, start + size)
         real = idx < n
-        # The eval transform of the run (imagenet: the centre crop its evaluate takes).
-        batch = np.asarray(eval_rows(source, np.where(real, idx, 0), augment)[0])
-        out.append(np.asarray(forward(state, batch))[real])
-    return np.concatenate(out)
+        outputs = apply(state, get_batch(np.where(real, idx, 0)))
+        out.append(jax.tree.map(lambda y, real=real: np.asarray(y)[real], outputs))
+    return jax.tree.map(lambda *ys: np.concatenate(ys), *out)

@@ -102,14 +102,21 @@ def append_metrics(folder: RunFolder, step: int, values: dict[str, Any]) -> None
         f.write(json.dumps(_row(step, values)) + "\n")
 
 
-def describe_eval(metrics: dict[str, Any]) -> str:
-    """``loss 0.1234, accuracy 0.9876, top-5 0.9990 over N examples``."""
-    top5 = metrics.get("eval/top5_accuracy")
-    return (
-        f"loss {metrics['eval/loss']:.4f}, accuracy {metrics['eval/accuracy']:.4f}"
-        + (f", top-5 {top5:.4f}" if top5 is not None else "")
-        + f" over {metrics['eval/count']} examples"
-    )
+def describe_eval(metrics: dict[str, Any], weight_unit: str | None = None) -> str:
+    """``loss 0.1234, accuracy 0.9876, top-5 0.9990 over N examples``: the loss, then each of the
+    task's metrics, then the examples (and the loss weights' sum, ``weight_unit``)."""
+    parts = [f"loss {metrics['eval/loss']:.4f}"]
+    for key, value in metrics.items():
+        name = key.removeprefix("eval/")
+        if name in ("loss", "count", "data", weight_unit) or not isinstance(value, float):
+            continue
+        parts.append(f"{EVAL_LABELS.get(name, name)} {value:.4f}")
+    weights = metrics.get(f"eval/{weight_unit}") if weight_unit else None
+    total = f" ({weights:.0f} {weight_unit})" if weights is not None else ""
+    return ", ".join(parts) + f" over {metrics['eval/count']} examples{total}"
+
+
+EVAL_LABELS = {"top5_accuracy": "top-5"}  # how a metric is named in console lines
 
 
 def nonfinite_eval(metrics: dict[str, Any]) -> str | None:
@@ -142,6 +149,8 @@ class Progress:
         writer: bool = True,
         steps_per_epoch: int = 0,
         console: Console | None = None,
+        unit: str = "img",
+        weight_unit: str | None = None,
     ):
         terminal = sys.stdout.isatty()
         self.lines = writer and (mode == "lines" or (mode == "auto" and not terminal))
@@ -155,6 +164,7 @@ class Progress:
             file=sys.stderr,
         )
         self.total, self.steps_per_epoch = total, steps_per_epoch
+        self.unit, self.weight_unit = unit, weight_unit  # of the rates shown (img/s, tokens/s)
         self.console = console or Console(writer)
         self.epoch_start_s = time.perf_counter()
         self.epoch_start_step = initial
@@ -169,16 +179,19 @@ class Progress:
     def train(self, step: int, host: dict[str, float], logged: bool) -> None:
         """Step ``step``'s metrics (read on the host); ``logged``: a train line was written."""
         if logged:
-            loss, img_s = host["train/loss"], host.get("train/img_per_s")
-            self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{img_s or 0:.0f}")
+            loss, rate = host["train/loss"], host.get(f"train/{self.unit}_per_s")
+            self.bar.set_postfix(loss=f"{loss:.4f}", **{f"{self.unit}_s": f"{rate or 0:.0f}"})
         if not self.lines:
             return
         if logged:
             parts = [f"jddp: step {step}/{self.total}{self._epoch(step)}", f"loss {loss:.4f}"]
             if "train/lr" in host:
                 parts.append(f"lr {host['train/lr']:.4g}")
-            if img_s:
-                parts.append(f"{img_s:.1f} img/s")
+            if rate:
+                parts.append(f"{rate:.1f} {self.unit}/s")
+            weight_rate = host.get(f"train/{self.weight_unit}_per_s")
+            if weight_rate:
+                parts.append(f"{weight_rate:.0f} {self.weight_unit}/s")
             if "train/step_time_s" in host:
                 eta = (self.total - step) * host["train/step_time_s"]
                 parts.append(f"ETA {_duration(eta)}")
@@ -196,7 +209,8 @@ class Progress:
         """One line for an eval during the run."""
         if self.lines:
             self.console.say(
-                f"jddp: eval at step {step}{self._epoch(step)}: {describe_eval(metrics)}"
+                f"jddp: eval at step {step}{self._epoch(step)}: "
+                f"{describe_eval(metrics, self.weight_unit)}"
             )
 
     def close(self) -> None:

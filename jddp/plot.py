@@ -1,7 +1,9 @@
 """Plot a run's ``metrics.jsonl`` against step, several runs overlaid.
 
-``python -m jddp.plot WORKDIR [WORKDIR ...] [--out DIR]`` writes ``loss.png``,
-``accuracy.png``, ``lr.png`` and ``throughput.png`` into ``DIR`` (default: the first
+``python -m jddp.plot WORKDIR [WORKDIR ...] [--out DIR]`` writes ``loss.png``, one
+``<metric>.png`` per metric of the runs' task (``accuracy.png`` for image classification; a
+custom task's own metrics), ``lr.png``, ``throughput.png`` (images or examples per second) and,
+for a run with ``log.weight_unit``, ``<unit>_per_s.png`` into ``DIR`` (default: the first
 WORKDIR's ``plots/`` folder), skipping a plot whose keys appear in no run, and prints one line
 per file written. A series with NaN/Inf values keeps them visible: each such step is marked
 with an ``x`` at the top of the plot (in the run's colour), and one line per series on stderr
@@ -24,18 +26,47 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from jddp.tasks import RESERVED_METRICS
 from jddp.workdir import RunFolder
 
-# (file name, y-axis label, metric keys drawn in it)
-PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("loss.png", "loss", ("train/loss", "eval/loss")),
-    ("accuracy.png", "accuracy", ("train/accuracy", "eval/accuracy")),
-    ("lr.png", "learning rate", ("train/lr",)),
-    ("throughput.png", "images / s", ("train/img_per_s",)),
-)
+Plot = tuple[str, str, tuple[str, ...]]  # (file name, y-axis label, metric keys drawn in it)
+
+
+def plots_of(runs: Sequence[list[dict]], weight_units: Sequence[str | None] = ()) -> list[Plot]:
+    """The plots of the runs' keys: the loss, each task metric (train and eval together; jddp's
+    own keys and the loss weights' sums are no task metric), the learning rate, examples/s and
+    each weight unit's rate."""
+    keys = list(dict.fromkeys(k for rows in runs for row in rows for k in row))
+    units = {u for u in weight_units if u}
+    own = RESERVED_METRICS | units
+    metrics = [
+        name
+        for k in keys
+        if k.startswith(("train/", "eval/"))
+        and (name := k.split("/", 1)[1]) not in own
+        and not name.endswith("_per_s")
+    ]
+    metrics = sorted(dict.fromkeys(metrics), key=lambda m: m != "accuracy")  # accuracy first
+    plots: list[Plot] = [("loss.png", "loss", ("train/loss", "eval/loss"))]
+    plots += [(f"{m}.png", m, (f"train/{m}", f"eval/{m}")) for m in metrics]
+    plots.append(("lr.png", "learning rate", ("train/lr",)))
+    rate = "examples / s" if "train/examples_per_s" in keys else "images / s"
+    plots.append(("throughput.png", rate, ("train/img_per_s", "train/examples_per_s")))
+    plots += [(f"{u}_per_s.png", f"{u} / s", (f"train/{u}_per_s",)) for u in sorted(units)]
+    return plots
+
+
+def weight_unit_of(workdir: Path) -> str | None:
+    """The run's ``log.weight_unit`` (from its config.yaml), or None."""
+    try:
+        saved = yaml.safe_load(RunFolder(workdir).config_yaml.read_text()) or {}
+        return (saved.get("log") or {}).get("weight_unit")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
 
 
 class MetricsError(ValueError):
@@ -100,9 +131,11 @@ def describe_nonfinite(workdirs: Sequence[str | Path]) -> list[str]:
     """One line per (run, series) of the plotted keys holding NaN/Inf values: how many and the
     first step."""
     workdirs = [Path(w) for w in workdirs]
+    runs = [load_metrics(w) for w in workdirs]
+    plots = plots_of(runs, [weight_unit_of(w) for w in workdirs])
     lines = []
-    for rows, label in zip([load_metrics(w) for w in workdirs], _labels(workdirs), strict=True):
-        for _, _, keys in PLOTS:
+    for rows, label in zip(runs, _labels(workdirs), strict=True):
+        for _, _, keys in plots:
             for key in keys:
                 steps = _nonfinite_steps(rows, key)
                 if steps:
@@ -142,7 +175,7 @@ def plot_runs(workdirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]
     labels = _labels(workdirs)
     out_dir = Path(out_dir)
     written = []
-    for filename, ylabel, keys in PLOTS:
+    for filename, ylabel, keys in plots_of(runs, [weight_unit_of(w) for w in workdirs]):
         fig = Figure(figsize=(8, 5), layout="constrained")
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()

@@ -1,6 +1,7 @@
 """Checks before the first step, so a mistake costs seconds and one clear line, not a crash
 deep inside a compiled step: the same config on every process, a model output that fits the
-data, a profile range inside the run."""
+data (image classification), a task whose loss and metrics fit the batches (any task), a
+profile range inside the run."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from jddp import config as config_lib
 from jddp.comm import Comm, config_fingerprint
 from jddp.config import Config
 from jddp.data.source import Splits
-from jddp.errors import ConfigError
+from jddp.data.trees import example_spec
+from jddp.errors import ConfigError, JddpError, TaskError
 from jddp.state import ModelDef, TrainState
+from jddp.step import task_terms
+from jddp.tasks import Task
 
 
 def check_same_config(comm: Comm, cfg: Config) -> None:
@@ -84,3 +88,40 @@ def check_model_output(
             f"of shape [2, K] with K >= the {classes} classes of the data (model.num_classes)"
         )
     return int(out.shape[1])
+
+
+def check_task(
+    task: Task, model_def: ModelDef, state: TrainState, splits: Splits, rows: int
+) -> None:
+    """Trace the task's loss and metrics on batches of ``rows`` examples shaped like each split
+    (train mode on the train split, eval mode on the eval split; nothing is computed): what
+    they return is checked there (:mod:`jddp.tasks.custom`), and code that fails on the batch
+    (a missing key, a shape mismatch) is a :class:`TaskError` naming the function, before
+    anything compiles."""
+    for split, source, training in (("train", splits.train, True), ("eval", splits.eval, False)):
+        data = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct((rows, *s.shape), s.dtype), example_spec(source)
+        )
+
+        def terms(params, model_state, data, training=training):
+            def model_of():
+                model = model_def.merge(params, model_state)
+                if training:
+                    model.train()
+                else:
+                    model.eval()
+                return model
+
+            return task_terms(task, model_of, data, training)[0]
+
+        try:
+            jax.eval_shape(terms, state.params, state.model_state, data)
+        except JddpError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's code: name it and the batch
+            shapes = jax.tree.map(lambda s: f"{s.dtype}{list(s.shape)}", data)
+            error = " ".join(str(e).split())[:300]
+            raise TaskError(
+                f"{getattr(task, 'loss_name', 'the loss')} (or its metrics) failed on a {split} "
+                f"batch of {rows} examples {shapes} ({type(e).__name__}: {error})"
+            ) from None

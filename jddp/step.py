@@ -2,17 +2,24 @@
 
 Parameters and optimizer state are replicated (``P()``); the batch is split over the mesh axis
 ``data``. Each device runs forward and backward on its slice; gradients are averaged in one
-place, ``comm.average_grads`` inside :func:`make_train_step`'s ``grads_stage``.
+place, ``comm.average_grads`` inside :func:`make_train_step`'s ``grads_stage``. What the model
+and the batch mean is the task's business (:mod:`jddp.tasks`): it returns per-example losses
+and metrics, with optional weights; the step turns them into exact weighted means over the
+global batch (:mod:`jddp.weighted`).
 
 Why the parameters are cast to *varying* before ``grad``: inside ``shard_map`` the gradient of
 a replicated (``P()``) input is already summed over devices by autodiff, so a ``pmean`` after
 it would return N times the mean gradient. Casting makes autodiff return per-device
 gradients, and the explicit ``pmean`` is then the one and only reduction.
+
+A batch is ``{"data": pytree, "sys/stop": [B] (train, optional), "mask": [B] (eval)}``; the task
+gets ``data``. A flat dict without ``"data"`` (``{"images", "labels", ...}``, as the step took
+before tasks) is taken as ``data`` minus those two keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,92 +30,34 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jddp import weighted
 from jddp.comm import Comm
-from jddp.errors import DataConfigError
 from jddp.mesh import DATA_AXIS
 from jddp.run.stop import STOP_KEY
 from jddp.state import MODEL_STATE, ModelDef, TrainState
+from jddp.tasks import Task
+from jddp.tasks.classification import (  # noqa: F401 - PixelNorm, cross_entropy_loss: public here
+    ClassificationTask,
+    LossFn,
+    PixelNorm,
+    cross_entropy_loss,
+)
 
-Batch = dict[str, jax.Array]
+Batch = dict[str, Any]
 Metrics = dict[str, jax.Array]
-LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+MASK_KEY = "mask"
+DATA_KEY = "data"
+# The mean loss weight per example of a step whose loss is weighted, and whether any weight was
+# negative: read by the host (jddp.run.hooks.StepReporter), never logged as they are.
+LOSS_WEIGHT_KEY = "sys/loss_weight"
+NEGATIVE_WEIGHT_KEY = "sys/negative_weight"
 
 
-def cross_entropy_loss(label_smoothing: float = 0.0) -> LossFn:
-    """Per-example softmax cross-entropy ``(logits_BxK, labels_B) -> loss_B``.
-
-    With ``label_smoothing > 0`` the one-hot targets are smoothed towards uniform.
-    """
-
-    def loss_fn(logits_BxK: jax.Array, labels_B: jax.Array) -> jax.Array:
-        logits_BxK = logits_BxK.astype(jnp.promote_types(logits_BxK.dtype, jnp.float32))
-        if label_smoothing == 0.0:
-            return optax.softmax_cross_entropy_with_integer_labels(logits_BxK, labels_B)
-        targets = optax.smooth_labels(
-            jax.nn.one_hot(labels_B, logits_BxK.shape[-1]), label_smoothing
-        )
-        return optax.softmax_cross_entropy(logits_BxK, targets)
-
-    return loss_fn
-
-
-@dataclass(frozen=True)
-class PixelNorm:
-    """How a batch's images become the model's input, on the device inside the jitted step.
-
-    Integer images (uint8 pixels 0..255, what sources hand out, so a quarter of the float bytes
-    cross to the device) are scaled to [0, 1] and standardised per channel with ``mean``/``std``
-    (on the [0, 1] scale; None: scaling only). Floating images are taken as already normalised.
-    Either way the result is cast to the compute dtype.
-    """
-
-    mean: tuple[float, ...] | None = None
-    std: tuple[float, ...] | None = None
-
-    @classmethod
-    def of(cls, source: Any) -> PixelNorm:
-        """The normalisation a source declares through its ``mean``/``std`` attributes."""
-        return cls._of(getattr(source, "mean", None), getattr(source, "std", None))
-
-    @classmethod
-    def _of(cls, mean: Any, std: Any) -> PixelNorm:
-        if mean is None or std is None:
-            return cls()
-        return cls(tuple(float(m) for m in mean), tuple(float(s) for s in std))
-
-    def to_json(self) -> dict[str, list[float] | None]:
-        """``{"mean": [...] | None, "std": [...] | None}``: how checkpoints record it."""
-        return {
-            "mean": None if self.mean is None else list(self.mean),
-            "std": None if self.std is None else list(self.std),
-        }
-
-    @classmethod
-    def from_json(cls, saved: dict[str, Any]) -> PixelNorm:
-        """The inverse of :meth:`to_json`."""
-        return cls._of(saved.get("mean"), saved.get("std"))
-
-    def check_channels(self, shape: Sequence[int], who: str) -> None:
-        """Refuse images ``shape`` ``[N, H, W, C]`` whose C differs from the normalisation's
-        channels: its per-channel mean/std would silently broadcast 1-channel images to 3
-        (``DataConfigError`` naming ``who``, the expected and the given shape)."""
-        channels = len(self.mean) if self.mean is not None else None
-        if channels is not None and channels != 1 and shape[-1] != channels:
-            raise DataConfigError(
-                f"{who}: expected images [N, H, W, {channels}] (the pixel mean/std have "
-                f"{channels} channels), got shape {list(shape)}"
-            )
-
-    def __call__(self, images: jax.Array, dtype: Any) -> jax.Array:
-        if not jnp.issubdtype(images.dtype, jnp.integer):
-            return images.astype(dtype)
-        x = images.astype(jnp.float32)
-        if self.mean is None:
-            return (x * (1.0 / 255.0)).astype(dtype)
-        std = jnp.asarray(self.std, jnp.float32)
-        scale = 1.0 / (255.0 * std)
-        shift = -jnp.asarray(self.mean, jnp.float32) / std
-        return (x * scale + shift).astype(dtype)
+def batch_data(batch: Batch) -> Any:
+    """The task's part of a step's batch (see the module docstring)."""
+    if DATA_KEY in batch:
+        return batch[DATA_KEY]
+    return {k: v for k, v in batch.items() if k not in (STOP_KEY, MASK_KEY)}
 
 
 NONFINITE_KEY = "train/nonfinite"  # 1.0 when this step's update was dropped
@@ -141,24 +90,25 @@ def _sync_model_state(comm: Comm, model_state: Any) -> Any:
     return jax.tree.unflatten(treedef, synced)
 
 
-def _accumulate(local_grads: Callable, params, model_state, images, labels, k: int):
-    """``local_grads`` over ``k`` micro-batches of this device's rows: gradients and metrics
-    are means over them, the model state carries from one micro-batch to the next."""
+def _accumulate(local_grads: Callable, params, model_state, data, k: int):
+    """``local_grads`` over ``k`` micro-batches of this device's rows: gradients and metric
+    terms are means over them, the model state carries from one micro-batch to the next."""
     if k == 1:
-        return local_grads(params, model_state, images, labels)
+        return local_grads(params, model_state, data)
 
-    def micro(x: jax.Array) -> jax.Array:
-        return x.reshape(k, -1, *x.shape[1:])
+    def micro(tree: Any) -> Any:
+        return jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), tree)
 
     def body(carry, mb):
         g_sum, stats, m_sum = carry
-        g, stats, m = local_grads(params, stats, *mb)
+        g, stats, m = local_grads(params, stats, mb)
         return (jax.tree.map(jnp.add, g_sum, g), stats, jax.tree.map(jnp.add, m_sum, m)), None
 
-    shapes = jax.eval_shape(local_grads, params, model_state, micro(images)[0], micro(labels)[0])
+    first = jax.tree.map(lambda x: x[0], micro(data))
+    shapes = jax.eval_shape(local_grads, params, model_state, first)
     zeros = jax.tree.map(lambda a: _to_varying(jnp.zeros(a.shape, a.dtype)), shapes)
     (grads, stats, metrics), _ = jax.lax.scan(
-        body, (zeros[0], _to_varying(model_state), zeros[2]), (micro(images), micro(labels))
+        body, (zeros[0], _to_varying(model_state), zeros[2]), micro(data)
     )
     grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
     return grads, stats, metrics
@@ -167,7 +117,14 @@ def _accumulate(local_grads: Callable, params, model_state, images, labels, k: i
 def _make_update_stage(tx: optax.GradientTransformation, schedule: optax.Schedule | None):
     """The optimizer stage: ``(state, grads, model_state, metrics) -> (state, metrics)``."""
 
-    def update_stage(state: TrainState, grads, stats, metrics):
+    def update_stage(state: TrainState, grads, stats, terms):
+        # The averaged terms divided once: exact weighted means over the global batch. A
+        # weighted loss's gradient is divided by the same mean weight.
+        metrics, weights = weighted.divide(terms)
+        if "train/loss" in weights:
+            loss_weight = weights["train/loss"]
+            grads = jax.tree.map(lambda g: g / loss_weight.astype(g.dtype), grads)
+            metrics[LOSS_WEIGHT_KEY] = loss_weight
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # A non-finite loss or gradient drops the whole update, identically on every replica
@@ -222,57 +179,99 @@ class TrainStep:
         return self.run.lower(state, batch)
 
 
+def _classification(
+    task: Task | None,
+    loss_fn: LossFn | None,
+    metrics_fn: Callable | None,
+    compute_dtype: Any,
+    pixel_norm: PixelNorm | None,
+) -> Task:
+    """``task``, or the classification task of the shorthand arguments."""
+    if task is not None:
+        return task
+    return ClassificationTask(
+        loss_fn=loss_fn or cross_entropy_loss(),
+        metrics_fn=metrics_fn,
+        compute_dtype=compute_dtype,
+        pixel_norm=pixel_norm or PixelNorm(),
+    )
+
+
+def task_terms(
+    task: Task, model_of: Callable[[], nnx.Module], data: Any, training: bool
+) -> tuple[weighted.Named, nnx.Module]:
+    """The task's loss and metrics on ``data`` as ``{name: (value_B, weight_B)}`` (the loss
+    under ``"loss"``), and the model the loss ran on (its state as the forward pass left it).
+    ``model_of()`` builds a fresh model in the right mode: the loss gets one, the metrics another
+    from the same state (their forward passes are the same computation, which XLA merges; the
+    metrics' state changes are dropped)."""
+    model = model_of()
+    loss_B, weight_B, aux = task.loss_terms(model, data)
+    named = {"loss": (loss_B, weight_B)}
+    named.update(task.metric_terms(model_of, data, aux, training))
+    return named, model
+
+
 def make_train_step(
     model_def: ModelDef,
     tx: optax.GradientTransformation,
     mesh: Mesh,
     comm: Comm,
     *,
+    task: Task | None = None,
     loss_fn: LossFn | None = None,
     metrics_fn: Callable[[jax.Array, jax.Array], dict[str, jax.Array]] | None = None,
     grad_accum_steps: int = 1,
     compute_dtype: Any = jnp.float32,
     schedule: optax.Schedule | None = None,
-    pixel_norm: PixelNorm = PixelNorm(),
+    pixel_norm: PixelNorm | None = None,
 ) -> TrainStep:
     """Build the data-parallel train step ``(state, batch) -> (state, metrics)``.
 
-    ``batch`` holds ``images`` [B,H,W,C] (uint8 pixels, normalised on the device by
-    ``pixel_norm``, or float) and ``labels`` [B] sharded over ``data``; B is the global batch.
-    Each device splits its slice into ``grad_accum_steps`` micro-batches, sums
-    their gradients, and the averaged gradient is applied once. Returned metrics are means
-    over the whole global batch: ``train/loss``, ``train/accuracy``, ``train/nonfinite`` (1
+    ``batch["data"]`` is the task's batch pytree, every leaf sharded over ``data`` along its
+    leading axis (B, the global batch); ``task`` (:mod:`jddp.tasks`) computes per-example losses
+    and metrics from it. Without ``task``, the classification task of ``loss_fn``/``metrics_fn``
+    (``(logits, labels) -> [B]``, cross-entropy by default): ``images`` [B,H,W,C] (uint8 pixels,
+    normalised on the device by ``pixel_norm``, or float, cast to ``compute_dtype``) and
+    ``labels`` [B]. Each device splits its slice into ``grad_accum_steps`` micro-batches, sums
+    their gradients, and the averaged gradient is applied once. Returned metrics are weighted
+    means over the whole global batch (``Σ w·x / Σ w``, w = 1 unless the task gives weights):
+    ``train/loss``, ``train/<metric>`` for each of the task's metrics, ``train/nonfinite`` (1
     when the update was dropped because the loss or a gradient was not finite),
     ``train/skipped_steps``, ``train/grad_norm`` (of the averaged gradient), ``train/param_norm``
-    (after the update) (and ``train/lr``). An optional ``batch["sys/stop"]`` (one flag per
-    row, each process filling its rows) comes back as ``metrics["sys/stop"] > 0`` when any
-    process asked to stop, so all processes agree on the step. The model's mutable state
-    (BatchNorm statistics, RNG counters, custom variables) carries through the micro-batches
-    and comes back synced over devices; each device draws its own random numbers. The state
-    argument is donated. Returns a :class:`TrainStep`: call it, or reach its stages.
+    (after the update) (and ``train/lr``); with a weighted loss also ``sys/loss_weight`` (the
+    mean weight per example) and ``sys/negative_weight`` (> 0 when a weight was negative). An
+    optional ``batch["sys/stop"]`` (one flag per row, each process filling its rows) comes back
+    as ``metrics["sys/stop"] > 0`` when any process asked to stop, so all processes agree on the
+    step. The model's mutable state (BatchNorm statistics, RNG counters, custom variables)
+    carries through the micro-batches and comes back synced over devices; each device draws its
+    own random numbers. The state argument is donated. Returns a :class:`TrainStep`: call it,
+    or reach its stages.
     """
-    loss_fn = loss_fn or cross_entropy_loss()
+    task = _classification(task, loss_fn, metrics_fn, compute_dtype, pixel_norm)
 
-    def local_grads(params, model_state, images, labels):
+    def local_grads(params, model_state, data):
+        device = comm.device_index()
+
         def objective(p):
-            model = model_def.merge(p, model_state, comm.device_index())
-            model.train()
-            logits = model(pixel_norm(images, compute_dtype))
-            loss_B = loss_fn(logits, labels)
-            extra = {"accuracy": (jnp.argmax(logits, -1) == labels).astype(jnp.float32)}
-            if metrics_fn is not None:
-                extra.update(metrics_fn(logits, labels))
-            extra = {f"train/{k}": v.astype(jnp.float32).mean() for k, v in extra.items()}
-            return loss_B.mean(), (nnx.state(model, MODEL_STATE), extra)
+            def model_of() -> nnx.Module:
+                model = model_def.merge(p, model_state, device)
+                model.train()
+                return model
 
-        (loss, (new_stats, extra)), grads = jax.value_and_grad(objective, has_aux=True)(
-            _to_varying(params)
-        )
-        return grads, new_stats, {"train/loss": loss, **extra}
+            named, model = task_terms(task, model_of, data, training=True)
+            terms = weighted.means({f"train/{k}": v for k, v in named.items()})
+            _, weight_B = named["loss"]
+            if weight_B is not None:
+                terms[NEGATIVE_WEIGHT_KEY] = jnp.any(weight_B < 0).astype(jnp.float32)
+            return terms["train/loss"], (nnx.state(model, MODEL_STATE), terms)
 
-    def per_device(state: TrainState, images, labels):
+        grads, (new_stats, terms) = jax.grad(objective, has_aux=True)(_to_varying(params))
+        return grads, new_stats, terms
+
+    def per_device(state: TrainState, data):
         grads, stats, metrics = _accumulate(
-            local_grads, state.params, state.model_state, images, labels, grad_accum_steps
+            local_grads, state.params, state.model_state, data, grad_accum_steps
         )
         # The one place where gradients are averaged across devices (and processes).
         grads = comm.average_grads(grads)
@@ -280,7 +279,7 @@ def make_train_step(
         return grads, stats, metrics
 
     def per_device_batch(state: TrainState, batch: Batch):
-        grads, stats, metrics = per_device(state, batch["images"], batch["labels"])
+        grads, stats, metrics = per_device(state, batch_data(batch))
         if STOP_KEY in batch:  # any process asking to stop: the mean over devices is > 0
             metrics[STOP_KEY] = jnp.max(batch[STOP_KEY]).astype(jnp.float32)
         return grads, stats, comm.average(metrics)
@@ -297,35 +296,33 @@ def make_eval_step(
     model_def: ModelDef,
     mesh: Mesh,
     *,
+    task: Task | None = None,
     loss_fn: LossFn | None = None,
     compute_dtype: Any = jnp.float32,
-    pixel_norm: PixelNorm = PixelNorm(),
+    pixel_norm: PixelNorm | None = None,
 ) -> Callable[[TrainState, Batch], Metrics]:
     """Build the eval step ``(state, batch) -> sums``.
 
     ``batch`` carries ``mask`` [B] (1 for real examples, 0 for padding), so a padded last batch
-    counts each real example exactly once. Returns global *sums* ``loss_sum``, ``correct``,
-    ``count`` and, when the model has more than 5 outputs, ``correct_top5`` (the label is among
-    the 5 largest logits); the caller divides after the last batch.
+    counts each real example exactly once. Returns global *sums* over the batch
+    (:func:`jddp.weighted.masked_sums`): ``loss`` and ``loss~w`` (``Σ m·w·loss``, ``Σ m·w``), the
+    same pair for each of the task's metrics (the classification task: ``accuracy``, and
+    ``top5_accuracy`` when the model has more than 5 outputs), and ``count`` (``Σ m``); the
+    caller adds them over batches and divides after the last (:func:`jddp.weighted.divide`).
+    The model runs in eval mode. Without ``task``: the classification task of ``loss_fn``.
     """
-    loss_fn = loss_fn or cross_entropy_loss()
+    task = _classification(task, loss_fn, None, compute_dtype, pixel_norm)
 
     def per_device(state: TrainState, batch: Batch) -> Metrics:
-        model = model_def.merge(state.params, state.model_state)
-        model.eval()
-        logits = model(pixel_norm(batch["images"], compute_dtype))
-        mask = batch["mask"].astype(jnp.float32)
-        loss = loss_fn(logits, batch["labels"])
-        correct = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
-        sums = {
-            "loss_sum": (loss * mask).sum(),
-            "correct": (correct * mask).sum(),
-            "count": mask.sum(),
-        }
-        if logits.shape[-1] > 5:
-            top5_Bx5 = jax.lax.top_k(logits, 5)[1]
-            in_top5 = jnp.any(top5_Bx5 == batch["labels"][:, None], axis=-1)
-            sums["correct_top5"] = (in_top5.astype(jnp.float32) * mask).sum()
+        def model_of() -> nnx.Module:
+            model = model_def.merge(state.params, state.model_state)
+            model.eval()
+            return model
+
+        named, _ = task_terms(task, model_of, batch_data(batch), training=False)
+        mask = batch[MASK_KEY].astype(jnp.float32)
+        sums = weighted.masked_sums(named, mask)
+        sums["count"] = mask.sum()
         return jax.lax.psum(sums, DATA_AXIS)
 
     return jax.jit(

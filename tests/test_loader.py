@@ -43,7 +43,7 @@ def test_epochs_are_permutations_and_reshuffled():
 def test_host_batch_gathers_the_indexed_examples():
     src = source()
     tb = TrainBatches(src, 10, seed=1, mesh=make_mesh())
-    batch = tb.place(tb.host_batch(2))
+    batch = tb.place(tb.host_batch(2))["data"]
     idx = tb.global_indices(2)
     np.testing.assert_array_equal(np.asarray(batch["labels"]), idx % 7)
     np.testing.assert_array_equal(np.asarray(batch["images"])[:, 0, 0, 0], idx.astype(np.float32))
@@ -54,7 +54,7 @@ def test_eval_counts_every_example_once():
     seen, total_mask = [], 0.0
     for batch in eval_batches(src, 8, make_mesh()):
         mask = np.asarray(batch["mask"])
-        ids = np.asarray(batch["images"])[:, 0, 0, 0]
+        ids = np.asarray(batch["data"]["images"])[:, 0, 0, 0]
         seen.extend(ids[mask == 1].tolist())
         total_mask += mask.sum()
     assert total_mask == 23
@@ -97,8 +97,8 @@ src = source(n=64)
 one = TrainBatches(src, 16, seed=5, mesh=make_mesh(jax.devices()[:1]))
 four = TrainBatches(src, 16, seed=5, mesh=make_mesh())
 for k in range(8):
-    a = np.asarray(one.place(one.host_batch(k))["labels"])
-    b = four.place(four.host_batch(k))
+    a = np.asarray(one.place(one.host_batch(k))["data"]["labels"])
+    b = four.place(four.host_batch(k))["data"]
     assert len(b["labels"].sharding.device_set) == 4
     np.testing.assert_array_equal(a, np.asarray(b["labels"]))
 try:
@@ -141,6 +141,6 @@ def test_uint8_batches_give_the_float_path_loss():
     for src in (u8, f32):
         step = make_eval_step(model_def, mesh, pixel_norm=PixelNorm.of(src))
         (batch,) = eval_batches(src, 16, mesh)
-        assert batch["images"].dtype == src.images.dtype
-        losses[src.name] = float(step(state, batch)["loss_sum"])
+        assert batch["data"]["images"].dtype == src.images.dtype
+        losses[src.name] = float(step(state, batch)["loss"])
     assert losses["u8"] == pytest.approx(losses["f32"], rel=1e-5)

@@ -113,11 +113,14 @@ class Checkpoints:
         primary: bool = True,
         damaged_directory: str | Path,
         pixel_norm: dict[str, Any] | None = None,
+        task: str = "classification",
     ):
         self.directory = Path(directory).absolute()
-        # How the run turns integer pixels into model input (PixelNorm.to_json): recorded with
-        # every checkpoint so that jddp.predict/evaluate of the run can do the same.
+        # How the run turns integer pixels into model input (PixelNorm.to_json), and what its
+        # task is (jddp.tasks: "classification" or "custom"): recorded with every checkpoint so
+        # that jddp.predict/evaluate of the run feed it as training did.
         self.pixel_norm = pixel_norm
+        self.task = task
         self.primary = primary  # process 0: moves damaged checkpoints aside
         self.damaged_directory = Path(damaged_directory)
         self.every_steps = every_steps
@@ -155,7 +158,7 @@ class Checkpoints:
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             manifest=ocp.args.JsonSave(
-                {"leaves": manifest(state)}
+                {"leaves": manifest(state), "task": self.task}
                 | ({} if self.pixel_norm is None else {"pixel_norm": self.pixel_norm})
             ),
             config=ocp.args.JsonSave(config),
@@ -304,6 +307,11 @@ class Checkpoints:
         """The pixel normalisation checkpoint ``step`` was trained with (``PixelNorm.to_json``);
         None for checkpoints written before jddp recorded it."""
         return self._manifest(step).get("pixel_norm")
+
+    def saved_task(self, step: int) -> str:
+        """The task kind checkpoint ``step`` was trained on (``"classification"`` for
+        checkpoints written before jddp recorded it: every run was one then)."""
+        return self._manifest(step).get("task", "classification")
 
     def restore_weights(self, step: int, like: dict[str, Any]) -> dict[str, Any]:
         """Only ``params`` and ``model_state`` of checkpoint ``step`` (the optimizer state is

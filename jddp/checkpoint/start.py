@@ -59,11 +59,14 @@ def restore(
     return state, start_step
 
 
-def head_arrays(differ: list[tuple[str, tuple, tuple]], num_outputs: int) -> list[str] | None:
+def head_arrays(
+    differ: list[tuple[str, tuple, tuple]], num_outputs: int | None
+) -> list[str] | None:
     """The names of ``differ`` (``(name, saved shape, shape now)``) when they are all one
     output layer whose class dimension changed: one module's arrays, equal but for the last
-    axis, which is now ``num_outputs`` (the model's logits). None otherwise."""
-    if not differ:
+    axis, which is now ``num_outputs`` (the model's logits). None otherwise, and always for a
+    model without class logits (``num_outputs`` None: a custom task)."""
+    if not differ or num_outputs is None:
         return None
     parents, pairs = set(), set()
     for name, saved, now in differ:
@@ -80,7 +83,7 @@ def warm_start(
     tx: optax.GradientTransformation,
     mesh: Mesh,
     console: Console,
-    num_outputs: int,
+    num_outputs: int | None,
 ) -> TrainState:
     """``checkpoint.init_from``: ``state`` at step 0 with another run's params and model state
     and a fresh optimizer state. Arrays the checkpoint lacks, or of other shapes, are refused

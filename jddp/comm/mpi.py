@@ -115,7 +115,7 @@ class MpiComm(Comm):
             return jax.tree.map(lambda x: x.addressable_data(0), tree)
 
         def step(state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
-            mesh = batch["images"].sharding.mesh
+            mesh = jax.tree.leaves(batch)[0].sharding.mesh
             grads, stats, metrics = grads_jit(state, batch)
             new_state, metrics = update_jit(
                 one_device(state), one_device(grads), one_device(stats), one_device(metrics)

@@ -8,6 +8,8 @@ unknown keys, the closest valid one. The CLI turns it into exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from jddp.config.schema import (
     OptimConfig,
     TrainConfig,
 )
+from jddp.data.registry import DATA_NAMES
 from jddp.errors import ConfigError
 
 __all__ = [
@@ -149,6 +152,7 @@ def validate(cfg: Config) -> Config:
                 f"numbered from 1), got "
                 f"{cfg.log.profile_steps!r}"
             )
+    _check_user_code(cfg)
     if cfg.train.steps is not None and cfg.train.epochs is not None:
         raise ConfigError("train.steps and train.epochs are both set; set only one of them")
     if cfg.model.sync_batchnorm and cfg.dist.backend == "mpi":
@@ -163,6 +167,33 @@ def validate(cfg: Config) -> Config:
             f"train.grad_accum_steps={cfg.train.grad_accum_steps}"
         )
     return cfg
+
+
+def _check_user_code(cfg: Config) -> None:
+    """``data.name`` a built-in data set or ``pkg.module:factory``; ``train.loss`` and
+    ``train.metrics`` ``pkg.module:function``; a task's metrics need its loss;
+    ``log.weight_unit`` a plain word."""
+    if cfg.data.name not in DATA_NAMES and ":" not in cfg.data.name:
+        close = difflib.get_close_matches(cfg.data.name, DATA_NAMES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"data.name: {cfg.data.name!r} is not allowed; choose one of "
+            f"{', '.join(DATA_NAMES)}, or 'pkg.module:factory' for your own data{hint}"
+        )
+    for key, value in (("train.loss", cfg.train.loss), ("train.metrics", cfg.train.metrics)):
+        module, _, name = (value or "").partition(":")
+        if value is not None and not (module and name):
+            raise ConfigError(f"{key}: expected 'package.module:function', got {value!r}")
+    if cfg.train.metrics is not None and cfg.train.loss is None:
+        raise ConfigError(
+            "train.metrics is set without train.loss: a custom task's metrics need its loss "
+            "(image classification logs accuracy and top-5 itself)"
+        )
+    unit = cfg.log.weight_unit
+    if unit is not None and not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", unit):
+        raise ConfigError(
+            f"log.weight_unit: {unit!r} must be a word (letters, digits, _), e.g. tokens"
+        )
 
 
 def _expand_workdir(cfg: Config) -> Config:

@@ -134,6 +134,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if tp is dict:  # free-form options for the user's factories
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"{key}: expected a mapping of options, got {value!r}")
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 

@@ -12,7 +12,10 @@ from jddp.data.registry import DATA_NAMES
 
 
 def _f(default: Any, help: str, **choices: Any) -> Any:
-    return field(default=default, metadata={"help": help, **choices})
+    metadata = {"help": help, **choices}
+    if isinstance(default, dict):  # a fresh mapping per config
+        return field(default_factory=lambda: dict(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -35,11 +38,22 @@ class ModelConfig:
         "start the last BatchNorm scale of each residual block at 0, so each block starts as "
         "the identity (Goyal et al. 2017); false: at 1",
     )
+    options: dict = _f(
+        {},
+        "free-form keys for a 'pkg.module:factory' model, which gets them in its config "
+        "(e.g. model.options.depth=4)",
+    )
 
 
 @dataclass
 class DataConfig:
-    name: Literal[DATA_NAMES] = _f("digits", "data set: " + "|".join(DATA_NAMES))
+    name: str = _f(
+        "digits",
+        "data set: "
+        + "|".join(DATA_NAMES)
+        + ", or 'pkg.module:factory' for a custom task's data (called as fn(config=<data "
+        "section>, seed=train.seed), returning (train, eval) in any form jddp.fit takes)",
+    )
     path: str | None = _f(
         None, "file or folder of the data set (cifar10, mnist, npz, imagefolder, packed)"
     )
@@ -58,6 +72,11 @@ class DataConfig:
     )
     worker_kind: Literal[WORKER_KINDS] = _f(
         "thread", "thread (numpy/Pillow release the GIL) | process (grain mp_prefetch)"
+    )
+    options: dict = _f(
+        {},
+        "free-form keys for a 'pkg.module:factory' data set, which gets them in its config "
+        "(e.g. data.options.seq_len=128)",
     )
 
 
@@ -103,6 +122,17 @@ class TrainConfig:
         "float32", "compute dtype; parameters and BatchNorm statistics stay float32"
     )
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss")
+    loss: str | None = _f(
+        None,
+        "'pkg.module:function' for a custom task: loss(model, batch) -> per-example losses [B] "
+        "or (losses [B], weights [B]); the objective is the weighted mean over the global "
+        "batch (null: image classification, softmax cross-entropy)",
+    )
+    metrics: str | None = _f(
+        None,
+        "'pkg.module:function' for a custom task: metrics(model, batch) -> {name: values [B]} "
+        "or {name: (values [B], weights [B])}, logged as train/<name> and eval/<name>",
+    )
     compilation_cache_dir: str | None = _f(
         "~/.cache/jddp/jax",
         "JAX's persistent compilation cache: a restarted run loads its compiled step instead "
@@ -187,6 +217,11 @@ class LogConfig:
     )
     profile_steps: str | None = _f(
         None, "'a:b': write a jax.profiler trace of steps a..b-1 to workdir/profile (TensorBoard)"
+    )
+    weight_unit: str | None = _f(
+        None,
+        "what a weighted loss's weights count (e.g. tokens): train lines add train/<unit> (per "
+        "global batch) and train/<unit>_per_s, evals eval/<unit> (null: not reported)",
     )
     baseline_img_per_s: float | None = _f(
         None,

@@ -13,6 +13,7 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,13 +23,13 @@ from jddp.data.pipeline import (  # noqa: F401 - epoch_permutation: public here 
     HostBatches,
     default_workers,
     epoch_permutation,
-    eval_rows,
+    eval_batch,
     host_iterator,
 )
 from jddp.data.source import Source
 from jddp.mesh import batch_sharded
 
-Batch = dict[str, jax.Array]
+Batch = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,16 @@ def batch_layout(
     return BatchLayout(slice(start, start + per_process), per_process)
 
 
-def place_batch(local: dict[str, np.ndarray], mesh: Mesh, layout: BatchLayout) -> Batch:
-    """Arrays sharded over ``data`` from each process's rows (see :class:`BatchLayout`)."""
+def place_batch(local: Any, mesh: Mesh, layout: BatchLayout) -> Any:
+    """Every leaf of ``local`` (a pytree of this process's rows, see :class:`BatchLayout`) as an
+    array sharded over ``data`` along its leading axis."""
     sharding = batch_sharded(mesh)
-    return {
-        k: jax.make_array_from_process_local_data(sharding, v, (layout.array_rows, *v.shape[1:]))
-        for k, v in local.items()
-    }
+    return jax.tree.map(
+        lambda v: jax.make_array_from_process_local_data(
+            sharding, v, (layout.array_rows, *v.shape[1:])
+        ),
+        local,
+    )
 
 
 class TrainBatches:
@@ -125,13 +129,13 @@ class TrainBatches:
         """Example indices of global batch ``step`` (the same on every process and topology)."""
         return self.host.global_indices(step)
 
-    def host_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of global batch ``step`` as numpy arrays."""
+    def host_batch(self, step: int) -> Any:
+        """This process's rows of global batch ``step`` as numpy arrays (the task's pytree)."""
         return self.host(step)
 
-    def place(self, local: dict[str, np.ndarray]) -> Batch:
-        """This process's rows as arrays sharded over ``data``."""
-        return place_batch(local, self.mesh, self.layout)
+    def place(self, local: Any) -> Batch:
+        """This process's rows as the step's batch, ``{"data": ...}``, sharded over ``data``."""
+        return place_batch({"data": local}, self.mesh, self.layout)
 
     def iterate(self, start_step: int, end_step: int, prefetch: int = 2) -> Iterator[Batch]:
         """Batches for steps ``start_step .. end_step-1``.
@@ -171,7 +175,8 @@ def eval_batches(
 ) -> Iterator[Batch]:
     """Every example of ``source`` exactly once, in order; the last batch is padded and masked.
 
-    Each batch has ``images``, ``labels`` and ``mask`` (1.0 for real rows, 0.0 for padding).
+    Each batch has ``data`` (the task's pytree: ``{"images", "labels"}`` of an image source) and
+    ``mask`` (1.0 for real rows, 0.0 for padding, which repeats example 0).
     ``augment="imagenet"`` evaluates the centre crop (:func:`~jddp.data.pipeline.eval_rows`).
     """
     layout = layout or batch_layout(mesh, global_batch_size)
@@ -184,12 +189,12 @@ def eval_batches(
 
 def _eval_rows(
     source: Source, global_batch_size: int, rows: slice, augment: str, start: int
-) -> dict[str, np.ndarray]:
+) -> dict[str, Any]:
     n = len(source)
     idx = np.arange(start, start + global_batch_size)
     mask = (idx < n).astype(np.float32)
-    images, labels = eval_rows(source, np.where(idx < n, idx, 0)[rows], augment)
-    return {"images": images, "labels": labels, "mask": mask[rows]}
+    data = eval_batch(source, np.where(idx < n, idx, 0)[rows], augment)
+    return {"data": data, "mask": mask[rows]}
 
 
 _DONE = object()

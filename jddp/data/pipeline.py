@@ -1,8 +1,9 @@
 """Host side of the input pipeline: this process's rows of global batch *k*, built in workers.
 
-:class:`HostBatches` is a pure function ``step -> {"images", "labels"}`` (numpy): which
-examples (``(seed, k)``), which rows this process reads, and their augmentation (``(seed,
-epoch, example)``, see :mod:`jddp.data.augment`). It holds no JAX object, so it pickles into
+:class:`HostBatches` is a pure function ``step -> batch`` (numpy; ``{"images", "labels"}`` for
+image sources, the source's own pytree for any other task's data): which examples (``(seed,
+k)``), which rows this process reads, and their augmentation (``(seed, epoch, example)``, see
+:mod:`jddp.data.augment`; images only). It holds no JAX object, so it pickles into
 worker processes. :func:`host_iterator` runs it over a range of steps with grain: in the
 calling thread (``workers=0``), in a grain thread pool (``ReadOptions``), or in grain worker
 processes (``mp_prefetch``, shared-memory transfer). Results come back in step order
@@ -21,9 +22,16 @@ import numpy as np
 
 from jddp.data import augment as aug
 from jddp.data.image_ops import crop_resize
-from jddp.data.source import Source
+from jddp.data.source import Source, is_image_source
 
-__all__ = ["WORKER_KINDS", "HostBatches", "default_workers", "eval_rows", "host_iterator"]
+__all__ = [
+    "WORKER_KINDS",
+    "HostBatches",
+    "default_workers",
+    "eval_batch",
+    "eval_rows",
+    "host_iterator",
+]
 
 WORKER_KINDS: tuple[str, ...] = ("thread", "process")
 
@@ -130,6 +138,15 @@ def eval_rows(source: Source, indices: np.ndarray, augment: str) -> tuple[np.nda
     return source.get_batch(indices)
 
 
+def eval_batch(source: Any, indices: np.ndarray, augment: str) -> Any:
+    """The eval batch at ``indices``: ``{"images", "labels"}`` of an image source (with its eval
+    transform, :func:`eval_rows`), the pytree ``get_batch`` gives for any other source."""
+    if not is_image_source(source):
+        return source.get_batch(indices)
+    images, labels = eval_rows(source, indices, augment)
+    return {"images": images, "labels": labels}
+
+
 def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
     """The example order of ``epoch``: a permutation that depends only on (seed, epoch)."""
     return np.random.default_rng([seed, epoch]).permutation(num_examples)
@@ -148,6 +165,12 @@ class HostBatches:
     ):
         if augment not in aug.AUGMENTS:
             raise ValueError(f"data.augment={augment!r}: expected one of {', '.join(aug.AUGMENTS)}")
+        if augment != "none" and not is_image_source(source):
+            raise ValueError(
+                f"data.augment={augment}: augmentation transforms images, and {source!r} holds "
+                "a custom task's batches; use data.augment=none (augment inside your loss or "
+                "data instead)"
+            )
         self.source = source
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -166,10 +189,12 @@ class HostBatches:
         start = offset * self.global_batch_size
         return cached[1][start : start + self.global_batch_size]
 
-    def __call__(self, step: int) -> dict[str, np.ndarray]:
+    def __call__(self, step: int) -> Any:
         """This process's rows of global batch ``step`` as numpy arrays."""
         step = int(step)
         indices = self.global_indices(step)[self.rows]
+        if not is_image_source(self.source):
+            return self.source.get_batch(indices)
         keys = aug.example_keys(self.seed, step // self.steps_per_epoch, indices)
         images, labels = train_rows(self.source, indices, keys, self.augment)
         return {"images": images, "labels": labels}

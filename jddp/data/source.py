@@ -41,12 +41,19 @@ class Source(Protocol):
         ...
 
 
+def is_image_source(source: Any) -> bool:
+    """Whether ``source`` holds labelled images (a :class:`Source`: batches ``(images,
+    labels)``), rather than a custom task's batch pytrees (:mod:`jddp.data.trees`)."""
+    return hasattr(source, "image_shape")
+
+
 @dataclass(frozen=True)
 class Splits:
-    """The train and eval sources of one data set."""
+    """The train and eval sources of one data set (:class:`Source` objects for images, any
+    source of batch pytrees for a custom task)."""
 
-    train: Source
-    eval: Source
+    train: Any
+    eval: Any
 
 
 def as_index_array(indices: np.ndarray, n: int, who: str) -> np.ndarray:
@@ -279,6 +286,11 @@ def as_source(
     who = label or name
     if hasattr(data, "get_batch"):
         return data
+    if isinstance(data, dict):
+        raise TypeError(
+            f"{who}: a dict of arrays is a custom task's batch: pass loss= (and metrics=), as to "
+            "jddp.fit; image classification takes (images, labels)"
+        )
     if isinstance(data, list | tuple) and not data:
         raise DataConfigError(f"{who}: no examples (an empty {type(data).__name__})")
     if isinstance(data, tuple) and len(data) == 2 and hasattr(data[0], "shape"):

@@ -6,9 +6,9 @@ registered name or an import path of the form ``"package.module:factory"``.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
+from jddp.imports import import_callable
 from jddp.models.resnet import ResNet, resnet18, resnet34, resnet50, resnet101, resnet152
 
 __all__ = [
@@ -50,23 +50,7 @@ def get_model_factory(name: str) -> Callable:
     hint = f"expected one of [{allowed}] or 'package.module:factory'"
     if ":" not in name:
         raise ValueError(f"unknown model {name!r}; {hint}")
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"malformed model path {name!r}; {hint}")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"cannot import module {module_name!r} for model {name!r}: {e}; {hint}"
-        ) from e
-    factory = module
-    try:
-        for part in attr.split("."):
-            factory = getattr(factory, part)
-    except AttributeError as e:
-        raise ValueError(
-            f"module {module_name!r} has no attribute {attr!r} (model {name!r}); {hint}"
-        ) from e
-    if not callable(factory):
-        raise ValueError(f"model factory {name!r} is not callable; {hint}")
-    return factory
+        return import_callable(name, "model factory")
+    except ValueError as e:
+        raise ValueError(f"{e}; {hint}") from e

@@ -20,12 +20,12 @@ import numpy as np
 
 from jddp.checkpoint import Checkpoints
 from jddp.comm import Comm
-from jddp.errors import NonFiniteLoss, ReplicasDiverged
+from jddp.errors import DataError, NonFiniteLoss, ReplicasDiverged
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, MetricsLog
 from jddp.run.stop import STOP_KEY
 from jddp.state import TrainState
-from jddp.step import NONFINITE_KEY
+from jddp.step import LOSS_WEIGHT_KEY, NEGATIVE_WEIGHT_KEY, NONFINITE_KEY
 
 Metrics = dict[str, jax.Array]
 
@@ -42,20 +42,35 @@ class Every:
 
 
 class ThroughputMeter:
-    """Images/s, step time and input wait over windows of finished steps.
+    """Examples/s (and, with a weight unit, e.g. tokens/s), step time and input wait over
+    windows of finished steps.
 
     A window starts when :meth:`restart` is called (after the compiling first step, after an
     eval) and ends at the step :meth:`end_window` is given; the first step, which compiles, is
-    timed apart by :meth:`compiled`. Run totals give the summary's mean throughput.
+    timed apart by :meth:`compiled`. Run totals give the summary's mean throughput. ``unit``
+    names the examples in the rate's key, ``train/<unit>_per_s`` (``img`` for images,
+    ``examples`` for any other task); ``weight_unit`` what a weighted loss's weights count
+    (``log.weight_unit``): :meth:`count` adds each step's weight sum, reported as
+    ``train/<weight_unit>_per_s``.
     """
 
-    def __init__(self, global_batch_size: int, first_step: int):
+    def __init__(
+        self,
+        global_batch_size: int,
+        first_step: int,
+        unit: str = "img",
+        weight_unit: str | None = None,
+    ):
         self.global_batch_size = global_batch_size
+        self.rate_key = f"train/{unit}_per_s"
+        self.weight_unit = weight_unit
         self.input_wait = InputWait()
         self.start_s = time.perf_counter()
         self.last_step = first_step + 1  # the step whose end ``start_s`` marks
-        self.images = 0
+        self.examples = 0
         self.seconds = 0.0
+        self.window_weight = 0.0  # weight summed over the steps of the window
+        self.weight = 0.0  # over every closed window
 
     def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
         """The batch iterator, with the time spent waiting for each batch counted."""
@@ -68,39 +83,63 @@ class ThroughputMeter:
         self.restart()
         return seconds
 
+    def count(self, step: int, weight_sum: float) -> None:
+        """Step ``step``'s loss weights, summed over the global batch (tokens, say); the
+        compiling first step's are not timed, so not counted."""
+        if step > self.last_step:
+            self.window_weight += weight_sum
+
     def restart(self, last_step: int | None = None) -> None:
         """Start a new window now (after ``last_step``, if given)."""
         self.start_s = time.perf_counter()
         if last_step is not None:
             self.last_step = last_step
         self.input_wait.restart()
+        self.window_weight = 0.0
 
     def end_window(self, step: int) -> dict[str, float]:
-        """``train/img_per_s``, ``train/step_time_s`` and the input-wait fraction of the window
-        ending at ``step`` (empty when no step finished in it)."""
+        """``train/<unit>_per_s``, ``train/step_time_s``, the input-wait fraction (and
+        ``train/<weight_unit>_per_s``) of the window ending at ``step`` (empty when no step
+        finished in it)."""
         done = step - self.last_step
         if done <= 0:
             return {}
         seconds = time.perf_counter() - self.start_s
-        self.images += done * self.global_batch_size
+        self.examples += done * self.global_batch_size
         self.seconds += seconds
-        return {
-            "train/img_per_s": done * self.global_batch_size / seconds,
+        self.weight += self.window_weight
+        out = {
+            self.rate_key: done * self.global_batch_size / seconds,
             "train/step_time_s": seconds / done,
             InputWait.KEY: self.input_wait.end_window(seconds),
         }
+        if self.weight_unit is not None:
+            out[f"train/{self.weight_unit}_per_s"] = self.window_weight / seconds
+        return out
 
     @property
-    def img_per_s(self) -> float:
-        """Mean images/s over every closed window of the run."""
-        return self.images / self.seconds if self.seconds else 0.0
+    def examples_per_s(self) -> float:
+        """Mean examples/s over every closed window of the run."""
+        return self.examples / self.seconds if self.seconds else 0.0
+
+    img_per_s = examples_per_s  # the name from when every example was an image
+
+    @property
+    def weight_per_s(self) -> float | None:
+        """Mean loss weight/s (``weight_unit``/s) over every closed window; None without a
+        weight unit."""
+        if self.weight_unit is None:
+            return None
+        return self.weight / self.seconds if self.seconds else 0.0
 
 
 class StepReporter:
     """Reads each step's metrics one step late (so the device never waits for the host): logs a
     train line every ``log.every_steps`` (and at the last step, the step a stop signal ends the
     run at, and a non-finite step),
-    raises :class:`NonFiniteLoss` under ``halt``, and says whether any process asked to stop."""
+    raises :class:`NonFiniteLoss` under ``halt``, and says whether any process asked to stop.
+    A weighted loss whose weights were negative, or summed to 0 over the global batch, stops
+    the run (:class:`DataError`)."""
 
     def __init__(
         self,
@@ -125,6 +164,7 @@ class StepReporter:
         stops (and saves) at ``step``, so it gets a line whatever ``log.every_steps`` says."""
         host = {k: float(v) for k, v in to_host(metrics).items()}
         stop_requested = host.pop(STOP_KEY, 0.0) > 0
+        self._check_weights(step, host)
         if host[NONFINITE_KEY] and self.halt_on_nonfinite:
             kept = self.checkpoints.all_steps()
             last = self.checkpoints.directory / str(kept[-1]) if kept else "none"
@@ -137,13 +177,38 @@ class StepReporter:
         )
         if logged:
             host.update(self.meter.end_window(step))
-            if self.ideal_img_per_s and "train/img_per_s" in host:
-                host["train/scaling_efficiency"] = host["train/img_per_s"] / self.ideal_img_per_s
+            rate = host.get(self.meter.rate_key)
+            if self.ideal_img_per_s and rate is not None:
+                host["train/scaling_efficiency"] = rate / self.ideal_img_per_s
             self.log.write(step, host)
         self.progress.train(step, host, logged)
         if logged:
             self.meter.restart(step)
         return stop_requested
+
+    def _check_weights(self, step: int, host: dict[str, float]) -> None:
+        """Pop the loss-weight flags of a weighted loss: refuse negative weights or a zero
+        total; count the weights (``train/<weight_unit>``)."""
+        negative = host.pop(NEGATIVE_WEIGHT_KEY, 0.0)
+        mean_weight = host.pop(LOSS_WEIGHT_KEY, None)
+        if mean_weight is None:
+            return
+        where = f"step {step}: the loss returned"
+        if negative > 0:
+            raise DataError(
+                f"{where} negative weights (weights count what each example's loss stands for, "
+                "e.g. its tokens: they must be >= 0); the run stops, its last checkpoint is kept"
+            )
+        total = mean_weight * self.meter.global_batch_size
+        if not total > 0:
+            raise DataError(
+                f"{where} weights that sum to {total:g} over the global batch of "
+                f"{self.meter.global_batch_size} examples: the weighted mean loss is undefined "
+                "(a batch of padding only?); the update was not applied"
+            )
+        self.meter.count(step, total)
+        if self.meter.weight_unit is not None:
+            host[f"train/{self.meter.weight_unit}"] = total
 
 
 class EvalHook(Every):

@@ -19,7 +19,10 @@ from jddp.build import (
     build_mesh,
     build_model,
     build_steps,
+    build_task,
+    is_custom_task,
     load_data,
+    per_device_rows,
     pipeline_options,
     total_steps,
 )
@@ -28,13 +31,13 @@ from jddp.checkpoint.start import restore, warm_start
 from jddp.comm import Comm
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, TrainBatches
-from jddp.data.source import Splits
+from jddp.data.source import Splits, is_image_source
 from jddp.errors import ConfigError
 from jddp.evaluation import EvalRun
 from jddp.mesh import to_host
 from jddp.metrics import Console, MetricsLog, Progress
 from jddp.optimizer import make_optimizer
-from jddp.preflight import check_model_output, check_profile_steps
+from jddp.preflight import check_model_output, check_profile_steps, check_task
 from jddp.run.hooks import (
     CheckpointHook,
     EvalHook,
@@ -45,7 +48,8 @@ from jddp.run.hooks import (
 )
 from jddp.run.stop import StopRequest
 from jddp.state import ModelDef, TrainState, create_train_state
-from jddp.step import PixelNorm, TrainStep
+from jddp.step import TrainStep
+from jddp.tasks.classification import PixelNorm
 from jddp.workdir import RunFolder
 
 __all__ = ["Parts", "Run", "build_run", "build_steps"]  # Parts, build_steps: see jddp.build
@@ -120,7 +124,8 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
     writer = comm.process_index == 0
     console = Console(writer)
     mesh, layout = build_mesh(cfg, comm)
-    splits = parts.splits or load_data(cfg)
+    custom = is_custom_task(cfg, parts)
+    splits = parts.splits or load_data(cfg, custom)
     try:
         batches = TrainBatches(
             splits.train,
@@ -135,8 +140,9 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
     steps = total_steps(cfg, batches.steps_per_epoch)
     check_profile_steps(cfg.log.profile_steps, steps)
 
+    images = is_image_source(splits.train)
     model = parts.model or build_model(
-        cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1]
+        cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1] if images else 3
     )
     if parts.optimizer is not None:
         tx, schedule = parts.optimizer, None
@@ -144,12 +150,18 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
     model_def, state = create_train_state(model, tx, mesh)
     del model
-    num_outputs = check_model_output(cfg, model_def, state, splits, parts.model is not None)
-
-    pixel_norm = PixelNorm.of(splits.train)
+    pixel_norm = PixelNorm.of(splits.train) if images else None
+    task = build_task(cfg, parts, pixel_norm)
+    if custom:  # the loss and metrics fit the batches, or one line naming them
+        rows = per_device_rows(cfg, mesh, comm) // cfg.train.grad_accum_steps
+        check_task(task, model_def, state, splits, rows)
+        num_outputs = None
+    else:
+        num_outputs = check_model_output(cfg, model_def, state, splits, parts.model is not None)
     ckpts = Checkpoints.of(
         folder,
-        pixel_norm=pixel_norm.to_json(),
+        task=task.kind,
+        pixel_norm=None if pixel_norm is None else pixel_norm.to_json(),
         every_steps=cfg.checkpoint.every_steps,
         keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_save,
@@ -164,11 +176,22 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         folder.config_yaml.write_text(config_lib.dump(cfg))
     log = MetricsLog(folder, resume_step=start_step, writer=writer)
 
-    train_step, eval_step = build_steps(cfg, model_def, tx, mesh, comm, parts, schedule, pixel_norm)
-    progress = Progress(
-        cfg.log.progress, steps, start_step, writer, batches.steps_per_epoch, console
+    train_step, eval_step = build_steps(
+        cfg, model_def, tx, mesh, comm, task=task, schedule=schedule
     )
-    meter = ThroughputMeter(cfg.data.global_batch_size, start_step)
+    progress = Progress(
+        cfg.log.progress,
+        steps,
+        start_step,
+        writer,
+        batches.steps_per_epoch,
+        console,
+        task.example_unit,
+        cfg.log.weight_unit,
+    )
+    meter = ThroughputMeter(
+        cfg.data.global_batch_size, start_step, task.example_unit, cfg.log.weight_unit
+    )
     reporter = StepReporter(
         cfg.log.every_steps,
         steps,
@@ -188,6 +211,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         layout,
         comm,
         pipeline_options(cfg),
+        weight_unit=cfg.log.weight_unit,
     )
     return Run(
         cfg=cfg,

@@ -46,6 +46,10 @@ class RunResult:
     ``input_wait_fraction``: the share of the timed train wall time (the first step, which
     compiles, and eval excluded) that process 0's loop spent blocked waiting for the next batch
     from the input pipeline.
+
+    ``img_per_s``: mean examples/s of the timed steps (images, for image tasks; the same number
+    as ``examples_per_s``). ``weight_per_s``: with ``log.weight_unit`` (tokens, say), the mean
+    loss weight/s (tokens/s); None otherwise.
     """
 
     step: int
@@ -56,6 +60,12 @@ class RunResult:
     input_wait_fraction: float = 0.0
     model: nnx.Module | None = None
     skipped_steps: int = 0
+    weight_per_s: float | None = None
+
+    @property
+    def examples_per_s(self) -> float:
+        """Mean examples/s of the timed steps (``img_per_s`` under its task-neutral name)."""
+        return self.img_per_s
 
 
 def train_and_evaluate(
@@ -175,11 +185,12 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         step=step,
         eval=eval_metrics,
         wall_s=time.perf_counter() - wall_start,
-        img_per_s=run.meter.img_per_s,
+        img_per_s=run.meter.examples_per_s,
         checkpoint_dir=str(ckpts.directory / str(step)),
         input_wait_fraction=run.meter.input_wait.mean_fraction,
         model=run.trained_model(state),
         skipped_steps=skipped_steps,
+        weight_per_s=run.meter.weight_per_s,
     )
     _summarise(run, result)
     return result
@@ -207,7 +218,8 @@ def _final_eval(run: Run, state: TrainState, step: int) -> dict[str, float]:
     if nonfinite:  # not a result: exit 1, the training stays saved
         raise EvalFailed(
             f"the final eval gave {nonfinite} over {eval_metrics['eval/count']} eval examples "
-            f"(NaN/Inf in the eval images or the weights); not logged; the training is saved in "
+            f"(NaN/Inf in the eval data or the weights, or loss weights summing to 0); not "
+            "logged; the training is saved in "
             f"checkpoint {run.checkpoints.directory / str(step)}"
         )
     if not run.log.logged(step, "eval/loss"):  # a rerun of a finished run logs it once
@@ -242,14 +254,18 @@ def check_skipped_fraction(run: Run, skipped_steps: int, step: int) -> None:
 
 
 def _summarise(run: Run, result: RunResult) -> None:
-    ev = result.eval
+    ev, meter = result.eval, run.meter
+    unit, weight_unit = run.progress.unit, meter.weight_unit
+    rates = f"{result.img_per_s:.1f} {unit}/s"
+    if result.weight_per_s is not None:
+        rates += f", {result.weight_per_s:.0f} {weight_unit}/s"
     run.console.say(
         "jddp: summary\n"
         f"  steps          {run.start_step} -> {result.step} of {run.total_steps}\n"
-        f"  eval           {describe_eval(ev)}\n"
+        f"  eval           {describe_eval(ev, weight_unit)}\n"
         f"  skipped        {result.skipped_steps} of {result.step} steps (non-finite loss or "
         f"gradient, train.on_nonfinite=skip)\n"
-        f"  throughput     {result.img_per_s:.1f} img/s on {run.num_devices} devices "
+        f"  throughput     {rates} on {run.num_devices} devices "
         f"({run.comm.process_count} processes)\n"
         f"  input wait     {100 * result.input_wait_fraction:.2f}% of the timed step wall time "
         f"({InputWait.KEY}, mean over the run)\n"
@@ -258,9 +274,15 @@ def _summarise(run: Run, result: RunResult) -> None:
         f"  metrics        {run.folder.metrics_jsonl} (plots: python -m jddp.plot "
         f"{run.folder.root})"
     )
+    # The task's eval means, accuracy first where there is one (as before tasks), then the loss.
+    means = [k for k, v in ev.items() if isinstance(v, float) and k != f"eval/{weight_unit}"]
+    means.sort(key=lambda k: (k != "eval/accuracy", k != "eval/loss"))
+    rate_keys = f"{meter.rate_key.removeprefix('train/')}={result.img_per_s:.1f}"
+    if result.weight_per_s is not None:
+        rate_keys += f" {weight_unit}_per_s={result.weight_per_s:.1f}"
     run.console.say(
-        f"jddp: done step={result.step} eval/accuracy={ev['eval/accuracy']:.4f} "
-        f"eval/loss={ev['eval/loss']:.4f} img_per_s={result.img_per_s:.1f} "
-        f"wall_s={result.wall_s:.1f} checkpoint={result.checkpoint_dir} "
+        f"jddp: done step={result.step} "
+        + " ".join(f"{k}={ev[k]:.4f}" for k in means)
+        + f" {rate_keys} wall_s={result.wall_s:.1f} checkpoint={result.checkpoint_dir} "
         f"skipped={result.skipped_steps}"
     )

@@ -1,0 +1,272 @@
+"""Any task through the library and the CLI: ``jddp.fit(loss=, metrics=)`` on batch pytrees, exact
+weighted means, the task's own outputs (no accuracy where there is none), predict / evaluate /
+load of custom-task runs, dropout, and bad input naming the leaf or the function."""
+
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jddp
+from jddp import weighted
+from jddp.data.pipeline import epoch_permutation
+from jddp.errors import DataConfigError, DataError, NonFiniteLoss, TaskError
+from tests import user_tasks
+from tests.helpers import (
+    assert_losses_match,
+    fake_devices,
+    read_losses,
+    read_metrics,
+    run,
+    run_python,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+FIT = ["data.global_batch_size=16", "log.progress=off", "log.every_steps=1"]
+
+
+def weighted_numpy(model, split, w=None):
+    """``Σ w·x / Σ w`` of the squared and absolute errors of ``model`` over a whole split."""
+    error = np.asarray(model(jnp.asarray(split["x"])), np.float64) - split["y"]
+    w = np.ones_like(error) if w is None else np.asarray(w, np.float64)
+    return {
+        "loss": (w * error**2).sum() / w.sum(),
+        "mae": np.abs(error).mean(),
+        "wmse": (split["w"] * error**2).sum() / split["w"].sum(),
+    }
+
+
+def test_weighted_means_of_unequal_devices_are_the_global_mean():
+    """Per-device ``(Σ w·x / n, Σ w / n)`` terms, averaged (as pmean does) and divided once, give
+    ``Σ w·x / Σ w`` over all rows, however the weight is spread; the mean of per-device means
+    would not."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=32).astype(np.float32)
+    w = np.concatenate([np.full(16, 5.0), np.full(16, 0.5)]).astype(np.float32)
+    halves = (slice(0, 16), slice(16, 32))
+    terms = [weighted.means({"v": (jnp.asarray(x[d]), jnp.asarray(w[d]))}) for d in halves]
+    averaged = {k: (terms[0][k] + terms[1][k]) / 2 for k in terms[0]}
+    values, weights = weighted.divide(averaged)
+    assert float(values["v"]) == pytest.approx((w * x).sum() / w.sum(), rel=1e-6)
+    assert float(weights["v"]) == pytest.approx(w.mean())
+    per_device_means = np.mean([(w[:16] * x[:16]).sum() / 80, (w[16:] * x[16:]).sum() / 8])
+    assert abs(per_device_means - float(values["v"])) > 1e-3  # the wrong way is really wrong
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """``jddp.fit`` of the tests' linear regression with a weighted loss and two metrics."""
+    workdir = tmp_path_factory.mktemp("fit") / "run"
+    train, evals = user_tasks.data({})
+    result = jddp.fit(
+        user_tasks.Linear(nnx.Rngs(0)),
+        optax.sgd(0.05),
+        train,
+        evals,
+        loss=user_tasks.weighted_loss,
+        metrics=user_tasks.metrics,
+        config={"workdir": str(workdir), "train": {"steps": 12}},
+        overrides=FIT,
+    )
+    return result, workdir, train, evals
+
+
+def test_fit_any_task_logs_the_exact_weighted_means(fitted):
+    result, workdir, train, evals = fitted
+    rows = read_metrics(workdir)
+    first = next(r for r in rows if r["step"] == 1 and "train/loss" in r)
+    # Step 1: the loss of the initial model over global batch 1 (16 examples, weights 1..3).
+    batch = epoch_permutation(0, 0, user_tasks.TRAIN)[:16]
+    initial = user_tasks.Linear(nnx.Rngs(0))
+    rows1 = {k: v[batch] for k, v in train.items()}
+    want = weighted_numpy(initial, rows1, rows1["w"])
+    for key in ("loss", "mae", "wmse"):
+        assert first[f"train/{key}"] == pytest.approx(want[key], rel=1e-5), key
+    # The task's own keys only: no accuracy, no images.
+    assert "train/accuracy" not in first
+    assert all("img_per_s" not in r and "eval/accuracy" not in r for r in rows)
+    assert any("train/examples_per_s" in r for r in rows)
+    # Eval: every one of the 40 examples once (the last batch of 16 padded), weighted means.
+    final = result.eval
+    want = weighted_numpy(result.model, evals, evals["w"])
+    assert final["eval/count"] == user_tasks.EVAL
+    for key in ("loss", "mae", "wmse"):
+        assert final[f"eval/{key}"] == pytest.approx(want[key], rel=1e-5), key
+    assert result.eval == {k: v for k, v in rows[-1].items() if k != "step"}
+
+
+def test_evaluate_and_predict_a_custom_task(fitted):
+    result, workdir, _, evals = fitted
+    again = jddp.evaluate(result.model, evals, loss=user_tasks.weighted_loss,
+                          metrics=user_tasks.metrics, batch_size=16)  # fmt: skip
+    assert again == pytest.approx(result.eval, rel=1e-6)
+    model = jddp.load(workdir, model=user_tasks.Linear(nnx.Rngs(1)))
+    inputs = {"x": evals["x"][:37]}  # model(**inputs); 37: the last batch padded
+    got = jddp.predict(model, inputs, batch_size=16)
+    np.testing.assert_allclose(got, np.asarray(model(jnp.asarray(evals["x"][:37]))), rtol=1e-6)
+    assert jddp.predict(model, {"x": evals["x"][:0]}).shape == (0,)
+    # A custom task's data without its loss: one line saying what to pass.
+    with pytest.raises(TypeError, match="custom task's batch: pass loss="):
+        jddp.evaluate(model, evals)
+
+
+BAD_FITS = [
+    # (loss, metrics, data change, error, words)
+    ("scalar_loss", None, None, TaskError, ["the loss given to jddp.fit", "scalar", "[16]"]),
+    ("int_loss", None, None, TaskError, ["int32", "floating"]),
+    ("column_loss", None, None, TaskError, ["[16, 1]", "expected shape [16]"]),
+    ("triple_loss", None, None, TaskError, ["tuple of 3", "(values [16], weights [16])"]),
+    ("missing_key_loss", None, None, TaskError, ["the loss given to jddp.fit", "'features'"]),
+    ("loss", "clashing_metrics", None, TaskError, ["'loss'", "clashes"]),
+    ("loss", "list_metrics", None, TaskError, ["got a list", "expected a dict"]),
+    ("loss", None, "ragged", DataConfigError, ["train_data['y'] has 90", "train_data['w']"]),
+    ("loss", None, "string", DataConfigError, ["train_data['name']", "a str is not an array"]),
+]
+
+
+@pytest.mark.parametrize(
+    "loss, metrics, change, error, words", BAD_FITS, ids=[f"{b[0]}-{b[1]}-{b[2]}" for b in BAD_FITS]
+)
+def test_bad_task_is_one_line_naming_it_before_anything_runs(
+    fitted, loss, metrics, change, error, words
+):
+    """Refused before the first step, and the finished run in the workdir is untouched."""
+    _, workdir, train, evals = fitted
+    before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    train = dict(train)
+    if change == "ragged":
+        train["y"] = train["y"][:90]
+    elif change == "string":
+        train["name"] = "regression"
+    with pytest.raises(error) as raised:
+        jddp.fit(
+            user_tasks.Linear(nnx.Rngs(0)),
+            optax.sgd(0.05),
+            train,
+            evals,
+            loss=getattr(user_tasks, loss),
+            metrics=metrics and getattr(user_tasks, metrics),
+            config={"workdir": str(workdir), "train": {"steps": 14}},
+            overrides=FIT,
+        )
+    message = str(raised.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, (word, message)
+    assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize(
+    "loss, error, words",
+    [
+        ("negative_weight_loss", DataError, ["step 1", "negative weights"]),
+        ("zero_weight_loss", DataError, ["step 1", "sum to 0", "16 examples"]),
+        ("nan_loss", NonFiniteLoss, ["non-finite loss", "step 1"]),
+    ],
+)
+def test_bad_weights_or_values_stop_the_run_naming_the_step(tmp_path, loss, error, words):
+    train, evals = user_tasks.data({})
+    with pytest.raises(error) as raised:
+        jddp.fit(
+            user_tasks.Linear(nnx.Rngs(0)),
+            optax.sgd(0.05),
+            train,
+            evals,
+            loss=getattr(user_tasks, loss),
+            config={"workdir": str(tmp_path / "run"), "train": {"steps": 3}},
+            overrides=FIT,
+        )
+    for word in words:
+        assert word in str(raised.value), (word, str(raised.value))
+
+
+CLI_TASK = [
+    "model.name=tests.user_tasks:linear",
+    "data.name=tests.user_tasks:data",
+    "train.loss=tests.user_tasks:weighted_loss",
+    "train.metrics=tests.user_tasks:metrics",
+    "optim.name=sgd",
+    "optim.lr=0.05",
+    "optim.momentum=0.0",
+    "optim.weight_decay=0.0",
+    "optim.schedule=constant",
+    "log.weight_unit=samples",
+    *FIT,
+]
+
+
+@pytest.mark.slow
+def test_a_custom_task_from_the_command_line_evaluate_load_predict(tmp_path):
+    """train.loss/train.metrics/data.name factories on the CLI; then python -m jddp.evaluate,
+    jddp.load (the factory builds the model) and jddp.predict of the run."""
+    workdir = tmp_path / "cli"
+    out = run_python("-m", "jddp.train", f"workdir={workdir}", *CLI_TASK, "train.steps=6",
+                     cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (done,) = [line for line in out.stdout.splitlines() if line.startswith("jddp: done")]
+    assert "eval/mae=" in done and "eval/wmse=" in done and "examples_per_s=" in done
+    assert "samples_per_s=" in done and "accuracy" not in done
+    rows = read_metrics(workdir)
+    assert all(r["train/samples"] > 0 for r in rows if "train/loss" in r)
+    final = [r for r in rows if "eval/loss" in r][-1]
+    evals = user_tasks.arrays(user_tasks.EVAL, 1)
+    assert final["eval/samples"] == pytest.approx(evals["w"].sum())
+    again = run_python("-m", "jddp.evaluate", "--workdir", str(workdir), cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    line = again.stdout.strip().splitlines()[-1]
+    assert line.startswith("jddp: eval step=6") and f"eval/count={user_tasks.EVAL}" in line
+    assert f"eval/loss={final['eval/loss']:.6g}" in line
+    sys.path.insert(0, str(ROOT))  # the factories, as the CLI imported them
+    model = jddp.load(workdir)
+    assert isinstance(model, user_tasks.Linear)
+    want = weighted_numpy(model, evals, evals["w"])
+    assert final["eval/loss"] == pytest.approx(want["loss"], rel=1e-5)
+    got = jddp.predict(workdir, evals["x"], batch_size=16)  # the run's task: fed as it is
+    np.testing.assert_allclose(got, np.asarray(model(jnp.asarray(evals["x"]))), rtol=1e-6)
+    plots = run_python("-m", "jddp.plot", str(workdir), cwd=ROOT)
+    names = {Path(p).name for p in plots.stdout.split()}
+    assert {"loss.png", "mae.png", "wmse.png", "throughput.png", "samples_per_s.png"} <= names
+    assert "accuracy.png" not in names and "samples.png" not in names
+
+
+DROPOUT = [
+    "model.name=tests.user_models:dropout_mlp",
+    "data.name=synthetic",
+    "data.image_size=8",
+    "data.global_batch_size=32",
+    "optim.schedule=constant",
+    "optim.lr=0.01",
+    "log.every_steps=1",
+    "log.progress=off",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # two processes
+def test_dropout_same_device_count_same_losses_and_resume(tmp_path):
+    """Dropout draws its masks per device (the device's index folded into the key): the same
+    number of devices gives the same per-step losses however they are split into processes, a
+    resume continues the masks bit for bit, and another device count draws other masks."""
+    train = [sys.executable, "-m", "jddp.train", *DROPOUT]
+    one_by_two = tmp_path / "1x2"
+    assert run([*train, f"workdir={one_by_two}", "train.steps=8"], env=fake_devices(2),
+               cwd=ROOT).returncode == 0  # fmt: skip
+    launch = [sys.executable, "-m", "jddp.launch", "--nproc", "2", "--devices-per-proc", "1"]
+    two_by_one = tmp_path / "2x1"
+    out = run([*launch, "--", *train, f"workdir={two_by_one}", "train.steps=8"], cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_losses_match(read_losses(two_by_one), read_losses(one_by_two), range(1, 9), 1e-5)
+    resumed = tmp_path / "resumed"
+    for steps in (4, 8):  # stop after 4, continue to 8
+        out = run([*train, f"workdir={resumed}", f"train.steps={steps}"], env=fake_devices(2),
+                  cwd=ROOT)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert_losses_match(read_losses(resumed), read_losses(one_by_two), range(1, 9), rel=0)
+    one_by_one = tmp_path / "1x1"
+    out = run([*train, f"workdir={one_by_one}", "train.steps=2"], env=fake_devices(1), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert read_losses(one_by_one)[1] != pytest.approx(read_losses(one_by_two)[1], rel=1e-5)

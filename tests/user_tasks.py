@@ -1,0 +1,113 @@
+"""A tiny custom task for the tests (regression of a linear target from 4 features, a dict batch
+with per-example weights), and broken variants of its pieces for the bad-input tests; each is
+importable as ``tests.user_tasks:<name>`` (``model.name``, ``data.name``, ``train.loss``,
+``train.metrics``)."""
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+TRAIN, EVAL = 96, 40  # 40: the eval set ends in a padded batch of 16
+
+
+def arrays(n: int, seed: int) -> dict[str, np.ndarray]:
+    """``{"x": [n, 4], "y": [n], "w": [n]}``: y linear in x plus noise; weights 1..3."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], np.float32) + 0.1 * rng.normal(size=n)).astype(
+        np.float32
+    )
+    return {"x": x, "y": y, "w": rng.integers(1, 4, n).astype(np.float32)}
+
+
+def data(config: dict, seed: int = 0) -> tuple[dict, dict]:
+    """``data.name=tests.user_tasks:data``."""
+    return arrays(TRAIN, 0), arrays(EVAL, 1)
+
+
+class Linear(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, features: int = 4):
+        self.w = nnx.Linear(features, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.w(x)[:, 0]
+
+
+def linear(config: dict, dtype, rngs: nnx.Rngs) -> Linear:
+    """``model.name=tests.user_tasks:linear``."""
+    return Linear(rngs)
+
+
+def loss(model, batch):
+    """Squared error per example."""
+    return (model(batch["x"]) - batch["y"]) ** 2
+
+
+def weighted_loss(model, batch):
+    """Squared error per example, weighted by ``w``."""
+    return loss(model, batch), batch["w"]
+
+
+def metrics(model, batch):
+    """Absolute error (unweighted) and the weighted squared error."""
+    error = model(batch["x"]) - batch["y"]
+    return {"mae": jnp.abs(error), "wmse": (error**2, batch["w"])}
+
+
+# -- broken pieces -----------------------------------------------------------------------------
+
+
+def scalar_loss(model, batch):
+    return loss(model, batch).mean()
+
+
+def int_loss(model, batch):
+    return loss(model, batch).astype(jnp.int32)
+
+
+def column_loss(model, batch):
+    return loss(model, batch)[:, None]
+
+
+def triple_loss(model, batch):
+    return loss(model, batch), batch["w"], batch["w"]
+
+
+def missing_key_loss(model, batch):
+    return (model(batch["features"]) - batch["y"]) ** 2
+
+
+def negative_weight_loss(model, batch):
+    return loss(model, batch), batch["w"] - 2.0
+
+
+def zero_weight_loss(model, batch):
+    return loss(model, batch), batch["w"] * 0.0
+
+
+def nan_loss(model, batch):
+    return loss(model, batch) * jnp.nan
+
+
+def clashing_metrics(model, batch):
+    return {"loss": loss(model, batch)}
+
+
+def list_metrics(model, batch):
+    return [loss(model, batch)]
+
+
+def bad_data(config: dict, seed: int = 0):
+    return 3
+
+
+def ragged_data(config: dict, seed: int = 0):
+    train = arrays(TRAIN, 0)
+    train["y"] = train["y"][:-6]
+    return train, None
+
+
+def string_leaf_data(config: dict, seed: int = 0):
+    train = arrays(TRAIN, 0)
+    train["name"] = "regression"
+    return train, None
