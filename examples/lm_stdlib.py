@@ -2,6 +2,7 @@
 
     python examples/lm_stdlib.py [key=value ...]
     python -m jddp.launch --nproc 2 -- python examples/lm_stdlib.py
+    python -m jddp.train --config configs/lm_stdlib.yaml    # the same run from the CLI
 
 A causal transformer (learned positions, pre-LayerNorm blocks) reads source lines packed into
 variable-length byte sequences of up to ``data.options.seq_len`` + 1 bytes, zero-padded; the
@@ -10,16 +11,9 @@ jddp's objective is the exact mean over every real token of the global batch, wh
 padding and the topology (``log.weight_unit=tokens``: tokens/s and eval/tokens are reported).
 Held-out files (every 20th of the sorted list) give the eval loss, its perplexity and the
 unigram baseline: the cross-entropy of the held-out bytes under the train bytes' frequencies.
+The run's settings are ``configs/lm_stdlib.yaml``'s; ``key=value`` arguments override them.
 
-Expected (2-core VM, jax 0.10.2, the defaults: 600 steps of 32 sequences of 128 bytes):
-``jddp: done step=600 eval/loss=1.2...`` against a unigram baseline of 3.2 nats, in about
-4 minutes (experiments/RESULTS.md, "Any task").
-
-The same task from the command line (its pieces are importable):
-
-    python -m jddp.train model.name=examples.lm_stdlib:gpt data.name=examples.lm_stdlib:data \\
-        train.loss=examples.lm_stdlib:loss train.metrics=examples.lm_stdlib:metrics \\
-        log.weight_unit=tokens optim.name=adamw optim.lr=3e-3 optim.weight_decay=0.1 ...
+Expected: see configs/lm_stdlib.yaml's header (measured in experiments/RESULTS.md, "Any task").
 """
 
 from __future__ import annotations
@@ -36,27 +30,12 @@ import optax
 from flax import nnx
 
 import jddp
+from jddp.config import to_dict
 
 VOCAB = 256  # bytes; 0 pads (it never occurs in the sources)
-
-DEFAULTS = {
-    "workdir": "runs/lm_stdlib",
-    "data": {
-        "global_batch_size": 32,
-        "options": {"seq_len": 128, "eval_every": 20, "max_files": None},
-    },
-    "model": {"options": {"width": 128, "layers": 4, "heads": 4, "dropout": 0.0}},
-    "optim": {
-        "name": "adamw",
-        "lr": 3e-3,
-        "weight_decay": 0.1,
-        "b2": 0.95,
-        "warmup_steps": 50,
-        "schedule": "cosine",
-    },
-    "train": {"steps": 600, "eval_every_steps": 200},
-    "log": {"every_steps": 20, "weight_unit": "tokens"},
-}
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "lm_stdlib.yaml"
+DATA_OPTIONS = {"seq_len": 128, "eval_every": 20, "max_files": None}
+MODEL_OPTIONS = {"width": 128, "layers": 4, "heads": 4, "dropout": 0.0, "seq_len": 128}
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -99,7 +78,7 @@ def sequences(files: list[Path], seq_len: int) -> dict[str, np.ndarray]:
 def data(config: dict, seed: int = 0) -> tuple[dict, dict]:
     """Train and held-out sequences (every ``eval_every``-th file is held out). As
     ``data.name=examples.lm_stdlib:data`` it gets the ``data`` section."""
-    options = {**DEFAULTS["data"]["options"], **(config.get("options") or {})}
+    options = {**DATA_OPTIONS, **(config.get("options") or {})}
     files = stdlib_files(options["max_files"])
     held_out = set(files[:: options["eval_every"]])
     train = sequences([f for f in files if f not in held_out], options["seq_len"])
@@ -188,11 +167,10 @@ class GPT(nnx.Module):
 
 
 def gpt(config: dict, dtype, rngs: nnx.Rngs) -> GPT:
-    """``model.name=examples.lm_stdlib:gpt``: the model of the ``model.options`` (and the
-    default ``seq_len``)."""
-    options = {**DEFAULTS["model"]["options"], **(config.get("options") or {})}
-    seq_len = options.pop("seq_len", DEFAULTS["data"]["options"]["seq_len"])
-    return GPT(seq_len, **options, dtype=dtype, rngs=rngs)
+    """``model.name=examples.lm_stdlib:gpt``: the model of the ``model.options`` (``seq_len``:
+    the longest sequence it reads, at least ``data.options.seq_len``)."""
+    options = {**MODEL_OPTIONS, **(config.get("options") or {})}
+    return GPT(options.pop("seq_len"), **options, dtype=dtype, rngs=rngs)
 
 
 # -- task ------------------------------------------------------------------------------------
@@ -230,10 +208,10 @@ def metrics(model: GPT, batch: dict) -> dict[str, tuple[jax.Array, jax.Array]]:
 
 def main(argv: list[str]) -> jddp.RunResult:
     jddp.initialize()  # joins the other processes under jddp.launch / mpirun / SLURM
-    cfg = jddp.load_config(DEFAULTS, argv)
-    train, evals = data(_section(cfg, "data"), cfg.train.seed)
-    model_options = {**cfg.model.options, "seq_len": cfg.data.options["seq_len"]}
-    model = gpt({"options": model_options}, jnp.float32, nnx.Rngs(cfg.train.seed))
+    cfg = jddp.load_config(CONFIG, argv)
+    sections = to_dict(cfg)  # the model and data sections, as the CLI hands them to factories
+    train, evals = data(sections["data"], cfg.train.seed)
+    model = gpt(sections["model"], jnp.float32, nnx.Rngs(cfg.train.seed))
     result = jddp.fit(model, None, train, evals, loss=loss, metrics=metrics, config=cfg)
     baseline = unigram_baseline(train, evals)
     if jax.process_index() == 0:
@@ -245,10 +223,6 @@ def main(argv: list[str]) -> jddp.RunResult:
             f"unigram baseline {baseline:.4f} nats/byte; {result.weight_per_s:.0f} tokens/s"
         )
     return result
-
-
-def _section(cfg: jddp.Config, name: str) -> dict:
-    return dict(vars(getattr(cfg, name)))
 
 
 if __name__ == "__main__":

@@ -204,18 +204,6 @@ def add_ratios(records: list[dict], platform: str) -> None:
                 r[f"ratio_img_per_s{suffix}"] = r["img_per_s"] / peer["img_per_s"]
 
 
-def default_peak(machine: dict, platform: str) -> tuple[float | None, str]:
-    if platform != "cpu" or not machine.get("cpu_mhz"):
-        return None, "none given (--peak-tflops): achieved FLOP/s only"
-    cores, ghz = machine["cpu_count"], machine["cpu_mhz"] / 1e3
-    per_cycle = 64 if "avx512f" in machine["isa"] else 32
-    peak = cores * ghz * 1e9 * per_cycle
-    return peak, (
-        f"assumed FP32 vector peak: {cores} cores x {ghz:.2f} GHz x {per_cycle} FLOP/cycle "
-        f"= {peak / 1e9:.1f} GFLOP/s; MFU for float32 only"
-    )
-
-
 def print_table(records: list[dict]) -> None:
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -294,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     peak, peak_note = (
         (args.peak_tflops * 1e12, f"given: {args.peak_tflops} TFLOP/s")
         if args.peak_tflops
-        else default_peak(machine, args.platform)
+        else benchlib.assumed_peak(machine, args.platform)
     )
     figures = benchlib.model_figures(
         work["model"], work["stem"], args.width, work["num_classes"], work["image_size"]

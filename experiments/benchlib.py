@@ -253,10 +253,12 @@ def run_trainer(
     """Run the trainer (:func:`trainer_command`) to the end and read what it logged itself in
     ``workdir/metrics.jsonl``: ``train/compile_s`` (the first step, compilation included) and,
     for every logging window ending after step ``skip_steps``, ``train/step_time_s``,
-    ``train/img_per_s`` and ``perf/input_wait_fraction``; also every step's ``train/loss`` and
-    the last eval line. Output goes to ``workdir/train.log``. A failed run raises SystemExit,
-    or with ``check=False`` returns ``{"error": ...}``. ``tree``: the checkout whose jddp runs
-    (the working directory: ``python -m`` puts it first on ``sys.path``, before PYTHONPATH)."""
+    ``train/img_per_s`` (a custom task's ``train/examples_per_s``) and
+    ``perf/input_wait_fraction`` (and all of those windows' keys: ``timed_rows``); also every
+    step's ``train/loss`` and the last eval line. Output goes to ``workdir/train.log``. A failed
+    run raises SystemExit, or with ``check=False`` returns ``{"error": ...}``. ``tree``: the
+    checkout whose jddp runs (the working directory: ``python -m`` puts it first on
+    ``sys.path``, before PYTHONPATH)."""
     env = dict(os.environ if env is None else env)
     if backend == "mpi" and devices > 1:  # jddp.launch sets this itself for its ranks
         flags = env.get("XLA_FLAGS", "")
@@ -290,7 +292,8 @@ def run_trainer(
         "compile_s": next((r["train/compile_s"] for r in rows if "train/compile_s" in r), None),
         "steps": [r["step"] for r in timed],
         "step_s": [r["train/step_time_s"] for r in timed],
-        "img_per_s": [r["train/img_per_s"] for r in timed],
+        "img_per_s": [r.get("train/img_per_s", r.get("train/examples_per_s")) for r in timed],
+        "timed_rows": timed,  # every key of those windows (a task's own rates, say)
         "input_wait_fraction": [r.get("perf/input_wait_fraction") for r in timed],
         "losses": {r["step"]: r["train/loss"] for r in rows if "train/loss" in r},
         "eval": evals[-1] if evals else None,
@@ -327,6 +330,21 @@ def model_figures(
         return net(x)
 
     image = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
+    shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(params)]
+    return {
+        "params": sum(math.prod(s) for s in shapes),
+        "param_shapes": shapes,
+        "forward_macs": forward_macs(forward, params, rest, image),
+    }
+
+
+def forward_macs(forward: Any, *args: Any) -> int:
+    """Multiply-accumulates of ``forward(*args)`` (arguments may be shapes), from its traced
+    program: every convolution counts output elements x kernel elements per output feature
+    (padding taps included, as torchvision, thop and fvcore count), every matmul (``einsum``
+    included) output elements x contracted size; elementwise work is left out."""
+    import jax
+
     macs = 0
 
     def walk(jaxpr) -> None:
@@ -346,13 +364,22 @@ def model_figures(
                 if inner is not None:
                     walk(getattr(inner, "jaxpr", inner))
 
-    walk(jax.make_jaxpr(forward)(params, rest, image).jaxpr)
-    shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(params)]
-    return {
-        "params": sum(math.prod(s) for s in shapes),
-        "param_shapes": shapes,
-        "forward_macs": macs,
-    }
+    walk(jax.make_jaxpr(forward)(*args).jaxpr)
+    return macs
+
+
+def assumed_peak(machine: dict[str, Any], platform: str = "cpu") -> tuple[float | None, str]:
+    """The FP32 vector peak FLOP/s assumed for a CPU (cores x clock x FLOP/cycle of its widest
+    FMA units) and how it was reckoned; None on other platforms (give a peak there)."""
+    if platform != "cpu" or not machine.get("cpu_mhz"):
+        return None, "none given (--peak-tflops): achieved FLOP/s only"
+    cores, ghz = machine["cpu_count"], machine["cpu_mhz"] / 1e3
+    per_cycle = 64 if "avx512f" in machine["isa"] else 32
+    peak = cores * ghz * 1e9 * per_cycle
+    return peak, (
+        f"assumed FP32 vector peak: {cores} cores x {ghz:.2f} GHz x {per_cycle} FLOP/cycle "
+        f"= {peak / 1e9:.1f} GFLOP/s; MFU for float32 only"
+    )
 
 
 def train_step_flops(figures: dict[str, Any], global_batch: int) -> float:

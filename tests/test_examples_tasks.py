@@ -51,6 +51,7 @@ COMMON = [
 LM = [
     "data.options.seq_len=32",
     "data.options.max_files=40",
+    "model.options.seq_len=32",
     "model.options.width=32",
     "model.options.layers=2",
     "model.options.heads=2",

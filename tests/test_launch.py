@@ -195,6 +195,23 @@ def test_fail_fast_exit_code_and_no_survivors(tmp_path: Path) -> None:
         assert pid_gone(pid), pid
 
 
+def test_a_killed_rank_is_named_before_the_peer_it_took_down() -> None:
+    """Seen exiting in one poll: the rank killed by a signal is the cause, the survivor whose
+    all-reduce then failed (exit 1) follows (test_dead_peer_stops_the_job saw the survivor named
+    alone, and "stopping the other 0 processes")."""
+    from jddp.launch.procs import failure_report
+
+    got = failure_report([(0, 1), (1, -signal.SIGKILL)], alive=0)
+    assert got == (
+        "rank 1 killed by signal SIGKILL (then rank 0 exited with code 1); no other process is left"
+    )
+    assert (
+        failure_report([(2, 3)], alive=1)
+        == "rank 2 exited with code 3; stopping the other 1 process"
+    )
+    assert failure_report([(2, 3), (0, 4)], alive=2).startswith("rank 0 exited with code 4 (then")
+
+
 def test_signal_death_is_reported(tmp_path: Path) -> None:
     body = """
     if RANK == 0:
@@ -205,7 +222,7 @@ def test_signal_death_is_reported(tmp_path: Path) -> None:
     proc, elapsed = run_launcher(["--nproc", "2"], child_cmd(tmp_path, body))
     assert proc.returncode == 128 + signal.SIGKILL
     assert elapsed < 20
-    assert "jddp.launch: rank 0 killed by signal SIGKILL; stopping the other 1 processes" in (
+    assert "jddp.launch: rank 0 killed by signal SIGKILL; stopping the other 1 process" in (
         proc.stderr
     )
     for pid in read_pids(tmp_path, ["pid0", "pid1"]):

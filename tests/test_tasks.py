@@ -101,8 +101,13 @@ def test_fit_any_task_logs_the_exact_weighted_means(fitted):
 
 def test_evaluate_and_predict_a_custom_task(fitted):
     result, workdir, _, evals = fitted
-    again = jddp.evaluate(result.model, evals, loss=user_tasks.weighted_loss,
-                          metrics=user_tasks.metrics, batch_size=16)  # fmt: skip
+    again = jddp.evaluate(
+        result.model,
+        evals,
+        loss=user_tasks.weighted_loss,
+        metrics=user_tasks.metrics,
+        batch_size=16,
+    )
     assert again == pytest.approx(result.eval, rel=1e-6)
     model = jddp.load(workdir, model=user_tasks.Linear(nnx.Rngs(1)))
     inputs = {"x": evals["x"][:37]}  # model(**inputs); 37: the last batch padded
@@ -204,8 +209,7 @@ def test_a_custom_task_from_the_command_line_evaluate_load_predict(tmp_path):
     """train.loss/train.metrics/data.name factories on the CLI; then python -m jddp.evaluate,
     jddp.load (the factory builds the model) and jddp.predict of the run."""
     workdir = tmp_path / "cli"
-    out = run_python("-m", "jddp.train", f"workdir={workdir}", *CLI_TASK, "train.steps=6",
-                     cwd=ROOT)  # fmt: skip
+    out = run_python("-m", "jddp.train", f"workdir={workdir}", *CLI_TASK, "train.steps=6", cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     (done,) = [line for line in out.stdout.splitlines() if line.startswith("jddp: done")]
     assert "eval/mae=" in done and "eval/wmse=" in done and "examples_per_s=" in done
@@ -253,8 +257,12 @@ def test_dropout_same_device_count_same_losses_and_resume(tmp_path):
     resume continues the masks bit for bit, and another device count draws other masks."""
     train = [sys.executable, "-m", "jddp.train", *DROPOUT]
     one_by_two = tmp_path / "1x2"
-    assert run([*train, f"workdir={one_by_two}", "train.steps=8"], env=fake_devices(2),
-               cwd=ROOT).returncode == 0  # fmt: skip
+    assert (
+        run(
+            [*train, f"workdir={one_by_two}", "train.steps=8"], env=fake_devices(2), cwd=ROOT
+        ).returncode
+        == 0
+    )
     launch = [sys.executable, "-m", "jddp.launch", "--nproc", "2", "--devices-per-proc", "1"]
     two_by_one = tmp_path / "2x1"
     out = run([*launch, "--", *train, f"workdir={two_by_one}", "train.steps=8"], cwd=ROOT)
@@ -262,8 +270,9 @@ def test_dropout_same_device_count_same_losses_and_resume(tmp_path):
     assert_losses_match(read_losses(two_by_one), read_losses(one_by_two), range(1, 9), 1e-5)
     resumed = tmp_path / "resumed"
     for steps in (4, 8):  # stop after 4, continue to 8
-        out = run([*train, f"workdir={resumed}", f"train.steps={steps}"], env=fake_devices(2),
-                  cwd=ROOT)  # fmt: skip
+        out = run(
+            [*train, f"workdir={resumed}", f"train.steps={steps}"], env=fake_devices(2), cwd=ROOT
+        )
         assert out.returncode == 0, out.stderr[-3000:]
     assert_losses_match(read_losses(resumed), read_losses(one_by_two), range(1, 9), rel=0)
     one_by_one = tmp_path / "1x1"

@@ -39,6 +39,23 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+def failure_report(failed: list[tuple[int, int]], alive: int) -> str:
+    """What the launcher says when ranks fail: ``failed`` holds ``(rank, returncode)`` of the
+    failed ranks seen exiting together (one poll), ``alive`` how many ranks still run.
+
+    The cause comes first: a rank killed by a signal (the OOM killer, a node's kill -9) takes
+    its peers' collectives down with it, so when both are seen at once the killed one is named,
+    not the survivor whose all-reduce then failed ("Connection closed by peer", exit 1); the
+    others follow in brackets."""
+    ordered = sorted(failed, key=lambda f: (f[1] >= 0, f[0]))  # killed first, then by rank
+    (rank, rc), *others = ordered
+    also = "; ".join(f"rank {r} {describe_exit(c)}" for r, c in others)
+    text = f"rank {rank} {describe_exit(rc)}" + (f" (then {also})" if also else "")
+    if alive:
+        return f"{text}; stopping the other {alive} process{'es' if alive > 1 else ''}"
+    return f"{text}; no other process is left"
+
+
 def exit_code_for(returncode: int) -> int:
     """Map a child's ``Popen.returncode`` to a shell-style exit status (128+N for signals)."""
     return 128 - returncode if returncode < 0 else returncode
@@ -299,15 +316,14 @@ class _Launcher:
                 if rank not in self.returncodes and proc.poll() is not None:
                     self.returncodes[rank] = proc.returncode
                     exited.append(rank)
-            for rank in exited:
-                rc = self.returncodes[rank]
-                if rc == 0 or failure is not None or self.signal_received is not None:
-                    continue  # success, or an expected death while stopping
-                failure = exit_code_for(rc)
-                self.stderr.write(
-                    f"{PROG}: rank {rank} {describe_exit(rc)}; "
-                    f"stopping the other {self._alive_count()} processes\n"
-                )
+            failed = [(rank, self.returncodes[rank]) for rank in exited]
+            failed = [(rank, rc) for rank, rc in failed if rc != 0]
+            # A failure while stopping (a signal forwarded, or after the first failure) was
+            # expected: only the first one is reported, naming its cause.
+            if failed and failure is None and self.signal_received is None:
+                cause = failure_report(failed, self._alive_count())
+                failure = exit_code_for(min(failed, key=lambda f: (f[1] >= 0, f[0]))[1])
+                self.stderr.write(f"{PROG}: {cause}\n")
                 # Also signals the failed rank's own group, in case it left grandchildren.
                 self.begin_stop(signal.SIGTERM)
             if len(self.returncodes) == len(self.procs):

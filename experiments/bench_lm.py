@@ -1,0 +1,141 @@
+"""The language-model example through the trainer: held-out loss, tokens/s and MFU.
+
+    .venv/bin/python experiments/bench_lm.py [--configs 1x1,2x1] [--steps 600] [--skip 40]
+        [--platform cpu|gpu] [--peak-tflops T] [--machine NAME] [--out PATH] [--quick]
+
+Runs ``python -m jddp.train --config configs/lm_stdlib.yaml`` (the byte-level GPT of
+``examples/lm_stdlib.py`` on the standard library's sources) as one process (``1x1``) or under
+``python -m jddp.launch --nproc P --devices-per-proc D`` (``PxD``), reading what the trainer
+logged itself (:func:`benchlib.run_trainer`): ``train/tokens_per_s`` (real, unpadded tokens),
+``train/step_time_s`` over the windows after step ``--skip``, the final ``eval/loss`` (nats per
+byte). Beside them: the unigram baseline of the same held-out bytes, the model FLOPs of a step
+(3 x 2 x the forward multiply-accumulates of the GPT on full-length sequences, traced from the
+model itself, :func:`benchlib.forward_macs`, times the global batch: the padding is computed
+too), achieved GFLOP/s and MFU against ``--peak-tflops`` (on CPU an *assumed* FP32 vector peak,
+:func:`benchlib.assumed_peak`). Prints a Markdown table and writes
+``results/lm-<date>-<machine>.json`` (``--quick``: 20 steps, ``...-quick.json``, git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import benchlib
+
+CONFIG = "configs/lm_stdlib.yaml"
+
+
+def step_flops(config: dict) -> float:
+    """Model FLOPs of one train step: 6 x forward MACs of one full-length sequence x batch."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from examples import lm_stdlib
+
+    seq_len = config["data"]["options"]["seq_len"]
+    abstract = nnx.eval_shape(lambda: lm_stdlib.gpt(config["model"], jnp.float32, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+
+    def forward(state, tokens):
+        return nnx.merge(graphdef, state)(tokens)
+
+    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    macs = benchlib.forward_macs(forward, state, tokens)
+    return 6.0 * macs * config["data"]["global_batch_size"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="1x1,2x1", help="PxD: processes x devices each")
+    ap.add_argument("--steps", type=int, default=600, help="train.steps (the config's: 600)")
+    ap.add_argument("--skip", type=int, default=40, help="windows ending after this step timed")
+    ap.add_argument("--platform", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--peak-tflops", type=float, help="peak for MFU (CPU default: assumed)")
+    ap.add_argument("--machine", help="name in the output file (default: host)")
+    ap.add_argument("--out", help="JSON path (default experiments/results/...)")
+    ap.add_argument("--quick", action="store_true", help="smoke run, numbers meaningless")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.skip = 20, 5
+
+    sys.path.insert(0, str(benchlib.REPO))  # examples.lm_stdlib, as the trainer imports it
+    from examples import lm_stdlib
+    from jddp import config as config_lib
+
+    config = config_lib.to_dict(config_lib.load(benchlib.REPO / CONFIG))
+    flops = step_flops(config)
+    train, evals = lm_stdlib.data(config["data"])
+    baseline = lm_stdlib.unigram_baseline(train, evals)
+    machine = benchlib.machine_info(args.machine)
+    peak, peak_note = (
+        (args.peak_tflops * 1e12, f"given: {args.peak_tflops} TFLOP/s")
+        if args.peak_tflops
+        else benchlib.assumed_peak(machine, args.platform)
+    )
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in args.configs.split(","):
+            nproc, devices = (int(x) for x in spec.split("x"))
+            overrides = ["--config", CONFIG, f"train.steps={args.steps}", "log.progress=off"]
+            run = benchlib.run_trainer(
+                Path(tmp) / spec, overrides, nproc=nproc, devices=devices, skip_steps=args.skip
+            )
+            rows = run.pop("timed_rows")
+            step_s = benchlib.median_p10_p90(run["step_s"])
+            tokens_s = benchlib.median_p10_p90([r["train/tokens_per_s"] for r in rows])
+            achieved = flops / step_s["median"]
+            records.append(
+                {
+                    "config": spec,
+                    "eval_loss": run["eval"]["eval/loss"],
+                    "eval_accuracy": run["eval"]["eval/accuracy"],
+                    "tokens_per_s": tokens_s,
+                    "examples_per_s": benchlib.median_p10_p90(run["img_per_s"]),
+                    "step_s": step_s,
+                    "compile_s": run["compile_s"],
+                    "wall_s": run["wall_s"],
+                    "achieved_gflops": achieved / 1e9,
+                    "mfu": achieved / peak if peak else None,
+                    "command": run["command"],
+                }
+            )
+    print(
+        f"\nunigram baseline {baseline:.4f} nats/byte; model FLOPs/step {flops / 1e9:.2f} G; "
+        f"{peak_note}\n"
+    )
+    print("| config | eval loss (nats/byte) | tokens/s | step s | GFLOP/s | MFU | wall s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in records:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        print(
+            f"| {r['config']} | {r['eval_loss']:.4f} | {r['tokens_per_s']['median']:,.0f} | "
+            f"{r['step_s']['median']:.3f} | {r['achieved_gflops']:.1f} | {mfu} | "
+            f"{r['wall_s']:.0f} |"
+        )
+    result = {
+        "machine": machine,
+        "config_file": CONFIG,
+        "config": config,
+        "steps": args.steps,
+        "skip": args.skip,
+        "quick": args.quick,
+        "unigram_baseline": baseline,
+        "step_flops": flops,
+        "peak_flops": peak,
+        "peak_note": peak_note,
+        "records": records,
+    }
+    if args.out:
+        benchlib.write_json(Path(args.out), result)
+    else:
+        name = machine["name"] + ("-quick" if args.quick else "")
+        benchlib.save_result("lm", name, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
