@@ -194,16 +194,13 @@ def _per_sequence(value_BxT: jax.Array, real_BxT: jax.Array) -> tuple[jax.Array,
     return (value_BxT * real_BxT).sum(-1) / jnp.maximum(tokens_B, 1.0), tokens_B
 
 
-def loss(model: GPT, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """Mean next-byte cross-entropy of each sequence, weighted by its real targets."""
-    ce_BxT, _, real_BxT = _next_byte(model, batch)
-    return _per_sequence(ce_BxT, real_BxT)
-
-
-def metrics(model: GPT, batch: dict) -> dict[str, tuple[jax.Array, jax.Array]]:
-    """Next-byte accuracy, over real targets."""
-    _, correct_BxT, real_BxT = _next_byte(model, batch)
-    return {"accuracy": _per_sequence(correct_BxT.astype(jnp.float32), real_BxT)}
+def loss(model: GPT, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
+    """Mean next-byte cross-entropy of each sequence, weighted by its real targets; and, from
+    the same forward pass, the next-byte accuracy (a separate metrics function would run the
+    model again: jddp/tasks/custom.py)."""
+    ce_BxT, correct_BxT, real_BxT = _next_byte(model, batch)
+    accuracy = _per_sequence(correct_BxT.astype(jnp.float32), real_BxT)
+    return *_per_sequence(ce_BxT, real_BxT), {"accuracy": accuracy}
 
 
 def main(argv: list[str]) -> jddp.RunResult:
@@ -212,7 +209,7 @@ def main(argv: list[str]) -> jddp.RunResult:
     sections = to_dict(cfg)  # the model and data sections, as the CLI hands them to factories
     train, evals = data(sections["data"], cfg.train.seed)
     model = gpt(sections["model"], jnp.float32, nnx.Rngs(cfg.train.seed))
-    result = jddp.fit(model, None, train, evals, loss=loss, metrics=metrics, config=cfg)
+    result = jddp.fit(model, None, train, evals, loss=loss, config=cfg)
     baseline = unigram_baseline(train, evals)
     if jax.process_index() == 0:
         ev = result.eval

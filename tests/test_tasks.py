@@ -99,6 +99,26 @@ def test_fit_any_task_logs_the_exact_weighted_means(fitted):
     assert result.eval == {k: v for k, v in rows[-1].items() if k != "step"}
 
 
+def test_metrics_returned_by_the_loss_are_the_metrics_functions(fitted, tmp_path):
+    """``loss`` may return ``(loss_B, weight_B, metrics)`` from its one forward pass: the same
+    lines as ``loss`` and ``metrics`` apart."""
+    result, workdir, train, evals = fitted
+    again = jddp.fit(
+        user_tasks.Linear(nnx.Rngs(0)),
+        optax.sgd(0.05),
+        train,
+        evals,
+        loss=user_tasks.loss_and_metrics,
+        config={"workdir": str(tmp_path / "run"), "train": {"steps": 12}},
+        overrides=FIT,
+    )
+    assert again.eval == result.eval
+    keys = ("train/loss", "train/mae", "train/wmse")
+    want = [[r[k] for k in keys] for r in read_metrics(workdir) if "train/loss" in r]
+    got = [[r[k] for k in keys] for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    assert got == want
+
+
 def test_evaluate_and_predict_a_custom_task(fitted):
     result, workdir, _, evals = fitted
     again = jddp.evaluate(
@@ -124,7 +144,8 @@ BAD_FITS = [
     ("scalar_loss", None, None, TaskError, ["the loss given to jddp.fit", "scalar", "[16]"]),
     ("int_loss", None, None, TaskError, ["int32", "floating"]),
     ("column_loss", None, None, TaskError, ["[16, 1]", "expected shape [16]"]),
-    ("triple_loss", None, None, TaskError, ["tuple of 3", "(values [16], weights [16])"]),
+    ("quadruple_loss", None, None, TaskError, ["tuple of 4", "(values [16], weights [16])"]),
+    ("loss_with_list_metrics", None, None, TaskError, ["(its metrics)", "expected a dict"]),
     ("missing_key_loss", None, None, TaskError, ["the loss given to jddp.fit", "'features'"]),
     ("loss", "clashing_metrics", None, TaskError, ["'loss'", "clashes"]),
     ("loss", "list_metrics", None, TaskError, ["got a list", "expected a dict"]),

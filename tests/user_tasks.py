@@ -54,6 +54,12 @@ def metrics(model, batch):
     return {"mae": jnp.abs(error), "wmse": (error**2, batch["w"])}
 
 
+def loss_and_metrics(model, batch):
+    """The weighted loss and :func:`metrics` from one forward pass."""
+    error = model(batch["x"]) - batch["y"]
+    return error**2, batch["w"], {"mae": jnp.abs(error), "wmse": (error**2, batch["w"])}
+
+
 # -- broken pieces -----------------------------------------------------------------------------
 
 
@@ -69,8 +75,12 @@ def column_loss(model, batch):
     return loss(model, batch)[:, None]
 
 
-def triple_loss(model, batch):
-    return loss(model, batch), batch["w"], batch["w"]
+def quadruple_loss(model, batch):
+    return loss(model, batch), batch["w"], {}, batch["w"]
+
+
+def loss_with_list_metrics(model, batch):
+    return loss(model, batch), None, [loss(model, batch)]
 
 
 def missing_key_loss(model, batch):

@@ -1,11 +1,21 @@
 """Any task: the user's ``loss(model, batch)`` and ``metrics(model, batch)`` on any batch pytree.
 
-``loss`` returns per-example losses ``[B]``, or ``(loss_B, weight_B)``; ``metrics`` returns
-``{name: value_B}`` or ``{name: (value_B, weight_B)}``. jddp turns them into exact weighted means
-over the global batch (:mod:`jddp.weighted`). What they return is checked when the step is
-traced (and before training, by :func:`jddp.preflight.check_task`): a scalar, another shape, a
-non-float loss, a metric name that clashes, each is a :class:`~jddp.errors.TaskError` naming the
-function and what is expected.
+``loss`` returns per-example losses ``[B]``, or ``(loss_B, weight_B)``, or ``(loss_B, weight_B or
+None, metrics)`` where ``metrics`` is what ``metrics`` would return, computed from the same
+forward pass; ``metrics`` returns ``{name: value_B}`` or ``{name: (value_B, weight_B)}``. jddp
+turns them into exact weighted means over the global batch (:mod:`jddp.weighted`).
+
+Why metrics may come from the loss: a separate ``metrics`` function runs the model once more.
+XLA merges that second forward pass with the loss's when the two compile to the same operations
+(a small CNN: 1.0004x the FLOPs of the loss alone), but differentiation rewrites some of the
+loss's (LayerNorm's variance, under ``jax.grad``), and then the training step pays a second
+forward pass (the byte-level GPT of examples/lm_stdlib.py: 1.34x the FLOPs); returned by the
+loss, metrics cost nothing.
+
+What they return is checked when the step is traced (and before training, by
+:func:`jddp.preflight.check_task`): a scalar, another shape, a non-float loss, a metric name
+that clashes, each is a :class:`~jddp.errors.TaskError` naming the function and what is
+expected.
 """
 
 from __future__ import annotations
@@ -67,7 +77,8 @@ def per_example(value: Any, rows: int, what: str, floating: bool) -> jax.Array:
 def value_and_weight(
     out: Any, rows: int, what: str, floating: bool
 ) -> tuple[jax.Array, jax.Array | None]:
-    """``value_B`` or ``(value_B, weight_B)``, checked (see :func:`per_example`)."""
+    """``value_B`` or ``(value_B, weight_B)``, checked (see :func:`per_example`); a weight of
+    None is no weight."""
     if isinstance(out, tuple):
         if len(out) != 2:
             raise TaskError(
@@ -75,11 +86,25 @@ def value_and_weight(
                 f"(values [{rows}], weights [{rows}])"
             )
         value, weight = out
-        return (
-            per_example(value, rows, what, floating),
-            per_example(weight, rows, f"{what} (the weights)", False),
-        )
+        value = per_example(value, rows, what, floating)
+        if weight is None:
+            return value, None
+        return value, per_example(weight, rows, f"{what} (the weights)", False)
     return per_example(out, rows, what, floating), None
+
+
+def named_metrics(out: Any, rows: int, where: str) -> Named:
+    """A metrics dict ``{name: value_B | (value_B, weight_B)}``, checked: names, shapes, types."""
+    if not isinstance(out, Mapping):
+        raise TaskError(
+            f"{where}: got a {type(out).__name__}; expected a dict "
+            "{name: values [B]} or {name: (values [B], weights [B])}"
+        )
+    named: Named = {}
+    for name, value in out.items():
+        check_metric_name(name, where)
+        named[name] = value_and_weight(value, rows, f"{where}[{name!r}]", False)
+    return named
 
 
 @dataclass(frozen=True)
@@ -95,31 +120,32 @@ class CustomTask:
     kind: str = "custom"
     example_unit: str = "examples"
 
-    def loss_terms(self, model: Any, data: Any) -> tuple[jax.Array, jax.Array | None, None]:
-        """``loss(model, data)`` as ``(loss_B, weight_B or None, None)``."""
+    def loss_terms(self, model: Any, data: Any) -> tuple[jax.Array, jax.Array | None, Named]:
+        """``loss(model, data)`` as ``(loss_B, weight_B or None, metrics it returned)``."""
         rows = rows_of(data)
-        loss, weight = value_and_weight(self.loss(model, data), rows, self.loss_name, True)
-        return loss, weight, None
+        out = self.loss(model, data)
+        metrics: Named = {}
+        if isinstance(out, tuple) and len(out) == 3:
+            out, returned = out[:2], out[2]
+            metrics = named_metrics(returned, rows, f"{self.loss_name} (its metrics)")
+        loss, weight = value_and_weight(out, rows, self.loss_name, True)
+        return loss, weight, metrics
 
     def metric_terms(
-        self, fresh_model: Callable[[], Any], data: Any, aux: Any, training: bool
+        self, fresh_model: Callable[[], Any], data: Any, aux: Named, training: bool
     ) -> Named:
-        """``metrics(model, data)`` as ``{name: (value_B, weight_B or None)}`` (none without
-        a metrics function)."""
+        """The metrics the loss returned (``aux``), then ``metrics(model, data)``'s, as
+        ``{name: (value_B, weight_B or None)}``."""
         if self.metrics is None:
-            return {}
-        out = self.metrics(fresh_model(), data)
-        if not isinstance(out, Mapping):
+            return aux
+        more = named_metrics(self.metrics(fresh_model(), data), rows_of(data), self.metrics_name)
+        both = set(aux) & set(more)
+        if both:
             raise TaskError(
-                f"{self.metrics_name}: got a {type(out).__name__}; expected a dict "
-                "{name: values [B]} or {name: (values [B], weights [B])}"
+                f"{self.metrics_name}: metric {sorted(both)[0]!r} is returned by "
+                f"{self.loss_name} too; name each metric once"
             )
-        rows = rows_of(data)
-        named: Named = {}
-        for name, value in out.items():
-            check_metric_name(name, self.metrics_name)
-            named[name] = value_and_weight(value, rows, f"{self.metrics_name}[{name!r}]", False)
-        return named
+        return {**aux, **more}
 
 
 def check_metric_name(name: Any, where: str) -> None:
