@@ -57,6 +57,19 @@ def files(tmp_path_factory):
     return root, wd
 
 
+TASK = [
+    "model.name=tests.user_tasks:linear",
+    "data.name=tests.user_tasks:data",
+    "train.loss=tests.user_tasks:loss",
+    "workdir={root}/task",
+]
+
+
+def task(*overrides):
+    """A custom task's overrides (tests/user_tasks.py, a fresh workdir), ``overrides`` winning."""
+    return with_overrides(TASK, *overrides)
+
+
 CASES = [
     # (id, extra args, exit code, words that must appear in the one line)
     ("unknown key", ["optim.lrr=0.1"], 2, ["optim.lrr", "optim.lr"]),
@@ -150,6 +163,39 @@ CASES = [
         ["model.name=tests.user_models:three_logits", "workdir={root}/other"],
         2,
         ["three_logits", "[2, 3]", "10 classes"],
+    ),
+    # A custom task from the command line (tests/user_tasks.py), in a fresh workdir.
+    ("unimportable data factory", task("data.name=nope.data:fn"), 2, ["data.name", "nope.data"]),
+    (
+        "data factory returning an int",
+        task("data.name=tests.user_tasks:bad_data"),
+        2,
+        ["data.name=tests.user_tasks:bad_data returned a int", "(train, eval)"],
+    ),
+    (
+        "data leaves of different sizes",
+        task("data.name=tests.user_tasks:ragged_data"),
+        2,
+        ["train_data['y'] has 90 examples", "train_data['w'] has 96"],
+    ),
+    (
+        "a string leaf",
+        task("data.name=tests.user_tasks:string_leaf_data"),
+        2,
+        ["train_data['name']", "a str is not an array"],
+    ),
+    ("unimportable loss", task("train.loss=tests.user_tasks:nope"), 2, ["train.loss", "nope"]),
+    (
+        "loss returning a scalar",
+        task("train.loss=tests.user_tasks:scalar_loss"),
+        2,
+        ["train.loss=tests.user_tasks:scalar_loss", "scalar", "[16]"],
+    ),
+    (
+        "metric named loss",
+        task("train.metrics=tests.user_tasks:clashing_metrics"),
+        2,
+        ["train.metrics=tests.user_tasks:clashing_metrics", "'loss'", "clashes"],
     ),
 ]
 

@@ -29,6 +29,21 @@ ROOT = Path(__file__).resolve().parents[1]
 FIT = ["data.global_batch_size=16", "log.progress=off", "log.every_steps=1"]
 
 
+def fit(workdir, loss, metrics=None, steps=12, data=None):
+    """``jddp.fit`` of the tests' linear regression (tests/user_tasks.py), SGD 0.05, batch 16."""
+    train, evals = data or user_tasks.data({})
+    return jddp.fit(
+        user_tasks.Linear(nnx.Rngs(0)),
+        optax.sgd(0.05),
+        train,
+        evals,
+        loss=loss,
+        metrics=metrics,
+        config={"workdir": str(workdir), "train": {"steps": steps}},
+        overrides=FIT,
+    )
+
+
 def weighted_numpy(model, split, w=None):
     """``Σ w·x / Σ w`` of the squared and absolute errors of ``model`` over a whole split."""
     error = np.asarray(model(jnp.asarray(split["x"])), np.float64) - split["y"]
@@ -62,16 +77,7 @@ def fitted(tmp_path_factory):
     """``jddp.fit`` of the tests' linear regression with a weighted loss and two metrics."""
     workdir = tmp_path_factory.mktemp("fit") / "run"
     train, evals = user_tasks.data({})
-    result = jddp.fit(
-        user_tasks.Linear(nnx.Rngs(0)),
-        optax.sgd(0.05),
-        train,
-        evals,
-        loss=user_tasks.weighted_loss,
-        metrics=user_tasks.metrics,
-        config={"workdir": str(workdir), "train": {"steps": 12}},
-        overrides=FIT,
-    )
+    result = fit(workdir, user_tasks.weighted_loss, user_tasks.metrics)
     return result, workdir, train, evals
 
 
@@ -102,16 +108,8 @@ def test_fit_any_task_logs_the_exact_weighted_means(fitted):
 def test_metrics_returned_by_the_loss_are_the_metrics_functions(fitted, tmp_path):
     """``loss`` may return ``(loss_B, weight_B, metrics)`` from its one forward pass: the same
     lines as ``loss`` and ``metrics`` apart."""
-    result, workdir, train, evals = fitted
-    again = jddp.fit(
-        user_tasks.Linear(nnx.Rngs(0)),
-        optax.sgd(0.05),
-        train,
-        evals,
-        loss=user_tasks.loss_and_metrics,
-        config={"workdir": str(tmp_path / "run"), "train": {"steps": 12}},
-        overrides=FIT,
-    )
+    result, workdir, _, _ = fitted
+    again = fit(tmp_path / "run", user_tasks.loss_and_metrics)
     assert again.eval == result.eval
     keys = ("train/loss", "train/mae", "train/wmse")
     want = [[r[k] for k in keys] for r in read_metrics(workdir) if "train/loss" in r]
@@ -169,16 +167,8 @@ def test_bad_task_is_one_line_naming_it_before_anything_runs(
     elif change == "string":
         train["name"] = "regression"
     with pytest.raises(error) as raised:
-        jddp.fit(
-            user_tasks.Linear(nnx.Rngs(0)),
-            optax.sgd(0.05),
-            train,
-            evals,
-            loss=getattr(user_tasks, loss),
-            metrics=metrics and getattr(user_tasks, metrics),
-            config={"workdir": str(workdir), "train": {"steps": 14}},
-            overrides=FIT,
-        )
+        loss, metrics = getattr(user_tasks, loss), metrics and getattr(user_tasks, metrics)
+        fit(workdir, loss, metrics, steps=14, data=(train, evals))
     message = str(raised.value)
     assert "\n" not in message
     for word in words:
@@ -195,17 +185,8 @@ def test_bad_task_is_one_line_naming_it_before_anything_runs(
     ],
 )
 def test_bad_weights_or_values_stop_the_run_naming_the_step(tmp_path, loss, error, words):
-    train, evals = user_tasks.data({})
     with pytest.raises(error) as raised:
-        jddp.fit(
-            user_tasks.Linear(nnx.Rngs(0)),
-            optax.sgd(0.05),
-            train,
-            evals,
-            loss=getattr(user_tasks, loss),
-            config={"workdir": str(tmp_path / "run"), "train": {"steps": 3}},
-            overrides=FIT,
-        )
+        fit(tmp_path / "run", getattr(user_tasks, loss), steps=3)
     for word in words:
         assert word in str(raised.value), (word, str(raised.value))
 
