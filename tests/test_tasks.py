@@ -137,6 +137,57 @@ def test_evaluate_and_predict_a_custom_task(fitted):
         jddp.evaluate(model, evals)
 
 
+def test_every_data_form_gives_the_same_run(tmp_path):
+    """A dict of arrays, a list of example dicts, a grain MapDataset of them and an iterator of
+    batches are the same data: the same per-step losses and eval."""
+    import grain
+
+    train, evals = user_tasks.data({})
+    records = [{k: v[i] for k, v in train.items()} for i in range(user_tasks.TRAIN)]
+    batches = iter([{k: v[i : i + 32] for k, v in train.items()} for i in range(0, 96, 32)])
+    forms = {
+        "arrays": train,
+        "records": records,
+        "grain": grain.MapDataset.source(records),
+        "batches": batches,
+    }
+    runs = {}
+    for name, form in forms.items():
+        result = fit(tmp_path / name, user_tasks.weighted_loss, steps=4, data=(form, evals))
+        runs[name] = (read_losses(tmp_path / name), result.eval)
+    assert all(run == runs["arrays"] for run in runs.values()), runs
+
+
+class DropoutLinear(user_tasks.Linear):
+    """Dropout of nearly every feature: training sees almost nothing, eval everything."""
+
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.drop = nnx.Dropout(0.99, rngs=rngs)
+
+    def __call__(self, x):
+        return super().__call__(self.drop(x))
+
+
+def test_the_loss_runs_in_train_mode_and_eval_in_eval_mode(tmp_path):
+    train, evals = user_tasks.data({})
+    result = jddp.fit(
+        DropoutLinear(nnx.Rngs(0)),
+        optax.sgd(0.0),  # nothing learned: the model stays as built
+        train,
+        evals,
+        loss=user_tasks.loss,
+        config={"workdir": str(tmp_path / "run"), "train": {"steps": 1}},
+        overrides=FIT,
+    )
+    plain = user_tasks.Linear(nnx.Rngs(0))  # the same weights, no dropout
+    want = weighted_numpy(plain, evals)["loss"]
+    assert result.eval["eval/loss"] == pytest.approx(want, rel=1e-5)  # eval: deterministic
+    rows = {k: v[epoch_permutation(0, 0, user_tasks.TRAIN)[:16]] for k, v in train.items()}
+    first = read_losses(tmp_path / "run")[1]
+    assert first != pytest.approx(weighted_numpy(plain, rows)["loss"], rel=1e-2)  # train: dropout
+
+
 BAD_FITS = [
     # (loss, metrics, data change, error, words)
     ("scalar_loss", None, None, TaskError, ["the loss given to jddp.fit", "scalar", "[16]"]),
