@@ -31,7 +31,7 @@ _EXPORTS = {
     "TrainState": "jddp.state",
     "make_train_step": "jddp.step",
     "make_eval_step": "jddp.step",
-    "cross_entropy_loss": "jddp.step",
+    "cross_entropy_loss": "jddp.tasks.classification",
     "Comm": "jddp.comm",
     "XlaComm": "jddp.comm",
     "MpiComm": "jddp.comm",

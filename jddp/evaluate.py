@@ -16,18 +16,30 @@ damaged checkpoint: the line names it and the newest intact one).
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 
-from jddp.checkpoint.weights import find_checkpoint
-from jddp.cli import OneLineParser, Session, run
-from jddp.evaluation import evaluate_checkpoint, run_config
+from jddp.errors import INTERRUPTED
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    """Ctrl-C at any moment: one line, exit 130. An evaluation has nothing to save, and a
+    KeyboardInterrupt raised inside ``import jax`` printed a 40-line traceback, or inside one of
+    XLA's garbage-collection callbacks was swallowed ("Exception ignored in _xla_gc_callback",
+    the evaluation going on to exit 0)."""
+    os.write(2, b"jddp: interrupted\n")
+    os._exit(INTERRUPTED)
+
 
 USAGE = "python -m jddp.evaluate --workdir W [--step N] [key.sub=value ...]"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """``--workdir``, ``--step`` and the ``key=value`` overrides."""
+    from jddp.cli import OneLineParser
+
     parser = OneLineParser(
         prog="python -m jddp.evaluate",
         usage=USAGE,
@@ -42,16 +54,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
-    argv = sys.argv[1:] if argv is None else argv
+    previous = signal.signal(signal.SIGINT, _interrupted)  # before JAX and the rest load
+    try:
+        argv = sys.argv[1:] if argv is None else argv
+        from jddp.checkpoint.weights import find_checkpoint
+        from jddp.cli import Session, run
+        from jddp.evaluation import evaluate_checkpoint, run_config
 
-    def body(session: Session) -> int:
-        args = parse_args(argv)
-        cfg = run_config(Path(args.workdir), args.overrides)
-        find_checkpoint(args.workdir, args.step, "--workdir", "--step")  # before JAX starts
-        evaluate_checkpoint(cfg, args.workdir, args.step, session.start_jax(cfg.dist))
-        return 0
+        def body(session: Session) -> int:
+            args = parse_args(argv)
+            cfg = run_config(Path(args.workdir), args.overrides)
+            find_checkpoint(args.workdir, args.step, "--workdir", "--step")  # before JAX starts
+            evaluate_checkpoint(cfg, args.workdir, args.step, session.start_jax(cfg.dist))
+            return 0
 
-    return run(body)
+        return run(body)
+    finally:
+        signal.signal(signal.SIGINT, previous)  # called in-process (tests): give Ctrl-C back
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def evaluate_model(
         source = (
             as_tree_source(data, "eval", label="data")
             if custom
-            else as_source(data, None, "eval", label="data")
+            else as_source(data, None, "eval", label="data", check_labels=False)
         )
     elif cfg is not None:
         source = load_data(cfg, custom).eval

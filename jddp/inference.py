@@ -31,7 +31,7 @@ from jddp.data.source import ArraySource, is_image_source, pixel_images
 from jddp.data.trees import as_tree_source, example_spec
 from jddp.errors import ConfigError
 from jddp.state import split_model
-from jddp.step import PixelNorm
+from jddp.tasks.classification import PixelNorm
 
 PathLike = str | Path
 

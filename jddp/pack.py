@@ -396,8 +396,9 @@ def pack(
     workers: int = 1,
     skip_bad: bool = False,
     shard_mb: float = 256.0,
-) -> dict[str, Any]:
-    """Write the pack of ``src`` to ``out`` (continuing an unfinished one); returns its manifest."""
+) -> tuple[dict[str, Any], bool]:
+    """Write the pack of ``src`` to ``out`` (continuing an unfinished one); returns its manifest
+    and whether this call wrote it (False: ``out`` already held this pack, complete)."""
     src = Path(src).expanduser().resolve()
     out = Path(out).expanduser()
     fmt = fmt or detect_format(src)
@@ -424,7 +425,7 @@ def pack(
     if complete:
         print(f"pack: {str(out)!r} already holds this pack, complete", file=sys.stderr)
         shutil.rmtree(out / PARTIAL, ignore_errors=True)
-        return json.loads((out / MANIFEST).read_text())
+        return json.loads((out / MANIFEST).read_text()), False
     shards = plan_shards(kind, splits, options.shard_bytes)
     progress = Progress(sum(len(s["items"]) for s in splits.values()), len(shards))
     notes: dict[str, dict[str, Any]] = {}
@@ -446,7 +447,7 @@ def pack(
     manifest = build_manifest(pack_id, identity, source, shards, notes)
     write_json_atomic(out / MANIFEST, manifest)
     shutil.rmtree(out / PARTIAL, ignore_errors=True)
-    return manifest
+    return manifest, True
 
 
 def build_manifest(
@@ -543,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"pack: --quality={args.quality} must be in 1..100")
         if not args.shard_mb > 0:
             raise ConfigError(f"pack: --shard-mb={args.shard_mb} must be positive")
-        manifest = pack(
+        manifest, wrote = pack(
             Path(args.src),
             Path(args.out),
             args.format,
@@ -560,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{split['reencoded']} re-encoded, {skipped} skipped"
                 + (f" (first: {split['skipped'][0]})" if skipped else "")
             )
-        print(f"pack: wrote {str(Path(args.out) / MANIFEST)!r} (pack id {manifest['pack_id']})")
+        if wrote:  # an already complete pack was said so on stderr, and nothing was written
+            print(f"pack: wrote {str(Path(args.out) / MANIFEST)!r} (pack id {manifest['pack_id']})")
         return 0
 
     return run(body)

@@ -4,14 +4,16 @@ rotation deleted, and a run folder that cannot be written."""
 
 import runpy
 import shutil
+import signal
 import sys
+import time
 from unittest import mock
 
 import pytest
 
 import jddp
 from jddp.errors import CheckpointError
-from tests.helpers import read_metrics, run_python
+from tests.helpers import read_metrics, run_python, start
 
 RUN = [
     "model.name=tests.user_models:tiny_mlp",
@@ -148,6 +150,18 @@ def test_evaluate_prints_its_result_when_metrics_jsonl_cannot_be_written(run_cop
     assert warning.startswith(f"jddp: warning: {metrics}: cannot append the result")
     metrics.rmdir()
     metrics.write_text(before)
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.2])
+def test_ctrl_c_stops_evaluate_at_any_moment_in_one_line(finished, after_s):
+    """While jddp and JAX are imported (0.3 s) or JAX starts (1.2 s): exit 130 and one line
+    (it printed a 40-line traceback from ``import jax``, or was swallowed and exited 0)."""
+    job = start([sys.executable, "-m", "jddp.evaluate", "--workdir", str(finished)])
+    time.sleep(after_s)
+    job.send_signal(signal.SIGINT)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 130, err[-2000:]
+    assert err.strip().splitlines() == ["jddp: interrupted"], err[-2000:]
 
 
 def test_a_resume_sets_aside_a_checkpoint_whose_config_is_damaged(run_copy, capfd):

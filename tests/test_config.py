@@ -2,6 +2,7 @@
 
 import os
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
@@ -305,6 +306,22 @@ def test_cli_new_checks_exit_2_with_one_line(args, words):
     assert len(lines) == 1 and lines[0].startswith("jddp: error: "), out.stderr
     for w in words:
         assert w in lines[0]
+
+
+def test_steps_on_the_command_line_replace_the_files_epochs():
+    """configs/imagenet_resnet50_lars.yaml sets train.epochs; train.steps=2 on the command line
+    is the run's length (and the reverse); both on the command line stay refused."""
+    lars = Path(__file__).resolve().parents[1] / "configs" / "imagenet_resnet50_lars.yaml"
+    cfg = config_lib.load(lars, ["train.steps=2"])
+    assert cfg.train.steps == 2 and cfg.train.epochs is None
+    with pytest.raises(ConfigError, match="both set"):
+        config_lib.load(lars, ["train.steps=2", "train.epochs=1"])
+
+
+def test_lars_with_a_zero_trust_coefficient_is_refused():
+    """It would scale every update to 0: exit 0 after training nothing."""
+    with pytest.raises(ConfigError, match="optim.trust_coefficient=0 with optim.name=lars"):
+        config_lib.load(None, ["optim.name=lars", "optim.trust_coefficient=0"])
 
 
 def test_a_config_that_never_ends_is_refused():

@@ -58,6 +58,16 @@ def test_integer_pixels_of_any_dtype_are_pixels(run):
         jddp.evaluate(workdir, (wide, labels))
 
 
+def test_a_label_out_of_range_names_the_models_classes(run):
+    """The range comes from the model's 10 outputs, not from the labels given (a -3 among
+    labels up to 8 once read "outside [0, 9)")."""
+    workdir, _, raw, labels = run
+    bad = np.minimum(labels, 8)
+    bad[5] = -3
+    with pytest.raises(DataConfigError, match=r"outside \[0, 10\).*class indices 0\.\.9"):
+        jddp.evaluate(workdir, (raw, bad))
+
+
 def test_mean_without_std_is_refused(run):
     workdir, _, raw, _ = run
     with pytest.raises(jddp.ConfigError, match="mean was given without std; pass both"):

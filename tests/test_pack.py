@@ -35,9 +35,10 @@ from tests.helpers import (
 
 
 def pack(src: Path, out: Path, **kwargs) -> dict:
-    """Pack in this process (one worker) with tiny shards: several shards per split."""
+    """Pack in this process (one worker) with tiny shards: several shards per split; the
+    manifest."""
     kwargs.setdefault("shard_mb", 0.002)
-    return pack_cli.pack(src, out, **kwargs)
+    return pack_cli.pack(src, out, **kwargs)[0]
 
 
 def pack_cmd(*args: object) -> subprocess.CompletedProcess:
@@ -243,6 +244,9 @@ def test_pack_command_refuses_a_foreign_out_and_reports(tmp_path):
         refused = pack_cmd(args[0], tmp_path / "pack", *args[1:])  # other options, other SRC
         assert refused.returncode == 2 and "not empty" in refused.stderr, refused.stderr
     assert load_splits("packed", str(tmp_path / "pack"), 8).train.num_classes == 2
+    again = pack_cmd(tmp_path / "jpg", tmp_path / "pack", "--workers", 2, "--shard-mb", 0.001)
+    assert again.returncode == 0 and "already holds this pack, complete" in again.stderr
+    assert "wrote" not in again.stdout and "train: 4 examples" in again.stdout  # nothing written
     unknown = pack_cmd(tmp_path / "busy", tmp_path / "x")
     assert unknown.returncode == 2 and "--format" in unknown.stderr
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jddp import xla_setup
-from jddp.data.pipeline import cores_per_process, slurm_step_tasks_here
+from jddp.data.pipeline import cores_per_process, expand_hostlist, slurm_step_tasks_here
 from jddp.xla_setup import CPU_CONV_OFF_YNNPACK, YNN_FLAG, apply_cpu_flags
 from tests.helpers import THREADS_PROBE, run_python
 
@@ -95,6 +95,28 @@ SLURM_STEP_2_TASKS = {"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "S
         (SLURM_STEP_2_TASKS, 2),  # srun -n2: no SLURM_NTASKS_PER_NODE unless the job asked it
         ({**SLURM_STEP_2_TASKS, "SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}, 3),
         ({**SLURM_STEP_2_TASKS, "SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "1"}, 4),
+        # A step on nodes 3-4 of a 4-node job: SLURM_NODEID counts the job's nodes (2 on
+        # node3), the step's counts are in its own node list's order.
+        (
+            {
+                **SLURM_STEP_2_TASKS,
+                "SLURM_STEP_TASKS_PER_NODE": "3,1",
+                "SLURM_STEP_NODELIST": "node[3-4]",
+                "SLURMD_NODENAME": "node4",
+                "SLURM_NODEID": "3",
+            },
+            1,
+        ),
+        (
+            {
+                **SLURM_STEP_2_TASKS,
+                "SLURM_STEP_TASKS_PER_NODE": "2(x2),5",
+                "SLURM_STEP_NODELIST": "gpu[008-009],cpu1",
+                "SLURMD_NODENAME": "cpu1",
+                "SLURM_NODEID": "0",
+            },
+            5,
+        ),
         ({"SLURM_STEP_ID": "0", "SLURM_NTASKS_PER_NODE": "4"}, 4),  # an older srun's spelling
         ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_TASKS_PER_NODE": "4"}, None),  # the batch script
         ({}, None),
@@ -102,6 +124,21 @@ SLURM_STEP_2_TASKS = {"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "S
 )
 def test_slurm_step_tasks_on_this_node(environ, tasks):
     assert slurm_step_tasks_here(environ) == tasks
+
+
+@pytest.mark.parametrize(
+    ("hostlist", "names"),
+    [
+        ("node1", ["node1"]),
+        ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+        ("r[1-2]n[8-9]", ["r1n8", "r1n9", "r2n8", "r2n9"]),
+        ("a-b[9-10].c", ["a-b9.c", "a-b10.c"]),
+        ("node[x-2]", []),
+        ("", []),
+    ],
+)
+def test_slurm_hostlists_expand_in_order(hostlist, names):
+    assert expand_hostlist(hostlist) == names
 
 
 @pytest.mark.parametrize(

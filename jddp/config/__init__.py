@@ -155,6 +155,11 @@ def validate(cfg: Config) -> Config:
     _check_user_code(cfg)
     if cfg.train.steps is not None and cfg.train.epochs is not None:
         raise ConfigError("train.steps and train.epochs are both set; set only one of them")
+    if cfg.optim.name == "lars" and cfg.optim.trust_coefficient == 0:
+        raise ConfigError(
+            "optim.trust_coefficient=0 with optim.name=lars scales every update to 0 (nothing "
+            "trains); use a coefficient > 0 (You et al. 2017: 0.001)"
+        )
     if cfg.model.sync_batchnorm and cfg.dist.backend == "mpi":
         raise ConfigError(
             "model.sync_batchnorm=true needs dist.backend=xla: under dist.backend=mpi processes "
@@ -229,6 +234,11 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
             )
         given[key] = text.split("=", 1)[1]
         set_dotted(data, key, value)
+    # The run's length on the command line replaces the file's, in either unit.
+    for key, other in (("train.steps", "train.epochs"), ("train.epochs", "train.steps")):
+        section = data.get("train")
+        if key in given and other not in given and isinstance(section, dict):
+            section.pop(other.split(".")[1], None)
     cfg = from_dict(data)
     if cfg.workdir is None:
         cfg.workdir = str(Path("runs") / (Path(path).stem if path is not None else "default"))

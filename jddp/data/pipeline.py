@@ -39,13 +39,38 @@ _QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 _LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 
+def expand_hostlist(hostlist: str) -> list[str]:
+    """SLURM's compressed host list in order: ``"node[01-03,07],gpu5"`` is ``node01, node02,
+    node03, node07, gpu5``; ranges keep their zero padding, several bracket groups in one name
+    (``"r[1-2]n[1-2]"``) multiply out. A malformed list gives ``[]``."""
+    names: list[str] = []
+    for part in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        expansions = [""]
+        for text, group in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", part):
+            choices = [""]
+            if group:
+                choices = []
+                for item in group.split(","):
+                    low, _, high = item.partition("-")
+                    if not low.isdigit() or (high and not high.isdigit()):
+                        return []
+                    last = int(high) if high else int(low)
+                    choices += [str(n).zfill(len(low)) for n in range(int(low), last + 1)]
+            expansions = [e + text + c for e in expansions for c in choices]
+        names += expansions
+    return names
+
+
 def slurm_step_tasks_here(environ: Mapping[str, str] | None = None) -> int | None:
     """Tasks of this SLURM job step on this node, or None outside a step.
 
-    ``srun`` writes them per node in ``SLURM_STEP_TASKS_PER_NODE`` ("2", "4(x2),3": two nodes
-    of 4 then one of 3), indexed by ``SLURM_NODEID``; ``SLURM_NTASKS_PER_NODE`` is set only when
-    the job asked ``--ntasks-per-node``. The batch script itself (no step) gets None: it is one
-    process whatever the job's task count."""
+    ``srun`` writes them per node of the *step* in ``SLURM_STEP_TASKS_PER_NODE`` ("2",
+    "4(x2),3": two nodes of 4 then one of 3), in the order of ``SLURM_STEP_NODELIST``; this
+    node is ``SLURMD_NODENAME`` there. (``SLURM_NODEID`` counts the *job's* nodes: a step on
+    some of them only, e.g. ``srun -N2 -w node[3-4]`` in a 4-node job, would read another
+    node's count; it is used only where the step's node list does not name this node.)
+    ``SLURM_NTASKS_PER_NODE`` is set only when the job asked ``--ntasks-per-node``. The batch
+    script itself (no step) gets None: it is one process whatever the job's task count."""
     env = os.environ if environ is None else environ
     counts: list[int] = []
     for part in env.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
@@ -54,6 +79,10 @@ def slurm_step_tasks_here(environ: Mapping[str, str] | None = None) -> int | Non
             counts = []
             break
         counts += [int(match[1])] * int(match[2] or 1)
+    nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST", ""))
+    here = env.get("SLURMD_NODENAME")
+    if counts and here in nodes and len(nodes) == len(counts):
+        return counts[nodes.index(here)]
     node = env.get("SLURM_NODEID", "0")
     if counts and node.isdigit() and int(node) < len(counts):
         return counts[int(node)]

@@ -272,7 +272,12 @@ def check_label_range(labels: np.ndarray, num_classes: int, who: str) -> None:
 
 
 def as_source(
-    data: Any, num_classes: int | None = None, name: str = "data", *, label: str | None = None
+    data: Any,
+    num_classes: int | None = None,
+    name: str = "data",
+    *,
+    label: str | None = None,
+    check_labels: bool = True,
 ) -> Source:
     """Turn user data into a :class:`Source`.
 
@@ -281,7 +286,8 @@ def as_source(
     (``len`` + ``[i]``, e.g. grain's), or an iterable (a list, a tuple, a generator) of
     ``(images, labels)`` batches, which is read once into memory and then sampled like arrays.
     Labels are class indices; float labels must be whole numbers. Errors name ``label``
-    (default ``name``), e.g. ``train_data``.
+    (default ``name``), e.g. ``train_data``. ``check_labels=False`` leaves the range of array
+    labels to the caller (``jddp.evaluate`` checks them against the model's outputs).
     """
     who = label or name
     if hasattr(data, "get_batch"):
@@ -315,7 +321,8 @@ def as_source(
         raise DataConfigError(f"{who}: no examples (0 images of shape {list(images.shape)})")
     channels = images.shape[-1]
     classes = num_classes or int(labels.max(initial=0)) + 1
-    check_label_range(labels, classes, who)
+    if check_labels:
+        check_label_range(labels, classes, who)
     return ArraySource(
         images,
         labels,
