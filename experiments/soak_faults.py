@@ -6,12 +6,15 @@ An uninterrupted run of ``python -m jddp.launch --nproc 2`` (input worker proces
 per-step losses. The same command is then started again and again in a fresh workdir; each time,
 after a random delay, one fault hits it, in turn: ``kill -9`` of a random rank (the trainer, as
 the OOM killer would), ``kill -9`` of the launcher, ``SIGUSR1`` to the launcher (SLURM's
-``--signal=USR1``: it must forward it, every rank saves and the job exits 75). After every fault
+``--signal=USR1``: it must forward it, every rank saves and the job exits 75), ``SIGSTOP`` of a
+random rank (a rank hung while alive: after ``dist.step_timeout_s``, 20 s here, the job must end
+with exit 124 and nothing left). After every fault
 the script checks that no process the job started is left within 15 s -- launcher, ranks, their
 input workers and multiprocessing's resource tracker, found by an environment variable they all
 inherit -- then reruns the same command, which resumes from the newest checkpoint. After
 ``--kills`` faults the last rerun goes to the end. Pass: every step's loss is bitwise the
-reference's, every step logged once, every SIGUSR1 exit 75, no leftover process.
+reference's, every step logged once, every SIGUSR1 exit 75, every SIGSTOP exit 124, no leftover
+process.
 
 Usage (repo root): ``.venv/bin/python experiments/soak_faults.py [--kills 12] [--steps 200]``.
 Prints each fault and a verdict; writes ``experiments/results/soak-<date>-<machine>.json``.
@@ -34,14 +37,21 @@ from pathlib import Path
 import benchlib
 from cases import case
 
-FAULTS = ("kill -9 of a rank", "kill -9 of the launcher", "SIGUSR1 to the launcher")
+FAULTS = (
+    "kill -9 of a rank",
+    "kill -9 of the launcher",
+    "SIGUSR1 to the launcher",
+    "SIGSTOP of a rank",
+)
+STALL_TIMEOUT_S = 20  # dist.step_timeout_s of the soak's runs
 TAG = "JDDP_SOAK_TAG"  # inherited by everything the job starts, workers included
 
 
 def command(workdir: Path, steps: int, worker_kind: str) -> list[str]:
     """``python -m jddp.launch --nproc 2 --devices-per-proc 1 -- python -m jddp.train ...``."""
     workers = ["data.worker_kind=process", "data.workers=2"] if worker_kind == "process" else []
-    return benchlib.trainer_command(workdir, case("tiny", f"train.steps={steps}", *workers), 2, 1)
+    overrides = case("tiny", f"train.steps={steps}", f"dist.step_timeout_s={STALL_TIMEOUT_S}")
+    return benchlib.trainer_command(workdir, [*overrides, *workers], 2, 1)
 
 
 def losses(workdir: Path) -> dict[int, float]:
@@ -129,13 +139,14 @@ def main() -> int:
             workers = len(pids) - len(ranks) - 1
             if job.poll() is not None:
                 fault, victim = "none (the run had finished)", None
-            elif fault == FAULTS[0] and ranks:
+            elif fault in (FAULTS[0], FAULTS[3]) and ranks:
                 victim = rng.choice(ranks)
             else:
                 fault = FAULTS[1] if fault == FAULTS[0] else fault
                 victim = job.pid
             if victim is not None:
-                os.kill(victim, signal.SIGUSR1 if fault == FAULTS[2] else signal.SIGKILL)
+                sig = {FAULTS[2]: signal.SIGUSR1, FAULTS[3]: signal.SIGSTOP}.get(fault)
+                os.kill(victim, sig or signal.SIGKILL)
             code = job.wait()
             gone = wait_gone(tag, 15)
             leftovers = job_pids(tag)
@@ -152,10 +163,15 @@ def main() -> int:
     bitwise = sorted(got) == list(range(1, args.steps + 1)) and all(got[s] == want[s] for s in want)
     clean = all(e["no_leftover_within_15s"] for e in events) and not final_leftovers
     saved = all(e["exit"] == 75 for e in events if e["what"] == FAULTS[2])
-    verdict = "PASS" if final.returncode == 0 and bitwise and clean and saved else "FAIL"
-    print(f"soak: {args.kills} faults, final run exit {final.returncode}, losses bitwise equal: "
-          f"{bitwise}, every SIGUSR1 exit 75: {saved}, no leftover process: {clean} -> "
-          f"{verdict}")  # fmt: skip
+    stalled = all(e["exit"] == 124 for e in events if e["what"] == FAULTS[3])
+    verdict = (
+        "PASS" if final.returncode == 0 and bitwise and clean and saved and stalled else "FAIL"
+    )
+    print(
+        f"soak: {args.kills} faults, final run exit {final.returncode}, losses bitwise equal: "
+        f"{bitwise}, every SIGUSR1 exit 75: {saved}, every SIGSTOP exit 124: {stalled}, no "
+        f"leftover process: {clean} -> {verdict}"
+    )
     result = {
         "benchmark": "soak_faults",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -167,6 +183,7 @@ def main() -> int:
         "bitwise_equal": bitwise,
         "no_leftover_process": clean,
         "every_sigusr1_exit_75": saved,
+        "every_sigstop_exit_124": stalled,
         "verdict": verdict,
     }
     benchlib.save_result("soak", args.machine, result)

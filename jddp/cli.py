@@ -14,6 +14,7 @@ from typing import Any
 from jddp import errors
 from jddp.compat import check_versions
 from jddp.errors import ConfigError, JddpError, Preempted, one_line
+from jddp.run import watchdog
 from jddp.xla_setup import apply_cpu_flags, size_cpu_threads
 
 
@@ -53,13 +54,15 @@ def run(body: Callable[[Session], int]) -> int:
         return body(session)
     except Preempted:
         return errors.PREEMPTED
-    except JddpError as e:
-        print(f"jddp: error: {one_line(e)}", file=sys.stderr)
-        return stop_peers(session.job, e.exit_code)
-    except KeyboardInterrupt:
-        print("jddp: interrupted", file=sys.stderr)
-        return stop_peers(session.job, errors.INTERRUPTED)
-    except Exception as e:  # noqa: BLE001 - the CLI's contract is one line and exit 1
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - one line and an exit code
+        if watchdog.FIRED.is_set():  # the stall was said in one line: this is its aftermath
+            os._exit(errors.STALLED)  # (a collective failing as a stalled peer exits)
+        if isinstance(e, JddpError):
+            print(f"jddp: error: {one_line(e)}", file=sys.stderr)
+            return stop_peers(session.job, e.exit_code)
+        if isinstance(e, KeyboardInterrupt):
+            print("jddp: interrupted", file=sys.stderr)
+            return stop_peers(session.job, errors.INTERRUPTED)
         print(f"jddp: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
         return stop_peers(session.job, errors.FAILURE)
 

@@ -14,6 +14,7 @@ FAILURE = 1  # any other failure; one-line cause on stderr
 BAD_INPUT = 2  # bad config or command line; the message names the key
 PREEMPTED = 75  # EX_TEMPFAIL: a stop signal arrived, a checkpoint was saved; rerun to continue
 INTERRUPTED = 130  # a second Ctrl-C: stopped at once, without a checkpoint
+STALLED = 124  # no progress for dist.step_timeout_s: stopped at once, without saving (as timeout)
 
 # The signals a run treats as preemption (save, exit PREEMPTED) and that ``jddp.launch``
 # forwards to its ranks: SIGTERM (schedulers, ``kill``), SIGUSR1 (SLURM's warning before a

@@ -74,6 +74,7 @@ class EvalRun:
     comm: Comm
     pipeline: dict[str, Any] | None = None
     weight_unit: str | None = None
+    on_batch: Callable[[], None] | None = None  # called after each batch (the run's watchdog)
 
     def __call__(self, state: TrainState) -> dict:
         """``eval/loss`` and ``eval/<metric>`` for each of the task's metrics (image
@@ -89,6 +90,8 @@ class EvalRun:
             sums = to_host(self.eval_step(state, batch))
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
+            if self.on_batch is not None:
+                self.on_batch()
         totals = self.comm.sum_across_processes(totals)
         count = totals.pop("count", 0.0)
         with np.errstate(invalid="ignore", divide="ignore"):  # weights summing to 0: NaN

@@ -152,6 +152,24 @@ def test_evaluate_prints_its_result_when_metrics_jsonl_cannot_be_written(run_cop
     metrics.write_text(before)
 
 
+def test_a_cut_save_is_cleaned_by_the_next_writer_only(run_copy):
+    """A save cut short (kill -9, a stall, a full disk) leaves orbax's temporary folder: the run
+    that next writes the workdir removes it; a reader (evaluate) leaves it, as it may be a live
+    run's save in flight."""
+    from jddp.checkpoint import Checkpoints
+    from jddp.workdir import RunFolder
+
+    cut = run_copy / "checkpoints" / "6.orbax-checkpoint-tmp"
+    (cut / "state").mkdir(parents=True)
+    folder = RunFolder(run_copy)
+    reader = Checkpoints.of(folder, every_steps=0, keep=3, async_save=False, writes=False)
+    reader.close()
+    assert cut.is_dir()
+    writer = Checkpoints.of(folder, every_steps=2, keep=3, async_save=False)
+    writer.close()
+    assert not cut.exists() and writer.all_steps() == [2, 4]
+
+
 @pytest.mark.parametrize("after_s", [0.3, 1.2])
 def test_ctrl_c_stops_evaluate_at_any_moment_in_one_line(finished, after_s):
     """While jddp and JAX are imported (0.3 s) or JAX starts (1.2 s): exit 130 and one line

@@ -121,3 +121,67 @@ def string_leaf_data(config: dict, seed: int = 0):
     train = arrays(TRAIN, 0)
     train["name"] = "regression"
     return train, None
+
+
+# -- a rank that hangs while alive (tests/test_watchdog.py) -------------------------------------
+# JDDP_TEST_STALL=input|model makes process 1 block for good after STALL_AFTER calls, in its
+# input pipeline or inside the compiled step; unset, they are the plain task.
+STALL_AFTER = 8
+
+
+def _stalls(where: str) -> bool:
+    import os
+
+    import jax
+
+    return os.environ.get("JDDP_TEST_STALL") == where and jax.process_index() == 1
+
+
+class StallingSource:
+    """``arrays`` by index; with JDDP_TEST_STALL=input, process 1's reads hang after a few."""
+
+    def __init__(self, arrays: dict):
+        from jddp.data.trees import ArrayTreeSource
+
+        self.inner = ArrayTreeSource(arrays, "stalling")
+        self.example = self.inner.example
+        self.calls = 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def get_batch(self, indices):
+        import time
+
+        self.calls += 1
+        while self.calls > STALL_AFTER and _stalls("input"):
+            time.sleep(60)
+        return self.inner.get_batch(indices)
+
+    def __repr__(self):
+        return f"StallingSource({self.inner!r})"
+
+
+def stalling_data(config: dict, seed: int = 0):
+    """``data.name=tests.user_tasks:stalling_data``: :func:`data`, read through a StallingSource."""
+    train, evals = data(config, seed)
+    return StallingSource(train), evals
+
+
+_calls = [0]
+
+
+def _maybe_block(_):
+    import time
+
+    _calls[0] += 1
+    while _calls[0] > STALL_AFTER and _stalls("model"):
+        time.sleep(60)
+
+
+def stalling_loss(model, batch):
+    """:func:`loss`; with JDDP_TEST_STALL=model, process 1's step hangs in a host callback."""
+    import jax
+
+    jax.debug.callback(_maybe_block, batch["x"][0, 0])
+    return loss(model, batch)

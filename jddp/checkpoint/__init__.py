@@ -45,6 +45,7 @@ def _manifest_row(name: str, leaf: Any) -> list[Any]:
 
 
 WEIGHT_PREFIXES = (".params", ".model_state")
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a save not yet finalised
 
 
 def weight_leaves(weights: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -127,6 +128,8 @@ class Checkpoints:
         self.writes = writes
         self._saving: int | None = None  # the step of the save in flight
         self._failed: CheckpointError | None = None
+        if writes and primary:
+            self._remove_cut_saves()
         _quiet_orbax_errors()
         # Reads and writes alike: a failed save (disk full) leaves tensorstore writes in flight
         # whose callbacks print the same late tracebacks as a failed restore.
@@ -139,6 +142,15 @@ class Checkpoints:
                 enable_async_checkpointing=async_save,
             ),
         )
+
+    def _remove_cut_saves(self) -> None:
+        """A save cut short (kill -9, a stall, a full disk) leaves orbax's temporary folder,
+        never a step: the run that next writes here (the workdir lock makes it the only one)
+        removes it. Readers (``python -m jddp.evaluate``) never do: a live run's save in
+        flight is such a folder."""
+        for cut in sorted(self.directory.glob(f"*{_TMP_SUFFIX}*")):
+            shutil.rmtree(cut, ignore_errors=True)
+            _warn(f"removed {cut}: a save cut short (the checkpoints before it are intact)")
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""

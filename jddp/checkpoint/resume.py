@@ -32,6 +32,8 @@ FREE_KEYS = (
     "dist.check_sync_every",
     "dist.init_timeout_s",
     "dist.heartbeat_timeout_s",
+    "dist.step_timeout_s",
+    "dist.first_step_timeout_s",
     "checkpoint.",
     "log.",
 )

@@ -101,6 +101,8 @@ def validate(cfg: Config) -> Config:
         "log.baseline_img_per_s": cfg.log.baseline_img_per_s,
         "dist.heartbeat_timeout_s": cfg.dist.heartbeat_timeout_s,
         "dist.init_timeout_s": cfg.dist.init_timeout_s,
+        "dist.step_timeout_s": cfg.dist.step_timeout_s,
+        "dist.first_step_timeout_s": cfg.dist.first_step_timeout_s,
     }.items():
         if opt_val is not None:
             positive[opt_key] = opt_val

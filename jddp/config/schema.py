@@ -184,6 +184,16 @@ class DistConfig:
     heartbeat_timeout_s: int = _f(
         100, "seconds without a heartbeat after which a peer counts as dead and the job stops"
     )
+    step_timeout_s: float | None = _f(
+        600.0,
+        "seconds without progress (a step done, an eval batch, a checkpoint) after which every "
+        "process stops with one line saying what it waited for, exit 124, nothing saved "
+        "(a rank hung while alive; null: wait forever)",
+    )
+    first_step_timeout_s: float | None = _f(
+        1800.0,
+        "the same until the first step is done (restoring, loading the data, compiling)",
+    )
 
 
 @dataclass

@@ -222,13 +222,16 @@ class EvalHook(Every):
         log: MetricsLog,
         meter: ThroughputMeter,
         progress: Any = None,
+        watchdog: Any = None,
     ):
         super().__init__(every)
         self.last_step, self.evaluate, self.log, self.meter = last_step, evaluate, log, meter
-        self.progress = progress
+        self.progress, self.watchdog = progress, watchdog
 
     def __call__(self, step: int, state: TrainState) -> None:
         if self.due(step) and step < self.last_step:
+            if self.watchdog is not None:
+                self.watchdog.waiting("eval")
             metrics = self.evaluate(state)
             self.log.write(step, metrics)
             if self.progress is not None:
@@ -239,13 +242,17 @@ class EvalHook(Every):
 class CheckpointHook(Every):
     """Save every ``checkpoint.every_steps`` steps (in the background)."""
 
-    def __init__(self, checkpoints: Checkpoints, config: dict[str, Any]):
+    def __init__(self, checkpoints: Checkpoints, config: dict[str, Any], watchdog: Any = None):
         super().__init__(checkpoints.every_steps)
-        self.checkpoints, self.config = checkpoints, config
+        self.checkpoints, self.config, self.watchdog = checkpoints, config, watchdog
 
     def __call__(self, step: int, state: TrainState) -> None:
         if self.due(step):
+            if self.watchdog is not None:
+                self.watchdog.waiting("checkpoint")  # the save before waits for its disk
             self.checkpoints.save(step, state, self.config)
+            if self.watchdog is not None:
+                self.watchdog.progress()
 
 
 class LockCheck:

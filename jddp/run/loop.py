@@ -21,7 +21,9 @@ def _steps(run: Run) -> tuple[TrainState, int, bool]:
     rows = run.layout.rows.stop - run.layout.rows.start
     batches = run.batches.iterate(step, run.total_steps, run.cfg.data.prefetch_batches)
     pending = None  # the previous step's (step, metrics): read one step late
+    run.watchdog.waiting("input", step + 1)
     for batch in run.meter.timed(batches):
+        run.watchdog.waiting("step", step + 1)
         with run.profiler.step(step + 1, state):
             flags = place_batch(run.stop.flags(rows), run.mesh, run.layout)
             state, metrics = run.train_step(state, {**batch, **flags})
@@ -29,7 +31,8 @@ def _steps(run: Run) -> tuple[TrainState, int, bool]:
         run.profiler.after(step, metrics)
         if step == run.start_step + 1:  # the first step compiles: timed apart
             run.log.write(step, {"train/compile_s": run.meter.compiled(metrics)})
-        if pending is not None and run.reporter(*pending):
+            run.watchdog.progress(step_done=True)
+        if pending is not None and _report(run, *pending):
             # Every process saw the same flag at the same step. This step already ran and is
             # the one saved: its line goes into metrics.jsonl now (a resumed run starts after
             # it), so every step is logged once.
@@ -38,7 +41,24 @@ def _steps(run: Run) -> tuple[TrainState, int, bool]:
             return state, step, True
         pending = (step, metrics)
         run.progress.update(1)
+        if run.checkpoints.should_save(step):
+            # The save waits for this step anyway: its line first, so that a run that dies
+            # before the next step (a kill -9, a stall) has every step up to its newest
+            # checkpoint logged, and its rerun, resuming there, logs each step once.
+            pending = None
+            if _report(run, step, metrics):
+                return state, step, True
         for hook in run.hooks:
             hook(step, state)
-    stopped = pending is not None and run.reporter(*pending)
+        run.watchdog.waiting("input", step + 1)
+    stopped = pending is not None and _report(run, *pending)
     return state, step, stopped
+
+
+def _report(run: Run, step: int, metrics: dict) -> bool:
+    """Read and report step ``step``'s metrics (waiting for its results: progress for the
+    watchdog once they are in); whether a stop was requested."""
+    run.watchdog.waiting("step", step)
+    stop_requested = run.reporter(step, metrics)
+    run.watchdog.progress(step_done=True)
+    return stop_requested

@@ -47,6 +47,7 @@ from jddp.run.hooks import (
     ThroughputMeter,
 )
 from jddp.run.stop import StopRequest
+from jddp.run.watchdog import StallWatchdog
 from jddp.state import ModelDef, TrainState, create_train_state
 from jddp.step import TrainStep
 from jddp.tasks.classification import PixelNorm
@@ -95,6 +96,8 @@ class Run:
     reporter: StepReporter
     profiler: Profiler
     hooks: list = field(default_factory=list)
+    # What stops a run that makes no progress (dist.step_timeout_s; off unless the trainer runs it).
+    watchdog: StallWatchdog = field(default_factory=lambda: StallWatchdog(None, None))
 
     def trained_model(self, state: TrainState) -> nnx.Module:
         """The module holding ``state``'s parameters and model state (this process's first
@@ -118,9 +121,18 @@ class Run:
         return config_lib.to_dict(self.cfg)
 
 
-def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, parts: Parts) -> Run:
+def build_run(
+    cfg: Config,
+    comm: Comm,
+    folder: RunFolder,
+    stop: StopRequest,
+    parts: Parts,
+    watchdog: StallWatchdog | None = None,
+) -> Run:
     """Build the run of ``cfg``: restore its newest good checkpoint (``checkpoint.resume``),
-    write ``config.yaml``, open the metrics log, and make the loop's hooks."""
+    write ``config.yaml``, open the metrics log, and make the loop's hooks (``watchdog``: told
+    of the progress of evals and checkpoints)."""
+    watchdog = watchdog or StallWatchdog(None, None)
     writer = comm.process_index == 0
     console = Console(writer)
     mesh, layout = build_mesh(cfg, comm)
@@ -212,6 +224,7 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
         comm,
         pipeline_options(cfg),
         weight_unit=cfg.log.weight_unit,
+        on_batch=watchdog.progress,
     )
     return Run(
         cfg=cfg,
@@ -247,8 +260,9 @@ def build_run(cfg: Config, comm: Comm, folder: RunFolder, stop: StopRequest, par
             console,
         ),
         hooks=[
-            EvalHook(cfg.train.eval_every_steps, steps, evaluate, log, meter, progress),
-            CheckpointHook(ckpts, config_lib.to_dict(cfg)),
+            EvalHook(cfg.train.eval_every_steps, steps, evaluate, log, meter, progress, watchdog),
+            CheckpointHook(ckpts, config_lib.to_dict(cfg), watchdog),
             SyncCheck(cfg.dist.check_sync_every, comm),
         ],
+        watchdog=watchdog,
     )

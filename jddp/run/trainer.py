@@ -27,6 +27,7 @@ from jddp.run.hooks import LockCheck
 from jddp.run.loop import train_loop
 from jddp.run.setup import Parts, Run, build_run
 from jddp.run.stop import StopRequest
+from jddp.run.watchdog import StallWatchdog
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
 from jddp.xla_setup import enable_compilation_cache
@@ -116,9 +117,10 @@ def train_and_evaluate(
     try:
         if stop is not None:
             stop.install()  # again: jax.distributed.initialize took SIGTERM since
-        with nullcontext(stop) if stop is not None else StopRequest() as stop:
+        watchdog = StallWatchdog(dist.step_timeout_s, dist.first_step_timeout_s, comm.process_index)
+        with nullcontext(stop) if stop is not None else StopRequest() as stop, watchdog:
             wall_start = time.perf_counter()
-            run = build_run(cfg, comm, folder, stop, parts or Parts())
+            run = build_run(cfg, comm, folder, stop, parts or Parts(), watchdog)
             run.hooks.insert(0, LockCheck(lock))  # a no-op where the lock is not held
             return _finish(run, comm, wall_start, lock)
     finally:
@@ -149,6 +151,7 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         state, step, stopped = train_loop(run)
         run.progress.close()
         lock.verify()  # the last save only into a folder that is still this run's
+        run.watchdog.waiting("checkpoint")
         if stopped:
             ckpts.save(step, state, run.config_dict)
             ckpts.close()
@@ -179,6 +182,8 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         raise
     skipped_steps = int(to_host(state.skipped_steps))
     check_skipped_fraction(run, skipped_steps, step)
+    run.watchdog.progress()  # the final checkpoint is written
+    run.watchdog.waiting("eval")
     eval_metrics = _final_eval(run, state, step)
     run.log.close()
     result = RunResult(

@@ -1,0 +1,111 @@
+"""A rank that hangs while alive ends the job (``dist.step_timeout_s``) instead of hanging it:
+every live rank prints one line naming the stalled step and what it waited for, exit 124, no
+process is left, nothing partial is saved, and the rerun resumes from the newest checkpoint.
+
+Two processes under ``jddp.launch`` train the tests' linear task (tests/user_tasks.py); process
+1 hangs after a few steps in its input pipeline, inside the compiled step (a host callback), or
+stopped by SIGSTOP."""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import read_losses, run, run_pids, start, steps_saved, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two processes, timing
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 6
+TASK = [
+    "model.name=tests.user_tasks:linear",
+    "data.name=tests.user_tasks:stalling_data",
+    "train.loss=tests.user_tasks:stalling_loss",
+    "data.global_batch_size=16",
+    "data.workers=0",
+    "optim.schedule=constant",
+    "optim.lr=0.01",
+    "checkpoint.every_steps=2",
+    "log.every_steps=1",
+    "log.progress=off",
+    f"dist.step_timeout_s={TIMEOUT_S}",
+]
+
+
+def launch(workdir, steps):
+    return [
+        *(sys.executable, "-m", "jddp.launch", "--nproc", "2", "--devices-per-proc", "1", "--"),
+        *(sys.executable, "-m", "jddp.train", f"workdir={workdir}", f"train.steps={steps}"),
+        *TASK,
+    ]
+
+
+def stalled_lines(err: str) -> dict[int, str]:
+    """``{rank: its stall line}`` from the launcher's prefixed stderr."""
+    lines = {}
+    for line in err.splitlines():
+        for rank in (0, 1):
+            if line.startswith(f"[rank {rank}] jddp: error: step ") and "stalled" in line:
+                lines[rank] = line
+    return lines
+
+
+def assert_nothing_left(workdir):
+    """No process of the job is left, and no half-written checkpoint under a step's name (a
+    save cut short leaves only orbax's temporary folder, which the rerun removes)."""
+    assert wait_for(lambda: not run_pids(workdir), 10), run_pids(workdir)
+    names = [p.name for p in (workdir / "checkpoints").iterdir()]
+    assert all(n.isdigit() or ".orbax-checkpoint-tmp" in n for n in names), names
+
+
+@pytest.mark.parametrize(
+    "where, waited_for",
+    [
+        ("input", "the next batch from the input pipeline"),
+        ("model", "the step's results"),
+    ],
+)
+def test_a_hung_rank_ends_the_job_in_one_line_per_rank(tmp_path, where, waited_for):
+    workdir = tmp_path / where
+    env = {**os.environ, "JDDP_TEST_STALL": where}
+    start_s = time.monotonic()
+    out = run(launch(workdir, 100_000), env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 124, out.stderr[-3000:]
+    assert time.monotonic() - start_s < 150
+    lines = stalled_lines(out.stderr)
+    assert sorted(lines) == [0, 1], out.stderr[-3000:]
+    assert f"dist.step_timeout_s={TIMEOUT_S}" in lines[0] and "exit 124" in lines[0]
+    assert "process 0 was waiting for the step's results" in lines[0]  # the all-reduce
+    assert f"process 1 was waiting for {waited_for}" in lines[1]
+    assert_nothing_left(workdir)
+    if where == "input":  # the rerun, no longer hanging, resumes from the newest checkpoint
+        newest = steps_saved(workdir)[-1]
+        steps = newest + 4
+        again = run(launch(workdir, steps), cwd=ROOT, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"at step {newest}" in again.stdout
+        assert sorted(read_losses(workdir)) == list(range(1, steps + 1))  # each step once
+        assert all(p.name.isdigit() for p in (workdir / "checkpoints").iterdir())
+
+
+def test_a_stopped_rank_ends_the_job(tmp_path):
+    """SIGSTOP: the stopped rank cannot speak; its peer names the step and stops, and the
+    launcher takes the stopped one down."""
+    workdir = tmp_path / "stopped"
+    job = start(launch(workdir, 100_000), cwd=ROOT)
+    metrics = workdir / "metrics.jsonl"
+    assert wait_for(lambda: metrics.exists() and len(read_losses(workdir)) >= 4, 240)
+    ranks = sorted(run_pids(workdir, exclude=job.pid))
+    os.kill(ranks[-1], signal.SIGSTOP)
+    _, err = job.communicate(timeout=180)
+    assert job.returncode == 124, err[-3000:]
+    lines = stalled_lines(err)
+    assert list(lines) == [0], err[-3000:]
+    # Where the stop caught it: the step's all-reduce, or a checkpoint's barrier.
+    assert "waiting for the step's results" in lines[0] or (
+        "waiting for a checkpoint to be written" in lines[0]
+    ), lines[0]
+    assert_nothing_left(workdir)
