@@ -12,9 +12,12 @@ with exit 124 and nothing left). After every fault
 the script checks that no process the job started is left within 15 s -- launcher, ranks, their
 input workers and multiprocessing's resource tracker, found by an environment variable they all
 inherit -- then reruns the same command, which resumes from the newest checkpoint. After
-``--kills`` faults the last rerun goes to the end. Pass: every step's loss is bitwise the
-reference's, every step logged once, every SIGUSR1 exit 75, every SIGSTOP exit 124, no leftover
-process.
+``--kills`` faults the last rerun goes to the end. Then a disk that fills up: a fresh run
+whose checkpoints folder is a 1.5 MB tmpfs (root only; skipped where mount is refused) must stop
+with exit 1 and one line, leave no half-written save, and, the tmpfs grown in place, its rerun
+goes to the end. Pass: every step's loss of both runs is bitwise the reference's, every step
+logged once, every SIGUSR1 exit 75, every SIGSTOP exit 124, the full disk exit 1 then a clean
+resume, no leftover process.
 
 Usage (repo root): ``.venv/bin/python experiments/soak_faults.py [--kills 12] [--steps 200]``.
 Prints each fault and a verdict; writes ``experiments/results/soak-<date>-<machine>.json``.
@@ -97,6 +100,46 @@ def wait_gone(tag: str, timeout_s: float) -> bool:
     return False
 
 
+def disk_full_round(tmp: Path, args: argparse.Namespace, env: dict, want: dict) -> dict:
+    """The run with its checkpoints on a 1.5 MB tmpfs: exit 1 and one line when it fills, no
+    half-written save, then (the tmpfs grown to 50 MB) the same command to the end."""
+    disk, wd = tmp / "small-disk", tmp / "full-disk"
+    disk.mkdir()
+    wd.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(disk)]
+    mounted = subprocess.run(mount, capture_output=True, text=True)
+    if mounted.returncode != 0:
+        return {"skipped": f"cannot mount a tmpfs: {mounted.stderr.strip()}"}
+    try:
+        (wd / "checkpoints").symlink_to(disk)
+        cmd = command(wd, args.steps, args.worker_kind)
+        full = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        lines = [x for x in full.stderr.splitlines() if "jddp: error:" in x]
+        # (the launcher prefixes each rank's line: the full disk stops the rank that writes)
+        half = [p.name for p in disk.iterdir() if not p.name.isdigit()]
+        subprocess.run(["mount", "-o", "remount,size=50m", str(disk)], check=True)
+        again = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        got = losses(wd)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    bitwise = sorted(got) == list(range(1, args.steps + 1)) and all(got[s] == want[s] for s in want)
+    result = {
+        "exit": full.returncode,
+        "error_lines": lines,
+        "half_written_saves": half,
+        "rerun_exit": again.returncode,
+        "bitwise_equal": bitwise,
+    }
+    result["pass"] = (
+        full.returncode == 1
+        and any("No space left on device" in x for x in lines)
+        and not half
+        and again.returncode == 0
+        and bitwise
+    )
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=12, help="faults, taken in turn")
@@ -160,17 +203,22 @@ def main() -> int:
         final = subprocess.run(cmd, capture_output=True, text=True, env=env)
         got = losses(wd)
         final_leftovers = job_pids(tag)
+        disk = disk_full_round(Path(tmp), args, env, want)
+        print(json.dumps(disk), flush=True)
     bitwise = sorted(got) == list(range(1, args.steps + 1)) and all(got[s] == want[s] for s in want)
     clean = all(e["no_leftover_within_15s"] for e in events) and not final_leftovers
     saved = all(e["exit"] == 75 for e in events if e["what"] == FAULTS[2])
     stalled = all(e["exit"] == 124 for e in events if e["what"] == FAULTS[3])
+    disk_ok = disk.get("skipped") is not None or disk["pass"]
     verdict = (
-        "PASS" if final.returncode == 0 and bitwise and clean and saved and stalled else "FAIL"
+        "PASS"
+        if final.returncode == 0 and bitwise and clean and saved and stalled and disk_ok
+        else "FAIL"
     )
     print(
         f"soak: {args.kills} faults, final run exit {final.returncode}, losses bitwise equal: "
-        f"{bitwise}, every SIGUSR1 exit 75: {saved}, every SIGSTOP exit 124: {stalled}, no "
-        f"leftover process: {clean} -> {verdict}"
+        f"{bitwise}, every SIGUSR1 exit 75: {saved}, every SIGSTOP exit 124: {stalled}, full "
+        f"disk: {disk.get('skipped') or disk['pass']}, no leftover process: {clean} -> {verdict}"
     )
     result = {
         "benchmark": "soak_faults",
@@ -183,6 +231,7 @@ def main() -> int:
         "bitwise_equal": bitwise,
         "no_leftover_process": clean,
         "every_sigusr1_exit_75": saved,
+        "full_disk": disk,
         "every_sigstop_exit_124": stalled,
         "verdict": verdict,
     }

@@ -143,14 +143,15 @@ class Checkpoints:
             ),
         )
 
-    def _remove_cut_saves(self) -> None:
+    def _remove_cut_saves(self, say: bool = True) -> None:
         """A save cut short (kill -9, a stall, a full disk) leaves orbax's temporary folder,
-        never a step: the run that next writes here (the workdir lock makes it the only one)
-        removes it. Readers (``python -m jddp.evaluate``) never do: a live run's save in
-        flight is such a folder."""
+        never a step: the run that writes here (the workdir lock makes it the only one) removes
+        it when it starts, and after a save of its own failed. Readers (``python -m
+        jddp.evaluate``) never do: a live run's save in flight is such a folder."""
         for cut in sorted(self.directory.glob(f"*{_TMP_SUFFIX}*")):
             shutil.rmtree(cut, ignore_errors=True)
-            _warn(f"removed {cut}: a save cut short (the checkpoints before it are intact)")
+            if say:
+                _warn(f"removed {cut}: a save cut short (the checkpoints before it are intact)")
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
@@ -175,6 +176,8 @@ class Checkpoints:
             ),
             config=ocp.args.JsonSave(config),
         )
+        # What a checkpoint takes on disk, about: said when the disk turns out too small.
+        self._state_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
         self._guard(lambda: self._manager.save(step, args=args), step)  # raises an earlier failure
         self._saving = step
 
@@ -368,6 +371,8 @@ class Checkpoints:
                 self._manager.close()
             except Exception:  # noqa: BLE001 - the failure was reported already
                 pass
+            if self.writes and self.primary:  # its writes have all stopped now
+                self._remove_cut_saves(say=False)
             return
         self.wait()
         self._manager.close()
@@ -384,11 +389,38 @@ class Checkpoints:
             where = self.directory / (str(step) if step is not None else "?")
             # orbax's list is cached: name only the checkpoints still on disk
             intact = [s for s in done if s != step and (self.directory / str(s)).is_dir()]
+            if self.writes and self.primary:
+                self._remove_cut_saves(say=False)  # the failed save's half: never a step
+            cause = _cause(e)
+            if cause in _DISK_FULL:
+                cause += self._space_note()  # (measured with that half removed)
             self._failed = CheckpointError(
-                f"checkpoint {where} could not be written ({_cause(e)}); the checkpoints "
+                f"checkpoint {where} could not be written ({cause}); the checkpoints "
                 f"before it are intact: {intact or 'none'}"
             )
             raise self._failed from None
+
+    def _space_note(self) -> str:
+        """``: <checkpoints folder> has 4 KiB free, a checkpoint needs about 1.2 MiB``."""
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            return ""
+        needs = getattr(self, "_state_bytes", 0)
+        need = f", a checkpoint needs about {_size(needs)}" if needs else ""
+        return f": {self.directory} has {_size(free)} free{need}"
+
+
+_DISK_FULL = ("No space left on device", "Disk quota exceeded")
+
+
+def _size(nbytes: float) -> str:
+    """``4 KiB``, ``1.2 MiB``, ``3.0 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit in ("B", "KiB") else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
 
 
 def _cause(e: BaseException) -> str:
