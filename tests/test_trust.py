@@ -194,15 +194,24 @@ def small_disk(tmp_path):
 @pytest.mark.serial
 @pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_older_ones(small_disk):
-    """Room for one checkpoint (~0.6 MB) and its metrics, not two: the second save fails."""
+    """Room for one checkpoint (~0.6 MB) and its metrics, not two: the second save fails. The
+    line names the checkpoints folder, its free space and what a checkpoint needs; no
+    half-written save is left; with room made, the same command resumes from the older one."""
     stat = os.statvfs(small_disk)
-    (small_disk / "fill").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 900 * 1024))
+    fill = small_disk / "fill"
+    fill.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 900 * 1024))
     wd = small_disk / "run"
     out = train(wd, "train.steps=6", "checkpoint.every_steps=2", base=TINY)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
-    assert "checkpoints/4 could not be written (No space left on device)" in lines[0]
+    assert "checkpoints/4 could not be written (No space left on device: " in lines[0]
+    assert f"{wd}/checkpoints has " in lines[0] and " free, a checkpoint needs about " in lines[0]
     assert "intact: [2]" in lines[0] and steps_saved(wd) == [2]
+    assert sorted(p.name for p in (wd / "checkpoints").iterdir()) == ["2"]  # no half save
+    fill.unlink()  # room again
+    again = train(wd, "train.steps=6", "checkpoint.every_steps=2", base=TINY)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "at step 2" in again.stdout and sorted(read_losses(wd)) == list(range(1, 7))
 
 
 def test_a_failing_final_eval_keeps_the_training(tmp_path, monkeypatch):
