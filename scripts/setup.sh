@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${JDDP_VENV:-.venv}
 MPI4JAX_VERSION=0.9.1.post2
+JAX2ONNX_VERSION=0.17.1
 case "${JDDP_CUDA:-0}" in
   0) cuda_extra="" ;;
   1 | 12) cuda_extra=cuda12 ;;
@@ -26,6 +27,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 "$PY" -m pip install -q --upgrade pip
 "$PY" -m pip install -q -r requirements.lock
 "$PY" -m pip install -q --no-deps -e .
+# jax2onnx (python -m jddp.export --format onnx) pins orbax-checkpoint<0.11.37 for an orbax-export
+# feature jddp does not use; its real imports (onnx, onnx-ir, onnxruntime, equinox, dm_pix) are in
+# requirements.lock, so it goes in without its declared dependencies.
+"$PY" -m pip install -q --no-deps "jax2onnx==${JAX2ONNX_VERSION}"
 if [ -n "$cuda_extra" ]; then
   "$PY" -m pip install -q -c requirements.lock -e ".[$cuda_extra]"
 fi
