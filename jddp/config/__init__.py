@@ -86,6 +86,7 @@ def validate(cfg: Config) -> Config:
         "data.global_batch_size": cfg.data.global_batch_size,
         "model.num_classes": cfg.model.num_classes,
         "model.width": cfg.model.width,
+        "model.bn_epsilon": cfg.model.bn_epsilon,
         "train.grad_accum_steps": cfg.train.grad_accum_steps,
         "checkpoint.keep": cfg.checkpoint.keep,
         "log.every_steps": cfg.log.every_steps,
@@ -134,6 +135,7 @@ def validate(cfg: Config) -> Config:
         )
     for key, v in {
         "optim.momentum": cfg.optim.momentum,
+        "model.bn_momentum": cfg.model.bn_momentum,
         "optim.b1": cfg.optim.b1,
         "optim.b2": cfg.optim.b2,
     }.items():

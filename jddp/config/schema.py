@@ -38,6 +38,12 @@ class ModelConfig:
         "start the last BatchNorm scale of each residual block at 0, so each block starts as "
         "the identity (Goyal et al. 2017); false: at 1",
     )
+    bn_momentum: float = _f(
+        0.9,
+        "BatchNorm running-average decay, in [0, 1): running = m * running + (1 - m) * batch "
+        "(Flax's convention: PyTorch's momentum=0.1 is 0.9 here)",
+    )
+    bn_epsilon: float = _f(1e-5, "BatchNorm's epsilon, added to the variance (> 0)")
     options: dict = _f(
         {},
         "free-form keys for a 'pkg.module:factory' model, which gets them in its config "

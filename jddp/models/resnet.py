@@ -224,6 +224,9 @@ class ResNet(nnx.Module):
         inside ``jax.shard_map``).
       axis_name: mesh axis used when ``sync_batchnorm`` is True.
       zero_init_residual: zero-initialise the last BatchNorm scale of each block.
+      bn_momentum: decay of BatchNorm's running averages (Flax's convention:
+        ``running = m * running + (1 - m) * batch``; PyTorch's ``momentum=0.1`` is 0.9).
+      bn_epsilon: added to the variance before BatchNorm divides by its square root.
       in_channels: channels of the input images (3 for RGB, 1 for grayscale).
       dtype: compute dtype of convolutions (e.g. ``jnp.bfloat16``).
       param_dtype: storage dtype of parameters.
@@ -241,6 +244,8 @@ class ResNet(nnx.Module):
         sync_batchnorm: bool = False,
         axis_name: str = "data",
         zero_init_residual: bool = True,
+        bn_momentum: float = 0.9,
+        bn_epsilon: float = 1e-5,
         in_channels: int = 3,
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
@@ -264,8 +269,8 @@ class ResNet(nnx.Module):
         norm = functools.partial(
             nnx.BatchNorm,
             use_running_average=False,
-            momentum=0.9,
-            epsilon=1e-5,
+            momentum=bn_momentum,
+            epsilon=bn_epsilon,
             dtype=acc_dtype,  # statistics and normalisation in at least float32
             param_dtype=param_dtype,
             axis_name=axis_name if sync_batchnorm else None,
