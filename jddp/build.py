@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import optax
@@ -162,7 +163,14 @@ def load_data(cfg: Config, custom: bool = False) -> Splits:
         cfg.data.image_size,
         seed=cfg.train.seed,
         num_classes=cfg.model.num_classes,
+        eval_path=cfg.data.eval_path,
+        image_key=cfg.data.image_key,
+        label_key=cfg.data.label_key,
+        custom=custom,
+        index_dir=str(Path(cfg.workdir) / "data-index") if cfg.workdir else None,
     )
+    if custom:
+        return splits
     if splits.train.num_classes > cfg.model.num_classes:
         raise ConfigError(
             f"model.num_classes={cfg.model.num_classes} is smaller than the "

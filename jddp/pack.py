@@ -32,6 +32,7 @@ from jddp.cli import OneLineParser, run
 from jddp.data.augment import square_box
 from jddp.data.decode import decode_crop
 from jddp.data.formats.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFolderSource
+from jddp.data.formats.shards import ShardExample
 from jddp.data.pack_format import (
     MANIFEST,
     READER_OPTIONS,
@@ -45,10 +46,12 @@ from jddp.errors import ConfigError, DataError
 from jddp.launch.lifeline import _die_with_parent, _load_prctl
 
 USAGE = (
-    "python -m jddp.pack SRC OUT [--format imagefolder|cifar10|mnist|npz] [--max-side N] "
+    "python -m jddp.pack SRC OUT [--format imagefolder|cifar10|mnist|npz|parquet|webdataset] "
+    "[--max-side N] "
     "[--quality Q] [--workers W] [--skip-bad] [--shard-mb MB]"
 )
-FORMATS = ("imagefolder", "cifar10", "mnist", "npz")
+FORMATS = ("imagefolder", "cifar10", "mnist", "npz", "parquet", "webdataset")
+SHARD_FORMATS = ("parquet", "webdataset")  # SRC may be a glob or brace pattern of shards
 PARTIAL = ".pack-partial"  # OUT/.pack-partial/: the plan and finished shards' notes
 CHECK_SIZE = 8  # the decode check's output side: JPEGs decode at 1/8 scale, still parsed whole
 CLASS_NAMES = {
@@ -70,6 +73,14 @@ CLASS_NAMES = {
 
 def detect_format(src: Path) -> str:
     """The ``data.name`` whose ``data.path`` reading ``src`` matches (else :class:`ConfigError`)."""
+    text = str(src)
+    if any(c in text for c in "*?[{") and not src.exists():  # a pattern of shards
+        if text.endswith(".parquet"):
+            return "parquet"
+        if text.endswith(".tar"):
+            return "webdataset"
+    if src.is_file() and src.suffix == ".parquet":
+        return "parquet"
     if not src.exists():
         raise ConfigError(f"pack: SRC {str(src)!r} does not exist")
     if src.is_file():
@@ -85,10 +96,14 @@ def detect_format(src: Path) -> str:
             return "cifar10"
         if any(src.glob("train-images-idx3-ubyte*")):
             return "mnist"
+        if any(src.rglob("*.parquet")):
+            return "parquet"
+        if any(src.glob("*.tar")):
+            return "webdataset"
     raise ConfigError(
         f"pack: cannot tell the format of SRC {str(src)!r} (an image folder with train/, "
-        "CIFAR-10 batches or .tar.gz, MNIST IDX files, or an .npz): give --format "
-        + "|".join(FORMATS)
+        "CIFAR-10 batches or .tar.gz, MNIST IDX files, an .npz, Parquet or WebDataset .tar "
+        "shards): give --format " + "|".join(FORMATS)
     )
 
 
@@ -137,6 +152,29 @@ def read_source(fmt: str, src: Path) -> dict[str, Any]:
         }
     from jddp.data.registry import load_splits
 
+    if fmt in SHARD_FORMATS:  # encoded images read by index: the pack keeps their bytes
+        loaded = load_splits(fmt, str(src), None)
+        parts = [("train", loaded.train)]
+        if loaded.eval is not loaded.train:
+            parts.append(("eval", loaded.eval))
+        splits = {
+            name: {
+                "from": s.split,
+                "items": [(ShardExample(s, i), int(y)) for i, y in enumerate(s.labels)],
+            }
+            for name, s in parts
+        }
+        if "eval" not in splits:
+            splits["eval"] = {"from": "train", "items": splits["train"]["items"]}
+        return {
+            "kind": "encoded",
+            "splits": splits,
+            "classes": loaded.train.classes,
+            "num_classes": loaded.train.num_classes,
+            "mean": list(IMAGENET_MEAN),
+            "std": list(IMAGENET_STD),
+        }
+
     loaded = load_splits(fmt, str(src), None)
     train, evaluation = loaded.train, loaded.eval
     splits = {
@@ -157,6 +195,8 @@ def read_source(fmt: str, src: Path) -> dict[str, Any]:
 
 def item_bytes(kind: str, item: tuple[Any, int]) -> int:
     """Bytes ``item`` takes in the source (to size the shards)."""
+    if isinstance(item[0], ShardExample):
+        return item[0].nbytes()
     return os.path.getsize(item[0]) if kind == "encoded" else int(item[0].nbytes)
 
 
@@ -166,7 +206,9 @@ def fingerprint(kind: str, splits: dict[str, Any]) -> str:
     for name, split in splits.items():
         digest.update(f"{name}:{len(split['items'])}\n".encode())
         for thing, label in split["items"]:
-            if kind == "encoded":
+            if isinstance(thing, ShardExample):
+                digest.update(f"{thing}\t{thing.nbytes()}\t{label}\n".encode())
+            elif kind == "encoded":
                 digest.update(f"{thing}\t{os.path.getsize(thing)}\t{label}\n".encode())
             else:
                 digest.update(thing.tobytes())
@@ -195,13 +237,18 @@ def shrink_to_max_side(data: bytes, max_side: int, quality: int) -> bytes | None
     return buffer.getvalue()
 
 
-def image_payload(path: str, options: Options) -> tuple[bytes, bool]:
-    """The bytes to store for the image at ``path`` and whether they were re-encoded; checked
-    with the trainer's decoder (:class:`DataError` naming the file if it cannot be read)."""
+def image_payload(path: str | ShardExample, options: Options) -> tuple[bytes, bool]:
+    """The bytes to store for the image at ``path`` (a file, or an example of a shard format)
+    and whether they were re-encoded; checked with the trainer's decoder (:class:`DataError`
+    naming the file, or the shard and row/member, if it cannot be read)."""
     from PIL import Image
 
-    where = f"pack: cannot decode image {path!r}"
-    data = Path(path).read_bytes()
+    if isinstance(path, ShardExample):
+        where = f"pack: cannot decode image of {path}"
+        data = path.read()
+    else:
+        where = f"pack: cannot decode image {path!r}"
+        data = Path(path).read_bytes()
     if not data:
         raise DataError(f"{where}: the file is empty (0 bytes)")
     smaller = None

@@ -22,7 +22,12 @@ from jddp.data.pack_format import MANIFEST, encode_record, parse_record
 from jddp.data.pipeline import HostBatches, eval_rows, host_iterator, train_rows
 from jddp.data.registry import load_splits
 from jddp.errors import DataConfigError, DataError
-from tests.datafiles import write_cifar_folder, write_imagefolder, write_jpeg_folder, write_mnist
+from tests.datafiles import (
+    photo_folder,
+    write_cifar_folder,
+    write_jpeg_folder,
+    write_mnist,
+)
 from tests.helpers import (
     assert_losses_match,
     launch_cmd,
@@ -44,19 +49,6 @@ def pack(src: Path, out: Path, **kwargs) -> dict:
 def pack_cmd(*args: object) -> subprocess.CompletedProcess:
     """``python -m jddp.pack ARGS`` to the end."""
     return run([sys.executable, "-m", "jddp.pack", *map(str, args)], timeout=300)
-
-
-def photo_folder(root: Path) -> Path:
-    """The image folder of tests/datafiles (PNGs of several sizes, a grayscale JPEG) plus two
-    real photos, small, as JPEGs of the two classes."""
-    from sklearn.datasets import load_sample_images
-
-    write_imagefolder(root)
-    for i, photo in enumerate(load_sample_images().images):
-        small = Image.fromarray(photo).resize((96, 64), Image.Resampling.BILINEAR)
-        small.save(root / "train" / ("cat", "dog")[i] / f"photo{i}.jpg", quality=90)
-        small.save(root / "val" / ("cat", "dog")[i] / f"photo{i}.jpg", quality=75)
-    return root
 
 
 def all_rows(source, fn) -> tuple[np.ndarray, np.ndarray]:

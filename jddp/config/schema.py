@@ -61,7 +61,24 @@ class DataConfig:
         "section>, seed=train.seed), returning (train, eval) in any form jddp.fit takes)",
     )
     path: str | None = _f(
-        None, "file or folder of the data set (cifar10, mnist, npz, imagefolder, packed)"
+        None,
+        "file or folder of the data set (cifar10, mnist, npz, imagefolder, packed); parquet "
+        "and webdataset: a folder, glob or brace pattern of shards ('s-{000000..000146}.tar')",
+    )
+    eval_path: str | None = _f(
+        None,
+        "parquet/webdataset: the eval shards (null: the shards of data.path named "
+        "validation|val|test, beside those named train)",
+    )
+    image_key: str | None = _f(
+        None,
+        "parquet: the image column (null: image); webdataset: the image extension "
+        "(null: jpg|jpeg|png|webp)",
+    )
+    label_key: str | None = _f(
+        None,
+        "parquet: the integer label column (null: label); webdataset: the label member's "
+        "extension, or json:FIELD (null: cls, else json's label)",
     )
     global_batch_size: int = _f(128, "examples per optimizer step over all devices and processes")
     image_size: int | None = _f(None, "resize images to this side length (null: native size)")

@@ -23,8 +23,19 @@ FORMATS: dict[str, str] = {
     "npz": "jddp.data.formats.npz",
     "imagefolder": "jddp.data.formats.imagefolder",
     "packed": "jddp.data.formats.packed",
+    "parquet": "jddp.data.formats.parquet",
+    "webdataset": "jddp.data.formats.webdataset",
 }
-"""Data set name -> module exposing ``load(path, image_size, seed, num_classes) -> Splits``."""
+"""Data set name -> module exposing ``load(path, image_size, seed, num_classes) -> Splits``
+(the shard formats also take the keyword options of :data:`SHARD_FORMATS`)."""
+
+SHARD_FORMATS: dict[str, tuple[str, ...]] = {
+    "parquet": ("eval_path", "image_key", "label_key", "custom"),
+    "webdataset": ("eval_path", "image_key", "label_key", "index_dir"),
+}
+"""The shard formats and the options each takes (``data.eval_path``, ``data.image_key``,
+``data.label_key``; ``custom``: a custom task's batches; ``index_dir``: where an index goes
+when the shard folder is read-only)."""
 
 DATA_NAMES: tuple[str, ...] = tuple(FORMATS)
 """The data set names :func:`load_splits` accepts (and ``data.name`` allows)."""
@@ -42,6 +53,7 @@ def load_splits(
     image_size: int | None,
     seed: int = 0,
     num_classes: int | None = None,
+    **options: object,
 ) -> Splits:
     """Build the train and eval :class:`~jddp.data.source.Source` of data set ``name``.
 
@@ -54,6 +66,8 @@ def load_splits(
         load time (bilinear, dtype kept; non-square images become square).
       seed: only ``synthetic`` uses it; every other split is fixed.
       num_classes: override the class count; labels must be below it.
+      options: the shard formats' options (:data:`SHARD_FORMATS`); a value set for a format
+        that does not take it is a :class:`DataConfigError` naming the key.
 
     Raises:
       DataError: with a one-line message naming the data set/file and what is expected.
@@ -66,5 +80,14 @@ def load_splits(
         raise DataConfigError(f"model.num_classes={num_classes!r} must be a positive int or None")
     image_size = None if image_size is None else int(image_size)
     num_classes = None if num_classes is None else int(num_classes)
+    given = {k: v for k, v in options.items() if v not in (None, False)}
+    taken = SHARD_FORMATS.get(name, ())
+    unused = [k for k in given if k not in taken and k not in ("index_dir", "custom")]
+    if unused:
+        raise DataConfigError(
+            f"data.{unused[0]} applies to data.name={'|'.join(SHARD_FORMATS)}, not {name}"
+        )
     module = importlib.import_module(FORMATS[name])
-    return module.load(path, image_size, seed, num_classes)
+    return module.load(
+        path, image_size, seed, num_classes, **{k: v for k, v in given.items() if k in taken}
+    )

@@ -1,0 +1,407 @@
+"""``webdataset``: WebDataset tar shards (``key.jpg`` + ``key.cls``/``key.json``), read by index.
+
+A shard is a plain tar; the members of one example share a key (the member's path up to the
+first dot of its file name) and differ by extension. Each shard is indexed once (one pass over
+its tar headers: the offset and size of every example's image, its label read on the way) and
+the index is cached beside the shard as ``<shard>.jddp-index.npz`` (or under the run's
+``data-index/`` when the shard folder is read-only), checked against the shard's size and
+modification time. Example ``i`` is then one ``pread`` of its image's bytes: random access, so
+batch *k* is the same images on any topology and after a resume.
+
+Splits: ``data.path`` may name both (shards named ``*train*`` and ``*val*``/``*test*``, as
+timm's ``imagenet-train-{000000..001281}.tar`` and ``imagenet-val-*``), or the eval shards are
+``data.eval_path``. Labels: the ``.cls`` member (a decimal integer), else the ``label`` field of
+the ``.json`` member; ``data.label_key=EXT`` names another integer member, ``json:FIELD``
+another JSON field; ``data.image_key=EXT`` picks the image among several.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jddp.data.formats.shards import (
+    EncodedImageSource,
+    check_labels_in_range,
+    split_files,
+)
+from jddp.data.source import Splits
+from jddp.errors import DataConfigError, DataError, one_line
+
+IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
+LABEL_EXTENSIONS: tuple[str, ...] = ("cls", "cls.txt", "label", "txt")
+INDEX_SUFFIX = ".jddp-index.npz"
+INDEX_VERSION = 1
+HINT = (
+    "point it at WebDataset tar shards, e.g. data.path='shards/train-{000000..000146}.tar' "
+    "(brace ranges and globs), members key.jpg|png|webp + key.cls|json"
+)
+_BLOCK = 512
+
+
+# ------------------------------------------------------------------------ the tar headers
+def _octal(field: bytes, shard: Path, at: int) -> int:
+    """A tar header's numeric field (octal text, or GNU base-256 for large values)."""
+    if field and field[0] & 0x80:  # base-256: the rest of the bytes, big-endian
+        return int.from_bytes(field[1:], "big")
+    text = field.split(b"\0", 1)[0].strip()
+    try:
+        return int(text, 8) if text else 0
+    except ValueError:
+        raise DataError(
+            f"webdataset: shard {str(shard)!r} is not a tar file (a bad header at byte {at}): "
+            "truncated or damaged"
+        ) from None
+
+
+def _checksum_ok(header: bytes) -> bool:
+    """Whether a tar header's checksum field matches its bytes (the field summed as spaces;
+    old tars summed signed bytes)."""
+    try:
+        stored = int(header[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
+    except ValueError:
+        return False
+    unsigned = sum(header[:148]) + 8 * 32 + sum(header[156:])
+    signed = unsigned - 256 * sum(1 for b in (*header[:148], *header[156:]) if b > 127)
+    return stored in (unsigned, signed)
+
+
+def _pax_records(data: bytes) -> dict[str, str]:
+    """The ``key=value`` records of a pax extended header (``"%d %s=%s\\n"`` each)."""
+    out: dict[str, str] = {}
+    pos = 0
+    while pos < len(data):
+        space = data.find(b" ", pos)
+        if space < 0:
+            break
+        length = int(data[pos:space])
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        out[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+        pos += length
+    return out
+
+
+def tar_members(shard: Path) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Every regular file of the tar ``shard``: names, data offsets and sizes (bytes), in
+    archive order. GNU long names and pax headers are followed; a header or member cut off by
+    the end of the file is a :class:`DataError` naming the shard and the member."""
+    names: list[str] = []
+    offsets: list[int] = []
+    sizes: list[int] = []
+    file_size = shard.stat().st_size
+    long_name: str | None = None
+    pax: dict[str, str] = {}
+    with open(shard, "rb", buffering=0) as f:
+        pos = 0
+        while pos + _BLOCK <= file_size:
+            f.seek(pos)
+            header = f.read(_BLOCK)
+            if header == b"\0" * _BLOCK:  # end of archive (two zero blocks; one suffices)
+                break
+            if not _checksum_ok(header):
+                raise DataError(
+                    f"webdataset: shard {str(shard)!r} is not a tar file (no header at byte {pos})"
+                )
+            size = _octal(header[124:136], shard, pos)
+            kind = header[156:157]
+            data_at = pos + _BLOCK
+            name = header[0:100].split(b"\0", 1)[0].decode("utf-8", "replace")
+            prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "replace")
+            if prefix and header[257:262] == b"ustar":
+                name = f"{prefix}/{name}"
+            if data_at + size > file_size:
+                raise DataError(
+                    f"webdataset: shard {str(shard)!r} is truncated: member "
+                    f"{long_name or pax.get('path') or name!r} needs bytes {data_at}.."
+                    f"{data_at + size} but the file ends at {file_size}"
+                )
+            if kind in (b"L", b"x", b"g"):
+                f.seek(data_at)
+                extra = f.read(size)
+                if kind == b"L":
+                    long_name = extra.split(b"\0", 1)[0].decode("utf-8", "replace")
+                elif kind == b"x":
+                    pax = _pax_records(extra)
+            elif kind in (b"0", b"\0", b"7"):
+                names.append(long_name or pax.get("path") or name)
+                offsets.append(data_at)
+                sizes.append(int(pax.get("size", size)))
+                long_name, pax = None, {}
+            else:  # directories, links: nothing to read
+                long_name, pax = None, {}
+            pos = data_at + (size + _BLOCK - 1) // _BLOCK * _BLOCK
+    if file_size % _BLOCK:  # a tar is whole 512-byte blocks: its end was cut off
+        raise DataError(
+            f"webdataset: shard {str(shard)!r} is truncated: {file_size} bytes is not a whole "
+            f"number of {_BLOCK}-byte tar blocks"
+        )
+    return names, np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
+
+
+def split_key(name: str) -> tuple[str, str]:
+    """WebDataset's ``(key, extension)`` of a member: the path up to the first dot of the file
+    name, and the rest (lower case): ``a/b/n01.x.jpg`` -> ``("a/b/n01", "x.jpg")``."""
+    folder, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext.lower() if dot else ""
+
+
+# ------------------------------------------------------------------------ one shard's index
+def _read_label(f: Any, shard: Path, key: str, ext: str, field: str | None, at: int, n: int) -> int:
+    f.seek(at)
+    text = f.read(n)
+    where = f"webdataset: shard {str(shard)!r} member {key + '.' + ext!r}"
+    try:
+        if field is not None:
+            value = json.loads(text)
+            if not isinstance(value, dict) or field not in value:
+                raise DataError(f"{where} has no {field!r} field")
+            value = value[field]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise DataError(f"{where}: its {field!r} is {value!r}, not an integer label")
+        else:
+            value = float(text.decode("utf-8").strip())
+        if value != int(value):
+            raise ValueError(f"{value} is not a whole number")
+        return int(value)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise DataError(f"{where} is not an integer label: {one_line(err)}") from err
+
+
+def build_index(shard: Path, image_key: str | None, label_key: str | None) -> dict[str, np.ndarray]:
+    """Index ``shard``: per example (in archive order of its first member) its key, the offset
+    and size of its image and its label. An example without an image or a label member is a
+    :class:`DataError` naming the shard and the key."""
+    names, offsets, sizes = tar_members(shard)
+    images = (image_key.lower(),) if image_key else IMAGE_EXTENSIONS
+    label_ext, field = None, None
+    if label_key and label_key.startswith("json:"):
+        label_ext, field = "json", label_key.split(":", 1)[1]
+    elif label_key:
+        label_ext = label_key.lower()
+    members: dict[str, dict[str, int]] = {}
+    for m, name in enumerate(names):
+        key, ext = split_key(name)
+        members.setdefault(key, {})[ext] = m
+    keys = list(members)
+    image_at = np.empty(len(keys), np.int64)
+    image_size = np.empty(len(keys), np.int64)
+    labels = np.empty(len(keys), np.int64)
+    where = f"webdataset: shard {str(shard)!r}"
+    with open(shard, "rb") as f:
+        for i, key in enumerate(keys):
+            found = members[key]
+            image = next((found[e] for e in images if e in found), None)
+            if image is None:
+                raise DataError(
+                    f"{where}: example {key!r} has no {'/'.join('.' + e for e in images)} member "
+                    f"(it has {', '.join('.' + e for e in found) or 'none'})"
+                )
+            image_at[i], image_size[i] = offsets[image], sizes[image]
+            if label_ext is not None:
+                ext = label_ext
+            else:
+                ext = next((e for e in (*LABEL_EXTENSIONS, "json") if e in found), None)
+                field = "label" if ext == "json" else None
+            if ext is None or ext not in found:
+                wanted = (
+                    f".{label_ext}"
+                    if label_ext
+                    else "/".join("." + e for e in (*LABEL_EXTENSIONS, "json"))
+                )
+                raise DataError(
+                    f"{where}: example {key!r} has no label member {wanted} (it has "
+                    f"{', '.join('.' + e for e in found)}): set data.label_key"
+                )
+            m = found[ext]
+            labels[i] = _read_label(f, shard, key, ext, field, int(offsets[m]), int(sizes[m]))
+    return {
+        "keys": np.asarray(keys, dtype=np.str_),
+        "image_at": image_at,
+        "image_size": image_size,
+        "labels": labels,
+    }
+
+
+def _index_paths(shard: Path, index_dir: Path | None) -> list[Path]:
+    """Where ``shard``'s index may be: beside it, then under ``index_dir`` (a name unique to
+    the shard's absolute path)."""
+    paths = [shard.with_name(shard.name + INDEX_SUFFIX)]
+    if index_dir is not None:
+        digest = hashlib.sha1(str(shard.resolve()).encode()).hexdigest()[:16]
+        paths.append(index_dir / f"{shard.name}.{digest}{INDEX_SUFFIX}")
+    return paths
+
+
+def _stamp(shard: Path, image_key: str | None, label_key: str | None) -> np.ndarray:
+    stat = shard.stat()
+    text = f"{INDEX_VERSION}|{stat.st_size}|{stat.st_mtime_ns}|{image_key}|{label_key}"
+    return np.asarray(text)
+
+
+def shard_index(
+    shard: Path, image_key: str | None, label_key: str | None, index_dir: Path | None
+) -> tuple[dict[str, np.ndarray], bool]:
+    """``shard``'s index (:func:`build_index`) from its cache if that matches the shard's size,
+    modification time and the keys, else built and cached (written atomically: processes that
+    build it at once each write a whole file). Returns it and whether it was built."""
+    stamp = _stamp(shard, image_key, label_key)
+    paths = _index_paths(shard, index_dir)
+    for path in paths:
+        try:
+            with np.load(path) as cached:
+                if str(cached["stamp"]) == str(stamp):
+                    return {
+                        k: cached[k] for k in ("keys", "image_at", "image_size", "labels")
+                    }, False
+        except (OSError, KeyError, ValueError, EOFError):
+            continue
+    index = build_index(shard, image_key, label_key)
+    for path in paths:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, stamp=stamp, **index)
+            os.replace(tmp, path)
+            break
+        except OSError:  # a read-only shard folder: the next place
+            continue
+    return index, True
+
+
+# ------------------------------------------------------------------------ the source
+class WebDatasetSource(EncodedImageSource):
+    """A :class:`~jddp.data.source.Source` over the examples of WebDataset tar ``shards``.
+
+    Args:
+      shards: the tar files of the split, in order (example ``i`` counts across them).
+      image_size: output side; ``None`` means 224.
+      num_classes: if given, the labels must be below it; else the largest label + 1.
+      image_key / label_key: ``data.image_key`` / ``data.label_key`` (see the module).
+      index_dir: where indexes go when a shard's folder is read-only.
+    """
+
+    def __init__(
+        self,
+        shards: list[Path],
+        image_size: int | None = None,
+        num_classes: int | None = None,
+        image_key: str | None = None,
+        label_key: str | None = None,
+        index_dir: Path | None = None,
+        split: str = "train",
+    ) -> None:
+        """Index (or read the cached indexes of) every shard; nothing is decoded here."""
+        self.shards = list(shards)
+        self.split = split
+        self.image_size = 224 if image_size is None else int(image_size)
+        indexes = [shard_index(s, image_key, label_key, index_dir)[0] for s in self.shards]
+        counts = [len(ix["labels"]) for ix in indexes]
+        empty = [s for s, n in zip(self.shards, counts, strict=True) if n == 0]
+        if empty:
+            raise DataError(f"webdataset: shard {str(empty[0])!r} holds no example")
+        self._starts = np.cumsum([0, *counts])
+        self._shard_of = np.repeat(np.arange(len(self.shards)), counts)
+        self._keys = np.concatenate([ix["keys"] for ix in indexes])
+        self._image_at = np.concatenate([ix["image_at"] for ix in indexes])
+        self._image_size = np.concatenate([ix["image_size"] for ix in indexes])
+        labels = np.concatenate([ix["labels"] for ix in indexes])
+        self.num_classes = check_labels_in_range("webdataset", labels, num_classes, self.where)
+        self.labels = labels.astype(np.int32)
+        self._lock = threading.Lock()
+        self._files: dict[int, int] = {}
+        self._pid = os.getpid()
+
+    def stored_bytes(self, i: int) -> int:
+        """The size of example ``i``'s image member."""
+        return int(self._image_size[i])
+
+    def where(self, i: int) -> str:
+        """``shard '...' member 'key.jpg'`` of example ``i``."""
+        shard = int(self._shard_of[i])
+        return f"shard {str(self.shards[shard])!r} example {str(self._keys[i])!r}"
+
+    def _fd(self, shard: int) -> int:
+        """This process's open descriptor of ``shard`` (opened on first use, shared by threads;
+        ``os.pread`` needs no seek, so threads never race on a file position)."""
+        if self._pid != os.getpid():  # a forked copy: the parent's descriptors are not ours
+            self._files, self._pid = {}, os.getpid()
+        fd = self._files.get(shard)
+        if fd is None:
+            with self._lock:
+                fd = self._files.get(shard)
+                if fd is None:
+                    try:
+                        fd = os.open(self.shards[shard], os.O_RDONLY)
+                    except OSError as err:
+                        raise DataError(
+                            f"webdataset: shard {str(self.shards[shard])!r} cannot be opened: "
+                            f"{one_line(err)}"
+                        ) from err
+                    self._files[shard] = fd
+        return fd
+
+    def payloads(self, indices: np.ndarray) -> list[tuple[bytes, str]]:
+        """One ``pread`` per example of its image member's bytes."""
+        out = []
+        for i in indices:
+            shard, size = int(self._shard_of[i]), int(self._image_size[i])
+            data = os.pread(self._fd(shard), size, int(self._image_at[i]))
+            where = f"webdataset: {self.where(int(i))}"
+            if len(data) != size:
+                raise DataError(
+                    f"{where}: read {len(data)} of {size} bytes: the shard was truncated "
+                    "after it was indexed"
+                )
+            out.append((data, f"{where}: cannot decode image"))
+        return out
+
+    def __repr__(self) -> str:
+        """Stable description (no memory addresses)."""
+        return (
+            f"WebDatasetSource(shards={len(self.shards)}, first={str(self.shards[0])!r}, "
+            f"split={self.split!r}, n={len(self)}, image_size={self.image_size}, "
+            f"num_classes={self.num_classes})"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without open descriptors or the lock (worker processes open their own)."""
+        return {**self.__dict__, "_files": {}, "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+
+def load(
+    path: str | None,
+    image_size: int | None,
+    seed: int,
+    num_classes: int | None,
+    *,
+    eval_path: str | None = None,
+    image_key: str | None = None,
+    label_key: str | None = None,
+    index_dir: str | None = None,
+) -> Splits:
+    """The train and eval splits of the shards ``path`` (and ``eval_path``); ``seed`` unused."""
+    del seed
+    train_files, eval_files = split_files("webdataset", path, eval_path, (".tar",), HINT)
+    where = None if index_dir is None else Path(index_dir)
+    keys = {"image_key": image_key, "label_key": label_key, "index_dir": where}
+    train = WebDatasetSource(train_files, image_size, num_classes, split="train", **keys)
+    if eval_files is None:
+        return Splits(train=train, eval=train)
+    if set(eval_files) & set(train_files):
+        raise DataConfigError("data.eval_path names shards that data.path trains on")
+    evaluation = WebDatasetSource(eval_files, image_size, train.num_classes, split="eval", **keys)
+    return Splits(train=train, eval=evaluation)
