@@ -287,9 +287,67 @@ def pipeline_rows(args, tmp: Path) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- the trainer
+def shard_sets(folder: Path, tmp: Path) -> tuple[Path, Path]:
+    """``folder`` as the Hub's Parquet (100 rows per row group, as ``datasets`` writes image
+    sets) and as WebDataset shards (about 16 MB each): the same files' bytes."""
+    from tests.datafiles import write_parquet_like_the_hub, write_webdataset
+
+    mb = sum(f.stat().st_size for f in folder.rglob("*.jpg")) / 1e6
+    shards = max(1, round(mb / 16))
+    write_parquet_like_the_hub(folder, tmp / "parquet", shards=shards, row_group_rows=100)
+    write_webdataset(folder, tmp / "wds", shards=shards)
+    return tmp / "parquet", tmp / "wds"
+
+
+def format_rows(args, tmp: Path) -> list[dict]:
+    """WebDataset index building (members/s, page cache warm) and Parquet read by index from
+    the host pipeline alone with the row-group cache holding all of the set or one group."""
+    from jddp.data.formats import parquet as pq_format
+    from jddp.data.formats import webdataset as wds
+    from jddp.data.pipeline import HostBatches
+
+    folder = make_jpeg_folder(tmp / "formats", args.e2e_images)
+    parquet, shards = shard_sets(folder, tmp / "formats-shards")
+    tars = sorted(shards.glob("*.tar"))
+    members = sum(len(wds.tar_members(tar)[0]) for tar in tars) * args.index_repeats
+    start = time.perf_counter()
+    for _ in range(args.index_repeats):
+        for tar in tars:
+            wds.build_index(tar, None, None)  # the headers, and each label member read
+    seconds = time.perf_counter() - start
+    rate = members / seconds
+    rows = [
+        {
+            "case": "webdataset index",
+            "members": members,
+            "seconds": seconds,
+            "members_per_s": rate,
+            "load1": load1(),
+        }
+    ]
+    print("| WebDataset index (page cache warm) | members/s |\n|---|---|")
+    print(f"| {len(tars)} shards x {args.index_repeats}, {members:,} members | {rate:,.0f} |")
+    print("| host pipeline, Parquet read by index, 0 workers | images/s |\n|---|---|")
+    for label, cache in (("cache holds the set", 1 << 34), ("cache holds one row group", 1)):
+        pq_format.ROW_GROUP_CACHE_BYTES = cache
+        source = pq_format.load(str(parquet), 224, 0, None).train
+        batches = HostBatches(source, 64, 0, slice(None), "imagenet")
+        batches(0)
+        start = time.perf_counter()
+        for step in range(1, args.pipeline_steps + 1):
+            batches(step)
+        rate = 64 * args.pipeline_steps / (time.perf_counter() - start)
+        rows.append(
+            {"case": "parquet by index", "cache": label, "img_per_s": rate, "load1": load1()}
+        )
+        print(f"| {label} | {rate:,.0f} |", flush=True)
+    return rows
+
+
 def trainer_rows(args, tmp: Path) -> list[dict]:
     folder = make_jpeg_folder(tmp / "e2e", args.e2e_images)
     packed = pack(folder, tmp / "e2e-packed")
+    parquet, shards = shard_sets(folder, tmp / "e2e-shards")
     free = [
         "model.name=nearly_free:factory",
         "model.num_classes=2",
@@ -318,7 +376,20 @@ def trainer_rows(args, tmp: Path) -> list[dict]:
             *jpeg,
         ],
         "packed --max-side 256 (128, imagenet)": ["data.name=packed", f"data.path={packed}", *jpeg],
+        "Parquet, the Hub's layout (128, imagenet)": [
+            "data.name=parquet",
+            f"data.path={parquet}",
+            *jpeg,
+        ],
+        "WebDataset shards (128, imagenet)": [
+            "data.name=webdataset",
+            f"data.path={shards}/*.tar",
+            *jpeg,
+        ],
     }
+    if args.cases:
+        chosen = [c for c in cases if any(word.lower() in c.lower() for word in args.cases)]
+        cases = {f"{c} #{r + 1}": cases[c] for r in range(args.repeats) for c in chosen}
     trees = {name: REPO for name in cases}
     if args.before:
         old = tmp / "before"
@@ -374,6 +445,15 @@ def main() -> int:
     p.add_argument("--decoders", action="store_true", help="per-core rate of each JPEG library")
     p.add_argument("--pipeline", action="store_true", help="the host pipeline alone")
     p.add_argument("--trainer", action="store_true", help="python -m jddp.train end to end")
+    p.add_argument("--formats", action="store_true", help="WebDataset index rate, Parquet reads")
+    p.add_argument("--index-repeats", type=int, default=20, help="--formats: index builds")
+    p.add_argument(
+        "--cases",
+        nargs="*",
+        default=None,
+        help="--trainer: only the cases whose name holds one of these words (e.g. folder parquet)",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="--trainer --cases: rounds, alternated")
     p.add_argument("--decode-images", type=int, default=200, help="images per decoder row")
     p.add_argument("--workers", default="0,1,2,4", help="--pipeline worker counts")
     p.add_argument("--pipeline-steps", type=int, default=10)
@@ -391,7 +471,9 @@ def main() -> int:
             rows += decoder_rows(args, Path(tmp))
         if args.pipeline:
             rows += pipeline_rows(args, Path(tmp))
-        if args.trainer or not (args.decoders or args.pipeline):
+        if args.formats:
+            rows += format_rows(args, Path(tmp))
+        if args.trainer or not (args.decoders or args.pipeline or args.formats):
             rows += trainer_rows(args, Path(tmp))
     info["load1_end"] = load1()
     stamp = date.today().isoformat()
