@@ -2,7 +2,8 @@
 
 A pack (:mod:`jddp.data.pack_format`) is a few large ArrayRecord shards per split plus
 ``pack.json``; train from it with ``data.name=packed data.path=OUT``. Image folders keep each
-file's bytes (``--max-side N`` re-encodes the images whose shorter side exceeds ``N``);
+file's bytes (``--max-side N`` re-encodes the images whose shorter side exceeds ``N``), and so do
+Parquet and WebDataset shards (``SRC`` a folder, or a glob or brace pattern of shards);
 CIFAR-10, MNIST and npz keep their raw pixels. Shards are written in parallel, each to a
 temporary name and renamed once complete and verified; the manifest is written last, so an
 interrupted pack never reads as complete, and rerunning the same command continues it.
