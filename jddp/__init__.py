@@ -2,6 +2,7 @@
 
 The few public names: :func:`fit` and :func:`initialize` to train your own model, loss and data;
 :func:`load`, :func:`predict` and :func:`evaluate` to use a trained model;
+:func:`load_pretrained` for torchvision/timm ResNet weights;
 the building blocks :func:`make_mesh`, :func:`create_train_state`, :func:`make_train_step`,
 :func:`make_eval_step`; the models in :mod:`jddp.models`; :class:`Config` and
 :func:`load_config`. Imports are lazy so ``python -m jddp.train --help`` stays fast;
@@ -23,6 +24,7 @@ _EXPORTS = {
     "load": "jddp.inference",
     "evaluate": "jddp.evaluation:evaluate_model",
     "predict": "jddp.inference",
+    "load_pretrained": "jddp.checkpoint.pretrained",
     "RunResult": "jddp.run.trainer",
     "Config": "jddp.config",
     "ConfigError": "jddp.config",

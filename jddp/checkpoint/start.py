@@ -1,24 +1,29 @@
 """Where a run's state starts: its own newest good checkpoint (``checkpoint.resume``, under the
 config policy of :mod:`jddp.checkpoint.resume`), another run's weights
-(``checkpoint.init_from``), or the fresh initialisation."""
+(``checkpoint.init_from``: a run's checkpoint, or a torchvision/timm ResNet's tensors), or
+the fresh initialisation."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-import jax
 import optax
 from jax.sharding import Mesh
 
 from jddp import config as config_lib
-from jddp.checkpoint import Checkpoints
+from jddp.checkpoint import Checkpoints, weight_leaves
+from jddp.checkpoint.pretrained import is_pretrained_file, pretrained_weights
 from jddp.checkpoint.resume import check_resume_config
 from jddp.checkpoint.weights import (
+    HEAD_ONLY,
     damage_named,
     describe_mismatch,
+    head_note,
+    head_to_keep,
+    map_weights,
     mismatched_weights,
     open_checkpoint,
-    short_name,
     with_shapes,
 )
 from jddp.comm import Comm
@@ -59,24 +64,6 @@ def restore(
     return state, start_step
 
 
-def head_arrays(
-    differ: list[tuple[str, tuple, tuple]], num_outputs: int | None
-) -> list[str] | None:
-    """The names of ``differ`` (``(name, saved shape, shape now)``) when they are all one
-    output layer whose class dimension changed: one module's arrays, equal but for the last
-    axis, which is now ``num_outputs`` (the model's logits). None otherwise, and always for a
-    model without class logits (``num_outputs`` None: a custom task)."""
-    if not differ or num_outputs is None:
-        return None
-    parents, pairs = set(), set()
-    for name, saved, now in differ:
-        if len(saved) != len(now) or saved[:-1] != now[:-1] or now[-1] != num_outputs:
-            return None
-        parents.add(name.removesuffix(".value").rsplit("[", 1)[0])
-        pairs.add((saved[-1], now[-1]))
-    return [name for name, *_ in differ] if len(parents) == 1 and len(pairs) == 1 else None
-
-
 def warm_start(
     path: str,
     state: TrainState,
@@ -86,14 +73,38 @@ def warm_start(
     num_outputs: int | None,
 ) -> TrainState:
     """``checkpoint.init_from``: ``state`` at step 0 with another run's params and model state
-    and a fresh optimizer state. Arrays the checkpoint lacks, or of other shapes, are refused
-    (``ConfigError`` naming them), except an output layer whose class dimension changed: that
-    one keeps its fresh initialisation (and the message says so)."""
+    (or a torchvision/timm ResNet's tensors: ``FILE.safetensors``/``.pth``,
+    :mod:`jddp.checkpoint.pretrained`) and a fresh optimizer state. Arrays the source lacks, or
+    of other shapes, are refused (``ConfigError`` naming them), except an output layer whose
+    class dimension changed: that one keeps its fresh initialisation (and the message says
+    so)."""
     key = "checkpoint.init_from"
+    fresh = to_host({"params": state.params, "model_state": state.model_state})
+    if is_pretrained_file(path):
+        weights, differ, head = pretrained_weights(path, fresh, num_outputs, key)
+        source = f"the tensors of {path}"
+    else:
+        weights, differ, head, where = _run_weights(path, fresh, num_outputs, key)
+        source = f"the params and model state of {where}"
+    console.say(
+        f"jddp: {key}: starting at step 0 from {source} (optimizer state fresh)"
+        f"{head_note(differ, head)}"
+    )
+    return state.replace(
+        params=put_replicated(weights["params"], mesh),
+        model_state=put_replicated(weights["model_state"], mesh),
+        opt_state=put_replicated(tx.init(weights["params"]), mesh),
+    )
+
+
+def _run_weights(
+    path: str, fresh: dict[str, Any], num_outputs: int | None, key: str
+) -> tuple[dict[str, Any], list[tuple[str, tuple, tuple]], list[str], Path]:
+    """The weights of another run's checkpoint at ``path`` in the structure of ``fresh``, with
+    a re-initialised head kept fresh: ``(weights, differ, head, checkpoint folder)``."""
     ckpts, step = open_checkpoint(path, None, key)
     where = ckpts.directory / str(step)
     try:
-        fresh = to_host({"params": state.params, "model_state": state.model_state})
 
         def like_of(step: int) -> dict[str, Any]:
             return with_shapes(fresh, ckpts.weight_shapes(step))
@@ -104,36 +115,15 @@ def warm_start(
         with damage_named(ckpts, step, like_of, key, use):
             saved = ckpts.weight_shapes(step)
             missing, differ = mismatched_weights(saved, fresh)
-            head = head_arrays(differ, num_outputs) or []
-            if missing or (differ and not head):
+            head = head_to_keep(missing, differ, num_outputs)
+            if head is None:
                 raise ConfigError(
                     f"{key}: checkpoint {where} does not fit this model: "
-                    f"{describe_mismatch(missing, differ)} (only an output layer of another "
-                    "num_classes is re-initialised)"
+                    f"{describe_mismatch(missing, differ)} {HEAD_ONLY}"
                 )
-            restored = ckpts.restore_weights(step, with_shapes(fresh, saved))
+            restored = dict(weight_leaves(ckpts.restore_weights(step, with_shapes(fresh, saved))))
     finally:
         ckpts.close()
     keep_fresh = set(head)
-    weights = {}
-    for top in ("params", "model_state"):
-        flat, _ = jax.tree_util.tree_flatten_with_path(fresh[top])
-        pick = [
-            new if f".{top}{jax.tree_util.keystr(path)}" in keep_fresh else old
-            for (path, new), old in zip(flat, jax.tree.leaves(restored[top]), strict=True)
-        ]
-        weights[top] = jax.tree.unflatten(jax.tree.structure(fresh[top]), pick)
-    note = ""
-    if head:
-        (_, before, now), *_ = differ
-        names = ", ".join(short_name(n) for n in head)
-        note = f"; re-initialised {names} (class dimension {before[-1]} -> {now[-1]})"
-    console.say(
-        f"jddp: {key}: starting at step 0 from the params and model state of {where} "
-        f"(optimizer state fresh){note}"
-    )
-    return state.replace(
-        params=put_replicated(weights["params"], mesh),
-        model_state=put_replicated(weights["model_state"], mesh),
-        opt_state=put_replicated(tx.init(weights["params"]), mesh),
-    )
+    weights = map_weights(lambda name, x: x if name in keep_fresh else restored[name], fresh)
+    return weights, differ, head, where

@@ -235,8 +235,9 @@ class CheckpointConfig:
     init_from: str | None = _f(
         None,
         "start a new run (step 0, fresh optimizer) from the params and model state of another "
-        "run: its workdir or one checkpoint folder; a head of another num_classes is "
-        "re-initialised; ignored when workdir holds a checkpoint to resume",
+        "run (its workdir or one checkpoint folder) or from a torchvision/timm ResNet's weights "
+        "(FILE.safetensors, or FILE.pth with torch installed); a head of another num_classes "
+        "is re-initialised; ignored when workdir holds a checkpoint to resume",
     )
 
 
