@@ -282,7 +282,9 @@ def test_a_training_checkpoint_pickled_by_torch(r18, monkeypatch):
     (pth := path.with_suffix(".pth")).write_bytes(b"a pickle")
     got = jddp.load_pretrained(pth, imagenet_resnet18())
     want = jddp.load_pretrained(path, imagenet_resnet18())
-    for a, b in zip(nnx.state(got).flat_state(), nnx.state(want).flat_state(), strict=True):
+    for a, b in zip(
+        nnx.to_flat_state(nnx.state(got)), nnx.to_flat_state(nnx.state(want)), strict=True
+    ):
         np.testing.assert_array_equal(a[1][...], b[1][...])
 
 
