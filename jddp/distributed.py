@@ -6,9 +6,21 @@ Where the process group comes from, first match wins:
 2. the variables ``python -m jddp.launch`` sets (``JDDP_COORDINATOR_ADDRESS``,
    ``JDDP_NUM_PROCESSES``, ``JDDP_PROCESS_ID``) or JAX's own (``JAX_COORDINATOR_ADDRESS``,
    ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``);
-3. a SLURM job step with several tasks, or ``mpirun`` of Open MPI: JAX's cluster detection;
-4. ``mpirun`` of MPICH (``PMI_SIZE``): JAX's ``mpi4py`` cluster detection;
-5. otherwise a single process: nothing to do.
+3. torchrun-style variables (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``; what
+   ``torchrun`` and Kubeflow's PyTorchJob set): the coordinator is ``MASTER_ADDR`` at
+   ``MASTER_PORT`` (plus one under ``torchrun``, whose agent's store holds ``MASTER_PORT``);
+   with ``LOCAL_WORLD_SIZE`` > 1 (a process per GPU) each process takes its ``LOCAL_RANK``'th
+   GPU;
+4. a SLURM job step with several tasks: JAX's cluster detection;
+5. SkyPilot (``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS``, ``SKYPILOT_NUM_NODES``; one process
+   per node): the coordinator is the first node at ``JDDP_COORDINATOR_PORT`` (default
+   :data:`DEFAULT_COORDINATOR_PORT`);
+6. ``mpirun`` of Open MPI: JAX's cluster detection; ``mpirun`` of MPICH (``PMI_SIZE``): JAX's
+   ``mpi4py`` cluster detection;
+7. otherwise a single process: nothing to do.
+
+Variables of a launcher that contradict each other (a rank outside the world, a missing
+address) are a :class:`~jddp.errors.ConfigError` naming them.
 
 With ``dist.backend=mpi`` processes do not share a JAX runtime (MPI carries the gradients), so
 none of this runs. On CPU the cross-process collectives use gloo.
@@ -32,12 +44,18 @@ from jddp.errors import ConfigError
 class Launch:
     """How this process was started: the ``jax.distributed.initialize`` arguments to use."""
 
-    # "single", "explicit", "slurm", "ompi", "mpich", "mpi" (the MPI backend), "jax.distributed"
-    # (joined before jddp looked, e.g. by a library user)
+    # "single", "explicit", "torchrun", "skypilot", "slurm", "ompi", "mpich", "mpi" (the MPI
+    # backend), "jax.distributed" (joined before jddp looked, e.g. by a library user)
     kind: str
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None  # the GPUs this process takes (per-GPU)
+
+
+DEFAULT_COORDINATOR_PORT = 8476
+"""The coordinator's port where a launcher names only hosts (SkyPilot); ``JDDP_COORDINATOR_PORT``
+sets another."""
 
 
 def _env_int(*names: str) -> int | None:
@@ -121,13 +139,89 @@ def detect_launch(cfg: DistConfig) -> Launch:
         if not 0 <= pid < num:
             raise ConfigError(f"dist.process_id={pid} is not in [0, dist.num_processes={num})")
         return Launch("explicit", address, num, pid)
+    torchrun = _torchrun_launch()
+    if torchrun is not None:
+        return torchrun
     if (_env_int("SLURM_NTASKS", "SLURM_NPROCS") or 1) > 1 and "SLURM_PROCID" in os.environ:
         return Launch("slurm")
+    skypilot = _skypilot_launch()
+    if skypilot is not None:
+        return skypilot
     if (_env_int("OMPI_COMM_WORLD_SIZE") or 1) > 1:
         return Launch("ompi")
     if (_env_int("PMI_SIZE") or 1) > 1:
         return Launch("mpich")
     return Launch("single")
+
+
+TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+SKYPILOT_VARIABLES = ("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_NODES")
+
+
+def _inconsistent(launcher: str, problem: str) -> ConfigError:
+    return ConfigError(f"{launcher} launch: {problem}")
+
+
+def _torchrun_launch() -> Launch | None:
+    """The job ``torchrun`` or a PyTorchJob describes, if ``WORLD_SIZE``/``RANK`` are set."""
+    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+        return None
+    values = {name: os.environ.get(name) or None for name in TORCHRUN_VARIABLES}
+    missing = [name for name, value in values.items() if value is None]
+    if missing:
+        given = ", ".join(f"{n}={v}" for n, v in values.items() if v is not None)
+        raise _inconsistent(
+            "torchrun-style", f"{given} set but not {', '.join(missing)}: all four are needed"
+        )
+    world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+    port = _env_int("MASTER_PORT")
+    if world < 1 or not 0 <= rank < world:
+        raise _inconsistent("torchrun-style", f"RANK={rank} is not in [0, WORLD_SIZE={world})")
+    if not 0 < port < 65535:
+        raise _inconsistent("torchrun-style", f"MASTER_PORT={port} is not a port number")
+    if world == 1:
+        return None
+    local_world = _env_int("LOCAL_WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK")
+    devices = None
+    # a process per GPU, each seeing them all (none hidden by CUDA_VISIBLE_DEVICES): take one
+    if local_world is not None and local_world > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        if local_rank is None or not 0 <= local_rank < local_world:
+            raise _inconsistent(
+                "torchrun-style",
+                f"LOCAL_RANK={local_rank} is not in [0, LOCAL_WORLD_SIZE={local_world})",
+            )
+        if world % local_world:
+            raise _inconsistent(
+                "torchrun-style",
+                f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}",
+            )
+        devices = (local_rank,)
+    # torchrun's agent serves its rendezvous store on MASTER_PORT: the coordinator takes the next
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        port += 1
+    return Launch("torchrun", f"{values['MASTER_ADDR']}:{port}", world, rank, devices)
+
+
+def _skypilot_launch() -> Launch | None:
+    """The job SkyPilot describes (one process per node), if ``SKYPILOT_NODE_RANK`` is set."""
+    if "SKYPILOT_NODE_RANK" not in os.environ:
+        return None
+    rank = _env_int("SKYPILOT_NODE_RANK")
+    ips = (os.environ.get("SKYPILOT_NODE_IPS") or "").split()
+    nodes = _env_int("SKYPILOT_NUM_NODES") or len(ips)
+    if not ips:
+        raise _inconsistent("SkyPilot", f"SKYPILOT_NODE_RANK={rank} set but no SKYPILOT_NODE_IPS")
+    if nodes != len(ips):
+        raise _inconsistent(
+            "SkyPilot", f"SKYPILOT_NUM_NODES={nodes} but SKYPILOT_NODE_IPS lists {len(ips)} nodes"
+        )
+    if not 0 <= rank < nodes:
+        raise _inconsistent("SkyPilot", f"SKYPILOT_NODE_RANK={rank} is not in [0, {nodes})")
+    if nodes == 1:
+        return None
+    port = _env_int("JDDP_COORDINATOR_PORT") or DEFAULT_COORDINATOR_PORT
+    return Launch("skypilot", f"{ips[0]}:{port}", nodes, rank)
 
 
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -239,9 +333,11 @@ def initialize(cfg: DistConfig) -> Job:
         initialization_timeout=cfg.init_timeout_s,
         heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
     )
-    if launch.kind == "explicit":
+    if launch.coordinator_address is not None:  # explicit, torchrun-style, SkyPilot
         if launch.process_id != 0:
             wait_for_coordinator(launch.coordinator_address, cfg.init_timeout_s)
+        if launch.local_device_ids is not None:
+            kwargs["local_device_ids"] = list(launch.local_device_ids)
         jax.distributed.initialize(
             launch.coordinator_address, launch.num_processes, launch.process_id, **kwargs
         )

@@ -28,6 +28,18 @@ LAUNCH_VARIABLES = (
     "OMPI_COMM_WORLD_LOCAL_RANK",
     "PMI_SIZE",
     "PMI_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "CUDA_VISIBLE_DEVICES",
+    "SKYPILOT_NODE_RANK",
+    "SKYPILOT_NODE_IPS",
+    "SKYPILOT_NUM_NODES",
+    "JDDP_COORDINATOR_PORT",
 )
 
 
@@ -153,3 +165,69 @@ def test_mpi_backend_needs_mpi_rank_variables(env, monkeypatch):
         require_mpi_launch()
     env(PMI_RANK="1", PMI_SIZE="2")
     require_mpi_launch()
+
+
+def test_torchrun_one_process_per_node(env):
+    """Kubeflow's PyTorchJob (no torchrun): the coordinator is MASTER_ADDR:MASTER_PORT."""
+    env(MASTER_ADDR="trainer-master-0", MASTER_PORT="23456", WORLD_SIZE="4", RANK="3")
+    assert detect_launch(DistConfig()) == Launch("torchrun", "trainer-master-0:23456", 4, 3)
+
+
+def test_torchrun_one_process_per_gpu(env):
+    """torchrun --nproc-per-node 8 on 2 nodes: its agent's store holds MASTER_PORT, so the
+    coordinator takes the next port; each process takes its LOCAL_RANK'th GPU."""
+    env(MASTER_ADDR="10.0.0.1", MASTER_PORT="29500", WORLD_SIZE="16", RANK="9", LOCAL_RANK="1",
+        LOCAL_WORLD_SIZE="8", TORCHELASTIC_RUN_ID="none")  # fmt: skip
+    assert detect_launch(DistConfig()) == Launch("torchrun", "10.0.0.1:29501", 16, 9, (1,))
+    env(CUDA_VISIBLE_DEVICES="1")  # the launcher already gave each process one GPU
+    assert detect_launch(DistConfig()).local_device_ids is None
+
+
+def test_torchrun_world_of_one_is_a_single_process(env):
+    env(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", WORLD_SIZE="1", RANK="0")
+    assert detect_launch(DistConfig()) == Launch("single")
+
+
+def test_torchrun_wins_over_slurm_and_explicit_wins_over_torchrun(env):
+    """srun torchrun ...: SLURM's tasks are the agents, torchrun's variables the processes."""
+    env(SLURM_NTASKS="2", SLURM_PROCID="1", MASTER_ADDR="n1", MASTER_PORT="29500",
+        WORLD_SIZE="16", RANK="12")  # fmt: skip
+    assert detect_launch(DistConfig()).kind == "torchrun"
+    env(JAX_COORDINATOR_ADDRESS="n0:1234", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")
+    assert detect_launch(DistConfig()).kind == "explicit"
+
+
+@pytest.mark.parametrize(
+    "variables,words",
+    [
+        ({"WORLD_SIZE": "2", "RANK": "0"},
+         "WORLD_SIZE=2, RANK=0 set but not MASTER_ADDR, MASTER_PORT"),
+        ({"MASTER_ADDR": "a", "MASTER_PORT": "1", "WORLD_SIZE": "2", "RANK": "2"},
+         "RANK=2 is not in [0, WORLD_SIZE=2)"),
+        ({"MASTER_ADDR": "a", "MASTER_PORT": "1", "WORLD_SIZE": "4", "RANK": "1",
+          "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "2"},
+         "LOCAL_RANK=2 is not in [0, LOCAL_WORLD_SIZE=2)"),
+        ({"MASTER_ADDR": "a", "MASTER_PORT": "1", "WORLD_SIZE": "3", "RANK": "1",
+          "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"},
+         "WORLD_SIZE=3 is not a multiple of LOCAL_WORLD_SIZE=2"),
+        ({"SKYPILOT_NODE_RANK": "0"}, "SKYPILOT_NODE_RANK=0 set but no SKYPILOT_NODE_IPS"),
+        ({"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "a\nb", "SKYPILOT_NUM_NODES": "3"},
+         "SKYPILOT_NUM_NODES=3 but SKYPILOT_NODE_IPS lists 2 nodes"),
+        ({"SKYPILOT_NODE_RANK": "2", "SKYPILOT_NODE_IPS": "a\nb"},
+         "SKYPILOT_NODE_RANK=2 is not in [0, 2)"),
+    ],
+)  # fmt: skip
+def test_inconsistent_launcher_variables_are_named(env, variables, words):
+    env(**variables)
+    with pytest.raises(ConfigError) as err:
+        detect_launch(DistConfig())
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_skypilot_nodes(env):
+    env(SKYPILOT_NODE_RANK="1", SKYPILOT_NODE_IPS="10.1.0.4\n10.1.0.5\n", SKYPILOT_NUM_NODES="2")
+    assert detect_launch(DistConfig()) == Launch("skypilot", "10.1.0.4:8476", 2, 1)
+    env(JDDP_COORDINATOR_PORT="9000")
+    assert detect_launch(DistConfig()).coordinator_address == "10.1.0.4:9000"
+    env(SKYPILOT_NODE_RANK="0", SKYPILOT_NODE_IPS="10.1.0.4", SKYPILOT_NUM_NODES="1")
+    assert detect_launch(DistConfig()) == Launch("single")

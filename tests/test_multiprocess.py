@@ -3,11 +3,13 @@
 Each test starts real processes (``python -m jddp.launch`` or ``mpirun``), no mocks.
 """
 
+import subprocess
 import sys
 import time
 
 import pytest
 
+from jddp.launch import find_free_port
 from tests.helpers import (
     assert_losses_match,
     fake_devices,
@@ -16,6 +18,7 @@ from tests.helpers import (
     read_losses,
     read_metrics,
     run,
+    start,
     traced_steps,
     train_cmd,
 )
@@ -68,6 +71,51 @@ def test_topology_invariance(reference, two_by_two):
     # log.profile_steps=2:3: a whole trace of step 2 from each process, in its own folder
     for process in (0, 1):
         assert traced_steps(wd / "profile" / f"process_{process}") == [2]
+
+
+def run_ranks(workdir, envs: list[dict[str, str]], *overrides, timeout=300):
+    """Start one ``python -m jddp.train`` per entry of ``envs`` (2 fake devices each, the entry's
+    variables added, as a launcher sets them) and wait for all; their completed processes."""
+    jobs = [
+        start(train_cmd(workdir, *overrides), env={**fake_devices(2), **extra}) for extra in envs
+    ]
+    outs = []
+    for job in jobs:
+        stdout, stderr = job.communicate(timeout=timeout)
+        outs.append(subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr))
+    return outs
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("launcher", ["torchrun", "skypilot"])
+def test_torchrun_and_skypilot_variables_join_the_job(tmp_path, reference, launcher):
+    """Two processes started with only the variables torchrun (2 nodes x 1 process: its agent
+    holds MASTER_PORT, the coordinator takes the next port) or SkyPilot (2 nodes) sets: they
+    join one job and log the losses of 1 process x 4 devices."""
+    port = find_free_port()
+    if launcher == "torchrun":
+        envs = [
+            {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port - 1), "WORLD_SIZE": "2",
+             "RANK": str(r), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(r),
+             "TORCHELASTIC_RUN_ID": "test"}
+            for r in (0, 1)
+        ]  # fmt: skip
+    else:
+        envs = [
+            {"SKYPILOT_NODE_RANK": str(r), "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
+             "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+             "JDDP_COORDINATOR_PORT": str(port)}
+            for r in (0, 1)
+        ]  # fmt: skip
+    wd = tmp_path / "run"
+    outs = run_ranks(wd, envs, "train.steps=4")
+    for out in outs:
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert "jddp: done step=4" in outs[0].stdout and "jddp: done" not in outs[1].stdout
+    _, got = losses(wd)
+    _, want = losses(reference)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert_losses_match(got, want, range(1, 5))
 
 
 @pytest.mark.serial
