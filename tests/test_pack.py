@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jddp import pack as pack_cli
 from jddp.data import augment as aug
+from jddp.data import pack_writer
 from jddp.data.formats.packed import PackedSource
 from jddp.data.pack_format import MANIFEST, encode_record, parse_record
 from jddp.data.pipeline import HostBatches, eval_rows, host_iterator, train_rows
@@ -43,7 +43,7 @@ def pack(src: Path, out: Path, **kwargs) -> dict:
     """Pack in this process (one worker) with tiny shards: several shards per split; the
     manifest."""
     kwargs.setdefault("shard_mb", 0.002)
-    return pack_cli.pack(src, out, **kwargs)[0]
+    return pack_writer.pack(src, out, **kwargs)[0]
 
 
 def pack_cmd(*args: object) -> subprocess.CompletedProcess:
@@ -186,7 +186,7 @@ def shard_files(out: Path) -> list[Path]:
 def test_interrupted_pack_continues_and_never_reads_as_complete(tmp_path, monkeypatch):
     write_jpeg_folder(tmp_path / "jpg", per_class=4, size=(30, 20))
     out = tmp_path / "pack"
-    real = pack_cli.write_shard
+    real = pack_writer.write_shard
     calls = []
 
     def dies_on_the_third(task):
@@ -196,7 +196,7 @@ def test_interrupted_pack_continues_and_never_reads_as_complete(tmp_path, monkey
             raise KeyboardInterrupt
         return real(task)
 
-    monkeypatch.setattr(pack_cli, "write_shard", dies_on_the_third)
+    monkeypatch.setattr(pack_writer, "write_shard", dies_on_the_third)
     with pytest.raises(KeyboardInterrupt):
         pack(tmp_path / "jpg", out)
     done = shard_files(out)
@@ -204,7 +204,7 @@ def test_interrupted_pack_continues_and_never_reads_as_complete(tmp_path, monkey
     with pytest.raises(DataConfigError, match="unfinished pack"):
         load_splits("packed", str(out), 8)
     stamps = {p.name: p.stat().st_mtime_ns for p in done}
-    monkeypatch.setattr(pack_cli, "write_shard", real)
+    monkeypatch.setattr(pack_writer, "write_shard", real)
     manifest = pack(tmp_path / "jpg", out)
     assert {p.name: p.stat().st_mtime_ns for p in done} == stamps  # kept, not rewritten
     assert sorted(out.iterdir()) == sorted([out / MANIFEST, *shard_files(out)])  # no leftovers
@@ -292,7 +292,7 @@ def damage(out: Path, how: str, tmp_path: Path) -> Path:
     elif how == "foreign":  # the same source packed again: same sizes, another pack id
         identity = json.loads((out / MANIFEST).read_text())["identity"]
         shard_mb = identity["options"]["shard_bytes"] / 1e6
-        pack_cli.pack(Path(identity["source"]), tmp_path / "again", shard_mb=shard_mb)
+        pack_writer.pack(Path(identity["source"]), tmp_path / "again", shard_mb=shard_mb)
         shutil.copy(tmp_path / "again" / shard.name, shard)
     elif how == "corrupt":  # one byte of the second record's payload
         second = load_splits("packed", str(out), 8).train.records(np.array([0, 1]))

@@ -347,13 +347,13 @@ def test_training_stops_in_one_line_on_bad_shards_and_keeps_its_checkpoints(tmp_
 def test_pack_reads_parquet_and_webdataset(tmp_path):
     """``python -m jddp.pack`` takes both as SRC: the pack holds the same bytes, so the same
     pixels as the image folder."""
-    from jddp import pack as pack_cli
+    from jddp.data import pack_writer
 
     src, paths = shard_sets(tmp_path)
     folder = load_splits("imagefolder", str(src), 16)
     for name, path in paths.items():
         out = tmp_path / f"pack-{name}"
-        pack_cli.pack(Path(path) if name == "parquet" else path, out, fmt=name)
+        pack_writer.pack(Path(path) if name == "parquet" else path, out, fmt=name)
         packed = load_splits("packed", str(out), 16)
         for mine, theirs in ((packed.train, folder.train), (packed.eval, folder.eval)):
             rows = np.arange(len(theirs))
