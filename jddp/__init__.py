@@ -1,7 +1,8 @@
 """jddp: a JAX data-parallel trainer for Flax NNX models.
 
 The few public names: :func:`fit` and :func:`initialize` to train your own model, loss and data;
-:func:`load`, :func:`predict` and :func:`evaluate` to use a trained model;
+:func:`load`, :func:`predict` and :func:`evaluate` to use a trained model, :func:`export` to
+write it for inference (StableHLO or ONNX);
 :func:`load_pretrained` for torchvision/timm ResNet weights;
 the building blocks :func:`make_mesh`, :func:`create_train_state`, :func:`make_train_step`,
 :func:`make_eval_step`; the models in :mod:`jddp.models`; :class:`Config` and
@@ -24,6 +25,7 @@ _EXPORTS = {
     "load": "jddp.inference",
     "evaluate": "jddp.evaluation:evaluate_model",
     "predict": "jddp.inference",
+    "export": "jddp.exporting:export_model",
     "load_pretrained": "jddp.checkpoint.pretrained",
     "RunResult": "jddp.run.trainer",
     "Config": "jddp.config",
@@ -52,6 +54,6 @@ def __getattr__(name: str) -> Any:
     module = importlib.import_module(module_name)
     if name == "models":
         return module
-    # ``jddp.evaluate`` is the library call; ``python -m jddp.evaluate`` runs the CLI module of
-    # that name (runpy does not bind it here).
+    # ``jddp.evaluate`` and ``jddp.export`` are the library calls; ``python -m jddp.evaluate``
+    # and ``python -m jddp.export`` run the CLI modules of those names (runpy does not bind them).
     return getattr(module, attribute or name)

@@ -100,21 +100,28 @@ class LoadedRun:
 
 
 def load_run(
-    path: PathLike, step: int | None = None, *, model: nnx.Module | None = None
+    path: PathLike,
+    step: int | None = None,
+    *,
+    model: nnx.Module | None = None,
+    key: str = "path",
+    use: Callable[[int], str] = lambda step: f"step={step}",
 ) -> LoadedRun:
-    """:func:`load` and how the run fed its model (:class:`LoadedRun`)."""
-    ckpts, step = open_checkpoint(path, step, key="path")
+    """:func:`load` and how the run fed its model (:class:`LoadedRun`). Errors name ``key`` (a
+    CLI's ``--workdir``) and, for a damaged checkpoint, how to pick the intact one
+    (``use(step)``)."""
+    ckpts, step = open_checkpoint(path, step, key=key)
 
     def like_of(step: int) -> dict[str, Any]:  # the weights of the model checkpoint step fits
         _, params, model_state = split_model(model if model is not None else _model_of(ckpts, step))
         return {"params": params, "model_state": model_state}
 
     try:
-        with damage_named(ckpts, step, like_of, "path", lambda step: f"step={step}"):
+        with damage_named(ckpts, step, like_of, key, use):
             saved_norm = ckpts.saved_pixel_norm(step)
             task = ckpts.saved_task(step)
             saved = ckpts.saved_config(step)
-            loaded = _restored_model(ckpts, step, model)
+            loaded = _restored_model(ckpts, step, model, key)
     finally:
         ckpts.close()
     loaded.eval()
@@ -130,13 +137,15 @@ def _model_of(ckpts: Checkpoints, step: int) -> nnx.Module:
     return build_model(cfg, nnx.Rngs(0), in_channels=channels)
 
 
-def _restored_model(ckpts: Checkpoints, step: int, model: nnx.Module | None) -> nnx.Module:
+def _restored_model(
+    ckpts: Checkpoints, step: int, model: nnx.Module | None, key: str = "path"
+) -> nnx.Module:
     """``model`` (or the model checkpoint ``step``'s config names) with the step's weights."""
     if model is not None:
-        return restore_into(model, ckpts, step, key="path")
+        return restore_into(model, ckpts, step, key=key)
     model = _model_of(ckpts, step)
     try:
-        return restore_into(model, ckpts, step, key="path")
+        return restore_into(model, ckpts, step, key=key)
     except ConfigError as e:
         name = model_config(ckpts.saved_config(step)).model.name
         raise ConfigError(

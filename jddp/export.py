@@ -1,0 +1,125 @@
+"""CLI: ``python -m jddp.export --workdir W [--step N] --format stablehlo|onnx [--batch-size
+B|dynamic] [--input-shape SHAPE] OUT``.
+
+Writes the trained model of a run (its newest checkpoint, or ``--step``) for inference, in eval
+mode, as one program of the arrays the model takes (for image classification: normalised
+images, as ``jddp.load(W)``'s model takes them). The work is
+:func:`jddp.exporting.export_checkpoint`; the library call ``jddp.export(...)`` is
+:func:`jddp.exporting.export_model` (this module is run, not imported, as ``jddp.evaluate``).
+
+Exit codes are those of train: 0 once written; 2 for bad input (no checkpoint in the workdir, a
+``--step`` that does not exist, an unknown format, a bad batch size, OUT's folder missing,
+inputs that cannot be told from the run: pass ``--input-shape``); 1 for any other failure (a
+damaged checkpoint, a model the converter cannot express — the line names the operation —, an
+export whose outputs differ from the model's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from jddp.errors import INTERRUPTED
+
+USAGE = (
+    "python -m jddp.export --workdir W [--step N] --format stablehlo|onnx "
+    "[--batch-size B|dynamic] [--input-shape SHAPE] OUT"
+)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    """Ctrl-C at any moment: one line, exit 130 (nothing half-written: OUT is renamed into
+    place whole)."""
+    os.write(2, b"jddp: interrupted\n")
+    os._exit(INTERRUPTED)
+
+
+def _batch_size(text: str) -> int | None:
+    """``--batch-size``: ``dynamic`` (None) or a positive int."""
+    if text.strip().lower() == "dynamic":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'dynamic' nor a positive int")
+    return value
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``--workdir``, ``--step``, ``--format``, ``--batch-size``, ``--input-shape`` and OUT."""
+    from jddp.cli import OneLineParser
+    from jddp.exporting import FORMATS
+
+    parser = OneLineParser(
+        prog="python -m jddp.export",
+        usage=USAGE,
+        description="Write the trained model of a run for inference (eval mode): StableHLO "
+        "(jax.export) or ONNX (jax2onnx, checked in onnxruntime).",
+    )
+    parser.add_argument("--workdir", required=True, help="the run's folder")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument("--format", required=True, choices=FORMATS, help="what to write")
+    parser.add_argument(
+        "--batch-size",
+        type=_batch_size,
+        default=None,
+        help="the batch the program takes: 'dynamic' (default: any) or a number",
+    )
+    parser.add_argument(
+        "--input-shape",
+        help="one example's shape, e.g. 32,32,3 (float32) or int32[128], when the run's data "
+        "cannot tell it (default: read from the run's eval data)",
+    )
+    parser.add_argument("out", metavar="OUT", help="the file to write")
+    return parser.parse_args(argv)
+
+
+def _check_out(out: Path) -> None:
+    """OUT names a file in an existing folder (said before anything is loaded)."""
+    from jddp.errors import ConfigError
+
+    if out.is_dir():
+        raise ConfigError(f"OUT: {out} is a folder; give the file to write")
+    if not out.absolute().parent.is_dir():
+        raise ConfigError(f"OUT: folder {out.absolute().parent} does not exist")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    previous = signal.signal(signal.SIGINT, _interrupted)  # before JAX and the rest load
+    try:
+        argv = sys.argv[1:] if argv is None else argv
+        from jddp.cli import run
+
+        def body(session: object) -> int:
+            args = parse_args(argv)
+            out = Path(args.out)
+            _check_out(out)
+            from jddp.checkpoint.weights import find_checkpoint
+
+            find_checkpoint(args.workdir, args.step, "--workdir", "--step")  # before JAX starts
+            from jddp.compat import check_versions
+            from jddp.xla_setup import apply_cpu_flags
+
+            check_versions()
+            apply_cpu_flags()
+            from jddp.exporting import describe_inputs, export_checkpoint
+
+            exported, checkpoint, loaded = export_checkpoint(
+                args.workdir, args.step, out, args.format, args.batch_size, args.input_shape
+            )
+            print(describe_inputs(exported, checkpoint, loaded), flush=True)
+            return 0
+
+        return run(body)
+    finally:
+        signal.signal(signal.SIGINT, previous)  # called in-process (tests): give Ctrl-C back
+
+
+if __name__ == "__main__":
+    sys.exit(main())
