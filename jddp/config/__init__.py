@@ -170,6 +170,12 @@ def validate(cfg: Config) -> Config:
             "share no JAX runtime, so BatchNorm statistics could only be averaged within each "
             "process (a different model); set model.sync_batchnorm=false or dist.backend=xla"
         )
+    if cfg.dist.shard_weight_update and cfg.dist.backend == "mpi":
+        raise ConfigError(
+            "dist.shard_weight_update=true needs dist.backend=xla: mpi4jax has no "
+            "reduce-scatter and the MPI stage updates on one device per process; set "
+            "dist.backend=xla or dist.shard_weight_update=false"
+        )
     if cfg.data.global_batch_size % cfg.train.grad_accum_steps:
         raise ConfigError(
             f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by "

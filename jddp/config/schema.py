@@ -194,6 +194,13 @@ class DistConfig:
         "dtype instead of one per tensor; null: on for CPUs (and mpi's MPI stage), off for "
         "GPUs, whose XLA combines all-reduces itself",
     )
+    shard_weight_update: bool = _f(
+        False,
+        "reduce-scatter the gradients, update each device's 1/N slice of the parameters with "
+        "its 1/N of the optimizer state (stored split over the devices), all-gather the "
+        "parameters (ZeRO-1; changes no result; dist.backend=xla, the optim section's "
+        "optimizer)",
+    )
     check_sync_every: int = _f(
         0, "every k steps verify (checksum) that all replicas hold the same parameters (0: off)"
     )
