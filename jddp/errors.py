@@ -75,6 +75,11 @@ class CheckpointGone(CheckpointError):
         )
 
 
+class ExportError(JddpError):
+    """A model cannot be exported: the converter cannot express one of its operations, or the
+    export computes something else than the model (``python -m jddp.export``; exit 1)."""
+
+
 class NonFiniteLoss(JddpError):
     """``train.on_nonfinite=halt`` and a step's loss or gradient was not finite, or
     ``python -m jddp.evaluate`` measured a non-finite eval metric (exit 1)."""

@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 import jddp
-from jddp.errors import ConfigError
-from jddp.exporting import ExportError, task_signature
+from jddp.errors import ConfigError, ExportError
+from jddp.exporting.inputs import task_signature
 from jddp.tasks.custom import CustomTask
 from tests.helpers import TINY
 
