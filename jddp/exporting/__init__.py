@@ -175,7 +175,11 @@ def export_signature(
     except Exception as e:  # noqa: BLE001 - jax.export and jax2onnx raise what they raise
         raise _cannot_convert(fmt, e, program, inputs, names, outs, batch_size) from None
     sample = _sample(specs, batch_size or CHECK_ROWS)
-    want = [np.asarray(y) for y in jax.tree.leaves(jax.jit(program)(*sample))]
+    # onnxruntime computes on the CPU: so does the model it is compared with (a GPU's float32
+    # convolutions may round their inputs to TF32, 1e-3 apart).
+    where = jax.devices("cpu")[0] if fmt == "onnx" else None
+    with jax.default_device(where):
+        want = [np.asarray(y) for y in jax.tree.leaves(jax.jit(program)(*sample))]
     try:
         got = run_stablehlo(data, sample) if fmt == "stablehlo" else run_onnx(data, names, sample)
     except ExportError:
@@ -302,11 +306,12 @@ def export_checkpoint(
 def describe_inputs(exported: Exported, checkpoint: Path, run: Any) -> str:
     """The CLI's report: what was written, the program's inputs and outputs, the check; for
     image classification, how pixels become its inputs."""
-    size = exported.nbytes / 2**20
+    kib = exported.nbytes / 1024
+    size = f"{kib / 1024:.1f} MiB" if kib >= 1024 else f"{kib:.0f} KiB"
     runner = "onnxruntime" if exported.format == "onnx" else "jax.export.deserialize(...).call"
     lines = [
         f"jddp: exported checkpoint {checkpoint} to {exported.path} ({exported.format}, "
-        f"{size:.1f} MiB, {exported.seconds:.1f} s): {', '.join(exported.inputs)} -> "
+        f"{size}, {exported.seconds:.1f} s): {', '.join(exported.inputs)} -> "
         f"{', '.join(exported.outputs)}; on random inputs it matches the model within "
         f"{exported.max_abs_diff:.2g} ({runner})"
     ]
@@ -314,8 +319,8 @@ def describe_inputs(exported: Exported, checkpoint: Path, run: Any) -> str:
     if run.task == "classification" and norm is not None:
         how = "pixels / 255"
         if norm.mean is not None:
-            mean = ", ".join(f"{m:.4g}" for m in norm.mean)
-            std = ", ".join(f"{s:.4g}" for s in norm.std)
+            mean = ", ".join(f"{m:.7g}" for m in norm.mean)  # float32's digits
+            std = ", ".join(f"{s:.7g}" for s in norm.std)
             how = f"(pixels / 255 - mean) / std per channel, mean=[{mean}], std=[{std}]"
         lines.append(f"jddp: images go in normalised as in training: {how}")
     return "\n".join(lines)
