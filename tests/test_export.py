@@ -262,3 +262,29 @@ def test_the_imagenet_stems_max_pool_runs_in_onnxruntime(tmp_path):
     for rows in (1, 3):
         x = rng.standard_normal((rows, 16, 16, 3)).astype(np.float32)
         assert_close(run_exported(out, "onnx", x), np.asarray(model(x)))
+
+
+def test_a_loss_given_to_fit_needs_input_shape(tmp_path, capfd):
+    """A run whose loss was passed to ``jddp.fit`` (its config names none): the inputs come from
+    ``--input-shape``."""
+    import optax
+
+    from tests.user_tasks import Linear, arrays, loss
+
+    workdir = tmp_path / "fit"
+    overrides = ["model.name=tests.user_tasks:linear", "data.global_batch_size=16"]
+    config = {"workdir": str(workdir), "train": {"steps": 2}, "log": {"progress": "off"}}
+    data = arrays(32, 0)
+    jddp.fit(
+        Linear(nnx.Rngs(0)), optax.sgd(0.1), data, loss=loss, config=config, overrides=overrides
+    )
+    out = tmp_path / "linear.onnx"
+    argv = ["--workdir", workdir, "--format", "onnx"]
+    code, _, stderr = export([*argv, out], capfd)
+    assert code == 2 and stderr.startswith("jddp: error: --input-shape: ") and "jddp.fit" in stderr
+    code, stdout, stderr = export([*argv, "--input-shape", 4, out], capfd)
+    assert code == 0 and "x float32[batch,4] -> output float32[batch]" in stdout, stderr
+    model = jddp.load(workdir)
+    for rows in (1, 6):
+        x = np.random.default_rng(rows).standard_normal((rows, 4)).astype(np.float32)
+        assert_close(run_exported(out, "onnx", x), np.asarray(model(x)))

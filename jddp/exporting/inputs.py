@@ -231,6 +231,12 @@ def run_signature(path: PathLike, run: Any, example: Any = None) -> Signature:
     else:
         cfg = run_config(Path(path))
         custom = is_custom_task(cfg)
+        if run.task == "custom" and not custom:
+            raise ConfigError(
+                "--input-shape: cannot tell the model's inputs: this run's loss was given to "
+                "jddp.fit, its config names none (train.loss); pass --input-shape, one "
+                "example's shape (e.g. 4, or int32[128]), or call jddp.export with example="
+            )
         try:
             source = load_data(cfg, custom).eval
             one = eval_batch(source, np.arange(1), run.augment)
