@@ -288,3 +288,18 @@ def test_a_loss_given_to_fit_needs_input_shape(tmp_path, capfd):
     for rows in (1, 6):
         x = np.random.default_rng(rows).standard_normal((rows, 4)).astype(np.float32)
         assert_close(run_exported(out, "onnx", x), np.asarray(model(x)))
+
+
+def test_a_selection_of_booleans_runs_in_onnxruntime(tmp_path):
+    """``jnp.where`` on boolean values (a causal mask's, in examples/lm_stdlib.py): onnxruntime
+    has no Where of booleans; the export selects bytes."""
+
+    class Masked(nnx.Module):
+        def __call__(self, x):
+            keep = jax.numpy.where(x > 0, x < 1, False)
+            return jax.numpy.where(keep, x, -x)
+
+    out = tmp_path / "masked.onnx"
+    jddp.export(Masked(), out, "onnx", example=np.zeros((1, 5), np.float32))
+    x = np.random.default_rng(5).standard_normal((4, 5)).astype(np.float32) * 2
+    assert_close(run_exported(out, "onnx", x), np.where((x > 0) & (x < 1), x, -x))

@@ -5,8 +5,8 @@ StableHLO: lowered for :data:`PLATFORMS`, serialized; ``jax.export.deserialize(b
 runs it. ONNX: the function is traced to a jaxpr first and jax2onnx converts that jaxpr's
 primitives: given a Flax NNX module, its own Conv and BatchNorm plugins mix NHWC and NCHW on a
 ResNet and onnxruntime refuses the graph ("Node (node_Add_35) Op (Add) [ShapeInferenceError]
-Incompatible dimensions"); pooling windows are narrowed to what onnxruntime runs
-(:func:`_narrow_window`).
+Incompatible dimensions"); pooling windows and selections of booleans are rewritten into
+what onnxruntime runs (:func:`_evaluate`).
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ _WINDOW_PARAMS = (
 
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """``jaxpr`` on ``args``, re-traced for jax2onnx: calls (``jit``, custom derivatives, which
-    inference does not need) are inlined, and windows of :data:`_WINDOWED` primitives over at most
-    two axes run over those axes alone (the others flattened into one: :func:`_narrow_window`)."""
+    inference does not need) are inlined, windows of :data:`_WINDOWED` primitives over at most
+    two axes run over those axes alone (the others flattened into one: :func:`_narrow_window`),
+    and booleans are selected as bytes."""
     from jax.extend.core import Literal
 
     env: dict[Any, Any] = {}
@@ -113,6 +114,10 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[An
             outs = _evaluate(inner.jaxpr, inner.consts, values)
         elif name in _WINDOWED:
             outs = [_narrow_window(eqn.primitive, values[0], eqn.params)]
+        elif name == "select_n" and values[1].dtype == np.bool_:
+            # onnxruntime has no Where of booleans (a causal mask's jnp.where): select bytes.
+            cases = [jax.lax.convert_element_type(c, np.uint8) for c in values[1:]]
+            outs = [jax.lax.select_n(values[0], *cases).astype(np.bool_)]
         else:
             bound = eqn.primitive.get_bind_params(eqn.params)  # jax 0.10: the params alone
             subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
