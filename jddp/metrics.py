@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm import tqdm
 
@@ -29,16 +29,30 @@ def _row(step: int, values: dict[str, Any]) -> dict[str, Any]:
     return {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
 
 
+class MetricsSink(Protocol):
+    """What else gets every line (the run's trackers, :mod:`jddp.run.trackers`)."""
+
+    def log(self, step: int, values: dict[str, Any]) -> None: ...
+
+
 class MetricsLog:
-    """Appends one JSON object per line to ``workdir/metrics.jsonl`` (process 0 only).
+    """Appends one JSON object per line to ``workdir/metrics.jsonl`` (process 0 only), and
+    hands each line's values to ``sink`` (the run's trackers: TensorBoard, MLflow, W&B).
 
     On resume, lines from steps after the checkpoint being resumed are dropped first, so the
     file never holds two lines for one step of the same kind.
     """
 
-    def __init__(self, folder: RunFolder, resume_step: int = 0, writer: bool = True):
+    def __init__(
+        self,
+        folder: RunFolder,
+        resume_step: int = 0,
+        writer: bool = True,
+        sink: MetricsSink | None = None,
+    ):
         self.path = folder.metrics_jsonl
         self._file = None
+        self._sink = sink
         self._keys_at: dict[int, set[str]] = {}  # keys already logged, by step
         if not writer:
             return
@@ -60,17 +74,13 @@ class MetricsLog:
             self._file = self.path.open("a", buffering=1)
         except OSError as e:
             raise self._cannot_write(e) from None
-        # TensorBoard event files next to metrics.jsonl (tensorboard --logdir WORKDIR).
-        from tensorboardX import SummaryWriter
-
-        self._tb = SummaryWriter(str(folder.tensorboard), purge_step=resume_step + 1)
 
     def logged(self, step: int, key: str) -> bool:
         """Whether a line for ``step`` holding ``key`` is already in the file."""
         return key in self._keys_at.get(step, ())
 
     def write(self, step: int, values: dict[str, Any]) -> None:
-        """Write ``{"step": step, **values}`` as one line (and as TensorBoard scalars)."""
+        """Write ``{"step": step, **values}`` as one line (and hand it to the sink)."""
         if self._file is not None:
             self._keys_at.setdefault(int(step), set()).update(values)
             row = _row(step, values)
@@ -81,19 +91,17 @@ class MetricsLog:
                 self._file.write(json.dumps(row) + "\n")
             except OSError as e:
                 raise self._cannot_write(e) from None
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, int(step))
+            if self._sink is not None:
+                self._sink.log(int(step), row)
 
     def _cannot_write(self, e: OSError) -> JddpError:
         return JddpError(f"{self.path}: cannot write the run's metrics ({e.strerror or e})")
 
     def close(self) -> None:
-        """Flush and close the files."""
+        """Flush and close the file (the sink is closed by its owner)."""
         if self._file is not None:
             self._file.close()
             self._file = None
-            self._tb.close()
 
 
 def append_metrics(folder: RunFolder, step: int, values: dict[str, Any]) -> None:

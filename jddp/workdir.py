@@ -38,6 +38,12 @@ class RunFolder:
         return self.root / "tensorboard"
 
     @property
+    def trackers_json(self) -> Path:
+        """The tracked runs (MLflow, W&B) of this run: ids and last steps sent, so a rerun
+        continues them (:mod:`jddp.run.trackers`)."""
+        return self.root / "trackers.json"
+
+    @property
     def checkpoints(self) -> Path:
         """Orbax checkpoints, one folder per step (absolute: orbax wants it)."""
         return (self.root / "checkpoints").absolute()
@@ -92,13 +98,14 @@ class RunFolder:
         return prepare(self.root)
 
     def set_aside_previous_run(self) -> Path | None:
-        """Move an earlier run's outputs (checkpoints, metrics, TensorBoard files, config,
-        profile) to ``previous/<UTC time>/``, so a fresh run's folder holds only its own and
+        """Move an earlier run's outputs (checkpoints, metrics, TensorBoard files, tracked runs,
+        config, profile) to ``previous/<UTC time>/``, so a fresh run's folder holds only its own and
         nothing written is lost; returns where they went (None if there was nothing)."""
         outputs = [
             self.config_yaml,
             self.metrics_jsonl,
             self.tensorboard,
+            self.trackers_json,
             self.checkpoints,
             self.damaged_checkpoints,
             self.profile,

@@ -13,6 +13,7 @@ from jddp.checkpoint import Checkpoints
 from jddp.errors import CheckpointError, ConfigError
 from jddp.mesh import make_mesh, to_host
 from jddp.metrics import Console, MetricsLog
+from jddp.run.trackers import Trackers
 from jddp.state import create_train_state
 from jddp.workdir import RunFolder, WorkdirLock
 from tests.helpers import start
@@ -63,9 +64,12 @@ def test_metrics_log_drops_lines_after_the_resumed_step(tmp_path):
     for step in (1, 2, 3):
         log.write(step, {"train/loss": np.float32(step), "eval/loss": float("nan")})
     log.close()
-    log = MetricsLog(folder, resume_step=2)
+    trackers = Trackers.of(["tensorboard"], folder, 2, None, writer=True)  # the default
+    trackers.start({})
+    log = MetricsLog(folder, resume_step=2, sink=trackers)
     log.write(3, {"train/loss": 30.0})
     log.close()
+    trackers.finish()
     rows = [json.loads(line) for line in folder.metrics_jsonl.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["train/loss"] == 30.0 and rows[0]["eval/loss"] == "nan"

@@ -157,6 +157,9 @@ def validate(cfg: Config) -> Config:
                 f"{cfg.log.profile_steps!r}"
             )
     _check_user_code(cfg)
+    twice = {t for t in cfg.log.trackers if cfg.log.trackers.count(t) > 1}
+    if twice:
+        raise ConfigError(f"log.trackers: {', '.join(sorted(twice))} given twice; name each once")
     if cfg.train.steps is not None and cfg.train.epochs is not None:
         raise ConfigError("train.steps and train.epochs are both set; set only one of them")
     if cfg.optim.name == "lars" and cfg.optim.trust_coefficient == 0:

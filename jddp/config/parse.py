@@ -52,6 +52,8 @@ def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "|".join(str(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "list of " + "".join(_type_name(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
@@ -63,7 +65,8 @@ def help_text() -> str:
     """Every config key with its type, default and meaning, one per line."""
     rows = []
     for key, tp, default, meaning in iter_keys():
-        shown = yaml.safe_dump(default).strip().removesuffix("...").strip()
+        flow = isinstance(default, list)  # [tensorboard], not a YAML block
+        shown = yaml.safe_dump(default, default_flow_style=flow).strip().removesuffix("...").strip()
         rows.append(f"  {key:<28} {_type_name(tp):<24} default: {shown:<10}  {meaning}")
     return "config keys (set in the YAML file or as key=value overrides):\n" + "\n".join(rows)
 
@@ -134,6 +137,13 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if origin is list:  # a YAML list, or names separated by commas (log.trackers=a,b)
+        if isinstance(value, str):
+            value = [item.strip() for item in value.split(",") if item.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, e.g. [a, b], got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(key, item, item_tp) for item in value]
     if tp is dict:  # free-form options for the user's factories
         if isinstance(value, dict):
             return dict(value)

@@ -13,8 +13,8 @@ from jddp.data.registry import DATA_NAMES
 
 def _f(default: Any, help: str, **choices: Any) -> Any:
     metadata = {"help": help, **choices}
-    if isinstance(default, dict):  # a fresh mapping per config
-        return field(default_factory=lambda: dict(default), metadata=metadata)
+    if isinstance(default, (dict, list)):  # a fresh mapping or list per config
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
@@ -268,6 +268,17 @@ class LogConfig:
         None,
         "measured img/s of ONE device at the same per-device batch; when set, train lines "
         "report train/scaling_efficiency = img_per_s / (devices x baseline)",
+    )
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = _f(
+        ["tensorboard"],
+        "where process 0 also sends every metrics.jsonl value, the config and the final result: "
+        "tensorboard (workdir/tensorboard), mlflow (MLFLOW_TRACKING_URI), wandb (WANDB_MODE, "
+        "WANDB_API_KEY, ...); a resumed run continues the same tracked run (workdir/trackers.json)",
+    )
+    experiment: str | None = _f(
+        None,
+        "the MLflow experiment and the W&B project of the tracked run (null: "
+        "MLFLOW_EXPERIMENT_NAME / WANDB_PROJECT, else each tool's default)",
     )
 
 

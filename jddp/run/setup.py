@@ -47,6 +47,7 @@ from jddp.run.hooks import (
     ThroughputMeter,
 )
 from jddp.run.stop import StopRequest
+from jddp.run.trackers import Trackers
 from jddp.run.watchdog import StallWatchdog
 from jddp.state import ModelDef, TrainState, create_train_state
 from jddp.step import TrainStep
@@ -90,6 +91,7 @@ class Run:
     checkpoints: Checkpoints
     log: MetricsLog
     progress: Any
+    trackers: Trackers = field(default_factory=lambda: Trackers([]))  # log.trackers, fed by log
     # The periodic work around each step.
     meter: ThroughputMeter
     stop: StopRequest
@@ -186,7 +188,10 @@ def build_run(
     state = comm.broadcast_state(state, mesh)
     if writer:
         folder.config_yaml.write_text(config_lib.dump(cfg))
-    log = MetricsLog(folder, resume_step=start_step, writer=writer)
+    trackers = Trackers.of(
+        cfg.log.trackers, folder, start_step, cfg.log.experiment, writer
+    )  # started by the trainer, with the loop
+    log = MetricsLog(folder, resume_step=start_step, writer=writer, sink=trackers)
 
     train_step, eval_step = build_steps(
         cfg, model_def, tx, mesh, comm, task=task, schedule=schedule
@@ -247,6 +252,7 @@ def build_run(
         checkpoints=ckpts,
         log=log,
         progress=progress,
+        trackers=trackers,
         meter=meter,
         stop=stop,
         reporter=reporter,

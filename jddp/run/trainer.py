@@ -27,6 +27,7 @@ from jddp.run.hooks import LockCheck
 from jddp.run.loop import train_loop
 from jddp.run.setup import Parts, Run, build_run
 from jddp.run.stop import StopRequest
+from jddp.run.trackers import check_installed
 from jddp.run.watchdog import StallWatchdog
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
@@ -98,6 +99,7 @@ def train_and_evaluate(
     continues = False
     if comm.process_index == 0:
         try:
+            check_installed(cfg.log.trackers)  # process 0 sends to them
             folder.prepare()
             lock.acquire()
         except ConfigError as e:
@@ -122,7 +124,12 @@ def train_and_evaluate(
             wall_start = time.perf_counter()
             run = build_run(cfg, comm, folder, stop, parts or Parts(), watchdog)
             run.hooks.insert(0, LockCheck(lock))  # a no-op where the lock is not held
-            return _finish(run, comm, wall_start, lock)
+            run.trackers.start(run.config_dict)
+            try:
+                return _finish(run, comm, wall_start, lock)
+            except BaseException:
+                run.trackers.finish(status="failed")  # a no-op after a preemption's
+                raise
     finally:
         lock.release()
 
@@ -159,6 +166,7 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
             if comm.process_index == 0:
                 run.folder.mark_preempted(step, run.config_dict)
             run.log.close()
+            run.trackers.finish(checkpoint=str(ckpts.directory / str(step)), status="preempted")
             by = run.stop.signal_name or "signal on another process"
             run.console.say(
                 f"jddp: preempted at step {step} ({by}); checkpoint "
@@ -197,6 +205,7 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         skipped_steps=skipped_steps,
         weight_per_s=run.meter.weight_per_s,
     )
+    run.trackers.finish(done_fields(run, result), result.checkpoint_dir)  # before the last line
     _summarise(run, result)
     return result
 
@@ -256,6 +265,18 @@ def check_skipped_fraction(run: Run, skipped_steps: int, step: int) -> None:
             f"train.max_skipped_fraction={limit}; the run failed; its checkpoint "
             f"{run.checkpoints.directory / str(step)} is saved"
         )
+
+
+def done_fields(run: Run, result: RunResult) -> dict[str, float]:
+    """The numbers of the ``jddp: done`` line, unrounded (for the run's trackers)."""
+    ev, meter = result.eval, run.meter
+    fields = {"step": result.step}
+    weight_key = f"eval/{meter.weight_unit}"
+    fields |= {k: v for k, v in ev.items() if isinstance(v, float) and k != weight_key}
+    fields[meter.rate_key.removeprefix("train/")] = result.img_per_s
+    if result.weight_per_s is not None:
+        fields[f"{meter.weight_unit}_per_s"] = result.weight_per_s
+    return fields | {"wall_s": result.wall_s, "skipped": result.skipped_steps}
 
 
 def _summarise(run: Run, result: RunResult) -> None:
