@@ -72,6 +72,7 @@ def apply_cpu_flags(environ: dict[str, str] | None = None) -> list[str]:
 
 LOCAL_RANK_VARIABLES = (
     "JDDP_LOCAL_RANK",
+    "LOCAL_RANK",  # torchrun's worker (under srun, SLURM_LOCALID is its agent's)
     "SLURM_LOCALID",
     "OMPI_COMM_WORLD_LOCAL_RANK",
     "MPI_LOCALRANKID",

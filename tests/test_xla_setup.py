@@ -150,6 +150,10 @@ def test_slurm_hostlists_expand_in_order(hostlist, names):
         ({"SLURM_CPUS_PER_TASK": "3", "SLURM_TASKS_PER_NODE": "2"}, 16),  # batch script: 1 process
         ({"JDDP_LOCAL_RANK": "0", "JDDP_NUM_PROCESSES": "4", "SLURM_CPUS_PER_TASK": "3"}, 4),
         ({"MPI_LOCALNRANKS": "2", **SLURM_STEP_2_TASKS, "SLURM_CPUS_PER_TASK": "1"}, 8),
+        # jddp.ray: 4 processes, 2 of them on this node
+        ({"JDDP_LOCAL_RANK": "1", "JDDP_NUM_PROCESSES": "4", "JDDP_LOCAL_WORLD_SIZE": "2"}, 8),
+        # torchrun --nproc-per-node 4 under srun (one agent task per node)
+        ({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "3", **SLURM_STEP_2_TASKS}, 4),
     ],
 )
 def test_cores_each_process_owns(monkeypatch, environ, share):
@@ -158,6 +162,7 @@ def test_cores_each_process_owns(monkeypatch, environ, share):
     (also inside salloc, where the SLURM variables belong to the launcher's task) started is one
     of their local processes."""
     names = ("JDDP_CPU_THREADS", "JDDP_LOCAL_RANK", "JDDP_NUM_PROCESSES", "MPI_LOCALNRANKS",
+             "JDDP_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK",
              "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_STEP_ID", "SLURM_STEP_TASKS_PER_NODE",
              "SLURM_NODEID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
              "SLURM_CPUS_PER_TASK")  # fmt: skip

@@ -36,7 +36,13 @@ __all__ = [
 WORKER_KINDS: tuple[str, ...] = ("thread", "process")
 
 _QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
-_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+# processes on this machine: jddp.launch and jddp.ray, torchrun, Open MPI, MPICH
+_LOCAL_SIZE_VARS = (
+    "JDDP_LOCAL_WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+)
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -94,13 +100,14 @@ def slurm_step_tasks_here(environ: Mapping[str, str] | None = None) -> int | Non
 
 
 def _launcher_local_count() -> int | None:
-    """Processes on this machine as jddp.launch or mpirun (also inside ``salloc``) say."""
-    if os.environ.get("JDDP_LOCAL_RANK") is not None:  # jddp.launch: one machine
-        return max(1, int(os.environ.get("JDDP_NUM_PROCESSES", "1")))
+    """Processes on this machine as jddp.launch, jddp.ray, torchrun or mpirun (also inside
+    ``salloc``) say."""
     for var in _LOCAL_SIZE_VARS:
         text = os.environ.get(var, "")
         if text.isdigit() and int(text) > 0:
             return int(text)
+    if os.environ.get("JDDP_LOCAL_RANK") is not None:  # an older jddp.launch: one machine
+        return max(1, int(os.environ.get("JDDP_NUM_PROCESSES", "1")))
     return None
 
 

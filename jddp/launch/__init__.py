@@ -185,6 +185,7 @@ def child_env(
     env["JDDP_NUM_PROCESSES"] = str(nproc)
     env["JDDP_PROCESS_ID"] = str(rank)
     env["JDDP_LOCAL_RANK"] = str(rank)
+    env["JDDP_LOCAL_WORLD_SIZE"] = str(nproc)  # one machine: every process is local
     env["PYTHONUNBUFFERED"] = "1"
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     if devices_per_proc is not None:

@@ -131,7 +131,12 @@ class RayJob:
         started = [
             r.actor.start.remote(
                 self.command,
-                {**base, "JDDP_PROCESS_ID": str(i), "JDDP_LOCAL_RANK": str(r.local_rank)},
+                {
+                    **base,
+                    "JDDP_PROCESS_ID": str(i),
+                    "JDDP_LOCAL_RANK": str(r.local_rank),
+                    "JDDP_LOCAL_WORLD_SIZE": str(sum(o.node == r.node for o in self.ranks)),
+                },
                 cwd,
                 self.devices_per_proc,
             )
