@@ -166,12 +166,8 @@ def test_jddp_imports_no_tracker_package():
             ["log.trackers=wandb", "--blocked", "wandb"],
             ["wandb package", "pip install 'jddp[wandb]'"],
         ),
-        (
-            ["log.trackers=mlflow", "--blocked", "mlflow"],
-            ["mlflow package", "pip install 'jddp[mlflow]'"],
-        ),
     ],
-    ids=["unknown", "wandb-missing", "mlflow-missing"],
+    ids=["unknown", "missing"],
 )
 def test_bad_tracker_is_one_line_exit_2(tmp_path, args, words):
     blocked = args[args.index("--blocked") + 1] if "--blocked" in args else None
@@ -265,7 +261,9 @@ def test_unreachable_mlflow_is_one_warning_and_costs_nothing(tmp_path):
     assert read_losses(tmp_path / "down") == read_losses(tmp_path / "plain")  # complete
     assert down.stdout.strip().splitlines()[-1].startswith("jddp: done step=8")
     print(f"unreachable MLflow: {down_s:.1f} s, no tracker: {plain_s:.1f} s")
-    assert down_s < plain_s + 20  # the failure surfaces in ~3 s; unbounded, minutes
+    # Bounded: the failure surfaces in seconds (MLflow's import, ~3 s of retries), which a run
+    # shorter than that waits for at its end; unbounded, MLflow retries for minutes.
+    assert down_s < plain_s + 30
 
 
 def _wait(job, predicate, what: str, timeout_s: float = 300) -> None:
