@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGINT, _interrupted)  # before JAX and the rest load
     try:
         argv = sys.argv[1:] if argv is None else argv
-        from jddp.checkpoint.weights import find_checkpoint
+        from jddp.checkpoint.find import find_checkpoint
         from jddp.cli import Session, run
         from jddp.evaluation import evaluate_checkpoint, run_config
 

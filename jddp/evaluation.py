@@ -31,7 +31,7 @@ from jddp.build import (
     load_data,
     pipeline_options,
 )
-from jddp.checkpoint.weights import find_checkpoint, reader, sorted_steps
+from jddp.checkpoint.find import find_checkpoint, reader, sorted_steps
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, batch_layout, eval_batches

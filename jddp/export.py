@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             args = parse_args(argv)
             out = Path(args.out)
             _check_out(out)
-            from jddp.checkpoint.weights import find_checkpoint
+            from jddp.checkpoint.find import find_checkpoint
 
             find_checkpoint(args.workdir, args.step, "--workdir", "--step")  # before JAX starts
             from jddp.compat import check_versions

@@ -20,12 +20,8 @@ from flax import nnx
 from jddp import config as config_lib
 from jddp.build import build_model
 from jddp.checkpoint import Checkpoints
-from jddp.checkpoint.weights import (
-    damage_named,
-    describe_mismatch,
-    mismatched_weights,
-    open_checkpoint,
-)
+from jddp.checkpoint.find import damage_named, open_checkpoint
+from jddp.checkpoint.matching import describe_mismatch, mismatched_weights
 from jddp.data.pipeline import eval_rows
 from jddp.data.source import ArraySource, is_image_source, pixel_images
 from jddp.data.trees import as_tree_source, example_spec

@@ -110,7 +110,7 @@ def test_a_damaged_init_from_checkpoint_names_it_and_the_intact_one(run_copy, tm
 def rotate_away_once(step_dir):
     """A ``jddp.evaluation.reader`` that first deletes ``step_dir`` (a live run's rotation
     between evaluate's listing and its read)."""
-    from jddp.checkpoint.weights import reader
+    from jddp.checkpoint.find import reader
 
     def rotating_reader(directory):
         if step_dir.exists():

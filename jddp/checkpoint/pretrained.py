@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jddp.checkpoint import weight_leaves
-from jddp.checkpoint.weights import (
+from jddp.checkpoint.manifest import weight_leaves
+from jddp.checkpoint.matching import (
     HEAD_ONLY,
     describe_mismatch,
     head_note,

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from jddp import config as config_lib
+from jddp.checkpoint.store import Checkpoints
+from jddp.comm import Comm
+from jddp.config import Config
 from jddp.errors import ConfigError
+from jddp.mesh import to_host
+from jddp.metrics import Console
+from jddp.state import TrainState
 
 # Keys a resume may change freely: where outputs go, how often things happen, and the topology
 # (the trajectory is the same on every topology and backend: tests/test_multiprocess.py).
@@ -87,3 +94,33 @@ def check_resume_config(
             "checkpoint.resume=false to start over, or checkpoint.allow_config_change=true "
             "(--allow-config-change) to continue anyway"
         )
+
+
+def restore(
+    cfg: Config,
+    ckpts: Checkpoints,
+    state: TrainState,
+    comm: Comm,
+    console: Console,
+    total_steps: int,
+) -> tuple[TrainState, int]:
+    """The newest good checkpoint's state and step under ``checkpoint.resume``, else
+    ``(state, 0)``; refuses a checkpoint whose config differs in what changes training."""
+    if not cfg.checkpoint.resume:
+        return state, 0
+    now = config_lib.to_dict(cfg)
+
+    def check_config(step: int, saved: dict[str, Any]) -> None:
+        check_resume_config(saved, now, step, total_steps, str(ckpts.directory / str(step)))
+
+    try:
+        restored = ckpts.restore_newest_good(state, comm.agree, check_config)
+    except BaseException:
+        ckpts.close()  # orbax's background threads must stop before the interpreter does
+        raise
+    if restored is None:
+        return state, 0
+    state, saved_step = restored
+    start_step = int(to_host(state.step))
+    console.say(f"jddp: resumed from {ckpts.directory / str(saved_step)} at step {start_step}")
+    return state, start_step

@@ -292,7 +292,7 @@ def export_checkpoint(
     run at ``path``; ``input_shape`` (:func:`parse_input_shape`) replaces the inputs the run's
     data would give. Returns what was written, the checkpoint and the
     :class:`~jddp.inference.LoadedRun`."""
-    from jddp.checkpoint.weights import find_checkpoint
+    from jddp.checkpoint.find import find_checkpoint
     from jddp.inference import load_run
 
     directory, step = find_checkpoint(path, step, "--workdir", "--step")

@@ -27,7 +27,8 @@ from jddp.build import (
     total_steps,
 )
 from jddp.checkpoint import Checkpoints
-from jddp.checkpoint.start import restore, warm_start
+from jddp.checkpoint.resume import restore
+from jddp.checkpoint.warm_start import warm_start
 from jddp.comm import Comm
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, TrainBatches

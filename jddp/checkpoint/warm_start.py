@@ -1,7 +1,7 @@
-"""Where a run's state starts: its own newest good checkpoint (``checkpoint.resume``, under the
-config policy of :mod:`jddp.checkpoint.resume`), another run's weights
-(``checkpoint.init_from``: a run's checkpoint, or a torchvision/timm ResNet's tensors), or
-the fresh initialisation."""
+"""``checkpoint.init_from``: a new run starts from another run's weights (its checkpoint) or a
+torchvision/timm ResNet's tensors (:mod:`jddp.checkpoint.pretrained`), with a fresh optimizer
+state. Weights are matched by name and shape; an output layer of another class count keeps its
+fresh initialisation."""
 
 from __future__ import annotations
 
@@ -11,57 +11,22 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
-from jddp import config as config_lib
-from jddp.checkpoint import Checkpoints, weight_leaves
-from jddp.checkpoint.pretrained import is_pretrained_file, pretrained_weights
-from jddp.checkpoint.resume import check_resume_config
-from jddp.checkpoint.weights import (
+from jddp.checkpoint.find import damage_named, open_checkpoint
+from jddp.checkpoint.manifest import weight_leaves
+from jddp.checkpoint.matching import (
     HEAD_ONLY,
-    damage_named,
     describe_mismatch,
     head_note,
     head_to_keep,
     map_weights,
     mismatched_weights,
-    open_checkpoint,
     with_shapes,
 )
-from jddp.comm import Comm
-from jddp.config import Config
+from jddp.checkpoint.pretrained import is_pretrained_file, pretrained_weights
 from jddp.errors import ConfigError
 from jddp.mesh import put_replicated, to_host
 from jddp.metrics import Console
 from jddp.state import TrainState
-
-
-def restore(
-    cfg: Config,
-    ckpts: Checkpoints,
-    state: TrainState,
-    comm: Comm,
-    console: Console,
-    total_steps: int,
-) -> tuple[TrainState, int]:
-    """The newest good checkpoint's state and step under ``checkpoint.resume``, else
-    ``(state, 0)``; refuses a checkpoint whose config differs in what changes training."""
-    if not cfg.checkpoint.resume:
-        return state, 0
-    now = config_lib.to_dict(cfg)
-
-    def check_config(step: int, saved: dict[str, Any]) -> None:
-        check_resume_config(saved, now, step, total_steps, str(ckpts.directory / str(step)))
-
-    try:
-        restored = ckpts.restore_newest_good(state, comm.agree, check_config)
-    except BaseException:
-        ckpts.close()  # orbax's background threads must stop before the interpreter does
-        raise
-    if restored is None:
-        return state, 0
-    state, saved_step = restored
-    start_step = int(to_host(state.step))
-    console.say(f"jddp: resumed from {ckpts.directory / str(saved_step)} at step {start_step}")
-    return state, start_step
 
 
 def warm_start(

@@ -1,0 +1,393 @@
+"""Orbax checkpoints of the train state in ``workdir/checkpoints/<step>/``, verified on restore.
+
+Orbax writes each step to a temporary folder and renames it when complete, so a crash during a
+save never leaves a half checkpoint under a step name. Saves are asynchronous: training goes on
+while the previous save is written; :meth:`Checkpoints.close` waits for the last one.
+
+Every checkpoint also holds a manifest: each state leaf's path, shape, dtype and CRC-32. On
+resume the newest checkpoint whose files restore *and* whose restored values match the manifest
+is used; a damaged one is named in a warning and skipped. A checkpoint written for another model
+(different leaf paths or shapes) is refused with the first mismatch named.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jddp.checkpoint.manifest import (
+    WEIGHT_PREFIXES,
+    check_same_model,
+    manifest,
+    weights_manifest,
+)
+from jddp.checkpoint.orbax_quiet import (
+    collect_abandoned_reads,
+    quiet_orbax_errors,
+    silence_late_read_callbacks,
+)
+from jddp.errors import CheckpointDamaged, CheckpointError, CheckpointGone, JddpError
+from jddp.state import TrainState
+from jddp.workdir import RunFolder
+
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a save not yet finalised
+
+
+def _warn(message: str) -> None:
+    print(f"jddp: warning: {message}", file=sys.stderr, flush=True)
+
+
+class Checkpoints:
+    """Save every ``every_steps`` steps (and on demand), keep the newest ``keep``, restore.
+
+    Under ``jax.distributed`` every process calls :meth:`save` (orbax makes process 0 the
+    primary host). With ``writes=False`` (MPI ranks other than 0, which share no JAX runtime
+    and would each act as primary) the process only restores.
+    """
+
+    @classmethod
+    def of(cls, folder: RunFolder, **options: Any) -> Checkpoints:
+        """The checkpoints of run folder ``folder`` (options as for the constructor)."""
+        return cls(folder.checkpoints, damaged_directory=folder.damaged_checkpoints, **options)
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        every_steps: int,
+        keep: int,
+        async_save: bool,
+        writes: bool = True,
+        primary: bool = True,
+        damaged_directory: str | Path,
+        pixel_norm: dict[str, Any] | None = None,
+        task: str = "classification",
+    ):
+        self.directory = Path(directory).absolute()
+        # How the run turns integer pixels into model input (PixelNorm.to_json), and what its
+        # task is (jddp.tasks: "classification" or "custom"): recorded with every checkpoint so
+        # that jddp.predict/evaluate of the run feed it as training did.
+        self.pixel_norm = pixel_norm
+        self.task = task
+        self.primary = primary  # process 0: moves damaged checkpoints aside
+        self.damaged_directory = Path(damaged_directory)
+        self.every_steps = every_steps
+        self.writes = writes
+        self._saving: int | None = None  # the step of the save in flight
+        self._failed: CheckpointError | None = None
+        if writes and primary:
+            self._remove_cut_saves()
+        quiet_orbax_errors()
+        # Reads and writes alike: a failed save (disk full) leaves tensorstore writes in flight
+        # whose callbacks print the same late tracebacks as a failed restore.
+        silence_late_read_callbacks()
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep,
+                create=writes,
+                enable_async_checkpointing=async_save,
+            ),
+        )
+
+    def _remove_cut_saves(self, say: bool = True) -> None:
+        """A save cut short (kill -9, a stall, a full disk) leaves orbax's temporary folder,
+        never a step: the run that writes here (the workdir lock makes it the only one) removes
+        it when it starts, and after a save of its own failed. Readers (``python -m
+        jddp.evaluate``) never do: a live run's save in flight is such a folder."""
+        for cut in sorted(self.directory.glob(f"*{_TMP_SUFFIX}*")):
+            shutil.rmtree(cut, ignore_errors=True)
+            if say:
+                _warn(f"removed {cut}: a save cut short (the checkpoints before it are intact)")
+
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def should_save(self, step: int) -> bool:
+        """Whether the periodic schedule saves after optimizer step ``step``."""
+        return self.every_steps > 0 and step % self.every_steps == 0
+
+    def save(self, step: int, state: TrainState, config: dict[str, Any]) -> None:
+        """Start saving ``state``, its manifest and the resolved config as ``step``.
+
+        A no-op on processes that don't write (MPI ranks other than 0).
+        """
+        if not self.writes or step in self._manager.all_steps():
+            return
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            manifest=ocp.args.JsonSave(
+                {"leaves": manifest(state), "task": self.task}
+                | ({} if self.pixel_norm is None else {"pixel_norm": self.pixel_norm})
+            ),
+            config=ocp.args.JsonSave(config),
+        )
+        # What a checkpoint takes on disk, about: said when the disk turns out too small.
+        self._state_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
+        self._guard(lambda: self._manager.save(step, args=args), step)  # raises an earlier failure
+        self._saving = step
+
+    def restore_newest_good(
+        self,
+        like: TrainState,
+        agree: Callable[[bool], bool] = lambda ok: ok,
+        check_config: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> tuple[TrainState, int] | None:
+        """The newest checkpoint that restores and verifies, as ``(state, step)``; None if none.
+
+        ``agree(ok)`` must return True only if every process found the candidate good, so all
+        processes fall back together. ``check_config(step, saved_config)`` may refuse a
+        candidate (raising) before its arrays are compared. Raises ``ConfigError`` for a
+        checkpoint of another model and ``CheckpointError`` when none is usable.
+        """
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        steps = self.all_steps()
+        damaged: list[int] = []
+        try:
+            return self._restore_newest_good(abstract, like, steps, damaged, agree, check_config)
+        finally:
+            if damaged:
+                self._set_aside(damaged, agree)
+
+    def _set_aside(self, damaged: list[int], agree: Callable[[bool], bool]) -> None:
+        # Keep damaged checkpoints (nothing written is deleted) but out of the step namespace,
+        # so a later save of the same step is not skipped as "already there".
+        if self.writes and self.primary:
+            aside = self.damaged_directory
+            aside.mkdir(exist_ok=True)
+            for step in damaged:
+                target = aside / f"{step}-{int(time.time())}"
+                shutil.move(str(self.directory / str(step)), str(target))
+                _warn(f"moved damaged checkpoint {self.directory / str(step)} to {target}")
+        agree(True)  # everyone waits for the move before looking at the folder again
+        self._manager.reload()
+
+    def _restore_newest_good(self, abstract, like, steps, damaged, agree, check_config):
+        for step in reversed(steps):
+            where = self.directory / str(step)
+
+            def accept(saved: list[list[Any]], step: int = step, where: Path = where) -> None:
+                if check_config is not None:
+                    check_config(step, self.saved_config(step))
+                check_same_model(saved, like, where)
+
+            def restore(step: int = step) -> TrainState:
+                return self._manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+                )["state"]
+
+            state, problem = None, None
+            try:
+                state = self._verified(step, restore, manifest, accept)
+            except CheckpointDamaged as e:  # (CheckpointGone: another run deletes; it surfaces)
+                problem = e.problem
+            if agree(problem is None):
+                return state, step
+            damaged.append(step)
+            _warn(
+                f"checkpoint {where} is damaged: {problem or 'on another process'}; "
+                "falling back to an older one"
+            )
+        if steps:
+            raise CheckpointError(
+                f"no usable checkpoint in {self.directory}: all {len(steps)} are damaged (moved "
+                f"to {self.damaged_directory}); rerun to start from step "
+                "0, or repair them by hand"
+            )
+        return None
+
+    def _verified(
+        self,
+        step: int,
+        restore: Callable[[], Any],
+        rows_of: Callable[[Any], list[list[Any]]],
+        accept: Callable[[list[list[Any]]], None] | None = None,
+    ) -> Any:
+        """``restore()``'s value, read from checkpoint ``step`` and checked against its
+        manifest: ``rows_of(value)`` (manifest rows of what was read) must equal the saved rows
+        of the same names. ``accept(saved rows)`` may refuse the checkpoint first (raising).
+        :class:`CheckpointDamaged` naming the problem (:class:`CheckpointGone` if the
+        checkpoint was deleted meanwhile) otherwise."""
+        silence_late_read_callbacks()
+        saved = self._manifest(step)["leaves"]
+        if accept is not None:
+            accept(saved)
+        problem = None
+        try:
+            value = restore()
+            saved_rows = {row[0]: row for row in saved}
+            bad = [row[0] for row in rows_of(value) if saved_rows.get(row[0]) != row]
+        except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
+            problem = f"it cannot be restored ({_short(e)})"
+        if problem is not None:  # outside the except block: its traceback is garbage now
+            collect_abandoned_reads()
+            self._raise_unreadable(step, problem)
+        if bad:
+            raise CheckpointDamaged(
+                self.directory / str(step),
+                f"{len(bad)} arrays differ from their checksums, e.g. {bad[0]}",
+            )
+        return value
+
+    def _read(self, step: int, item: str, read: Callable[[], Any]) -> Any:
+        """``read()`` of checkpoint ``step``'s ``item``; a failure is :class:`CheckpointDamaged`
+        (or :class:`CheckpointGone`) naming the checkpoint."""
+        try:
+            return read()
+        except JddpError:
+            raise
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+            problem = f"its {item} cannot be read ({_short(e)})"
+        collect_abandoned_reads()
+        self._raise_unreadable(step, problem)
+
+    def _raise_unreadable(self, step: int, problem: str) -> None:
+        where = self.directory / str(step)
+        if not where.is_dir():  # a running trainer's keep-N rotation deleted it meanwhile
+            raise CheckpointGone(where) from None
+        raise CheckpointDamaged(where, problem) from None
+
+    def saved_config(self, step: int) -> dict[str, Any]:
+        """The resolved config checkpoint ``step`` was written under."""
+        args = ocp.args.Composite(config=ocp.args.JsonRestore())
+        return self._read(step, "config", lambda: self._manager.restore(step, args=args)["config"])
+
+    def _manifest(self, step: int) -> dict[str, Any]:
+        args = ocp.args.Composite(manifest=ocp.args.JsonRestore())
+        return self._read(
+            step, "manifest", lambda: self._manager.restore(step, args=args)["manifest"]
+        )
+
+    def weight_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+        """``{name: shape}`` of the parameters and model state saved at ``step`` (from its
+        manifest; names as :func:`jddp.checkpoint.manifest.weight_leaves` spells them)."""
+        saved = self._manifest(step)["leaves"]
+        return {p: tuple(shape) for p, shape, *_ in saved if p.startswith(WEIGHT_PREFIXES)}
+
+    def saved_pixel_norm(self, step: int) -> dict[str, Any] | None:
+        """The pixel normalisation checkpoint ``step`` was trained with (``PixelNorm.to_json``);
+        None for checkpoints written before jddp recorded it."""
+        return self._manifest(step).get("pixel_norm")
+
+    def saved_task(self, step: int) -> str:
+        """The task kind checkpoint ``step`` was trained on (``"classification"`` for
+        checkpoints written before jddp recorded it: every run was one then)."""
+        return self._manifest(step).get("task", "classification")
+
+    def restore_weights(self, step: int, like: dict[str, Any]) -> dict[str, Any]:
+        """Only ``params`` and ``model_state`` of checkpoint ``step`` (the optimizer state is
+        not read), as host numpy arrays in the structure of ``like`` (``{"params": ...,
+        "model_state": ...}``, whose leaves give each array's shape and dtype), checked against
+        the checkpoint's checksums. :class:`CheckpointDamaged` (naming the checkpoint and the
+        cause) when it cannot be read or its arrays differ; :class:`CheckpointGone` when it was
+        deleted while being read."""
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), like)
+        args = ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=abstract, restore_args=as_numpy, partial_restore=True)
+        )
+        return self._verified(
+            step, lambda: self._manager.restore(step, args=args)["state"], weights_manifest
+        )
+
+    def newest_intact(self, like_of: Callable[[int], dict[str, Any]], but: int) -> int | None:
+        """The newest checkpoint other than step ``but`` whose weights restore and match their
+        checksums (``like_of(step)``: the ``like`` of :meth:`restore_weights` for that step);
+        None if there is none. Reads checkpoints newest first and stops at the first good one.
+        """
+        for step in reversed(self.all_steps()):
+            if step == but or not (self.directory / str(step)).is_dir():
+                continue
+            try:
+                self.restore_weights(step, like_of(step))
+            except JddpError:  # damaged, deleted meanwhile, or written for another model
+                continue
+            return step
+        return None
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is on disk; ``CheckpointError`` if it failed."""
+        self._guard(self._manager.wait_until_finished, self._saving)
+
+    def close(self) -> None:
+        """Finish pending saves and release the manager; ``CheckpointError`` if a save failed
+        (reported once: closing again after a failure only releases)."""
+        if self._failed is not None:
+            try:
+                self._manager.close()
+            except Exception:  # noqa: BLE001 - the failure was reported already
+                pass
+            if self.writes and self.primary:  # its writes have all stopped now
+                self._remove_cut_saves(say=False)
+            return
+        self.wait()
+        self._manager.close()
+
+    def _guard(self, action: Callable[[], Any], step: int | None) -> Any:
+        """Run ``action``; a failure of a save becomes one :class:`CheckpointError` line naming
+        the checkpoint, the cause, and the checkpoints that are intact."""
+        try:
+            return action()
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+            done = self.all_steps()
+            if self._saving is not None and self._saving not in done:
+                step = self._saving  # a save in the background failed; it surfaces now
+            where = self.directory / (str(step) if step is not None else "?")
+            # orbax's list is cached: name only the checkpoints still on disk
+            intact = [s for s in done if s != step and (self.directory / str(s)).is_dir()]
+            if self.writes and self.primary:
+                self._remove_cut_saves(say=False)  # the failed save's half: never a step
+            cause = _cause(e)
+            if cause in _DISK_FULL:
+                cause += self._space_note()  # (measured with that half removed)
+            self._failed = CheckpointError(
+                f"checkpoint {where} could not be written ({cause}); the checkpoints "
+                f"before it are intact: {intact or 'none'}"
+            )
+            raise self._failed from None
+
+    def _space_note(self) -> str:
+        """``: <checkpoints folder> has 4 KiB free, a checkpoint needs about 1.2 MiB``."""
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            return ""
+        needs = getattr(self, "_state_bytes", 0)
+        need = f", a checkpoint needs about {_size(needs)}" if needs else ""
+        return f": {self.directory} has {_size(free)} free{need}"
+
+
+_DISK_FULL = ("No space left on device", "Disk quota exceeded")
+
+
+def _size(nbytes: float) -> str:
+    """``4 KiB``, ``1.2 MiB``, ``3.0 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit in ("B", "KiB") else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
+def _cause(e: BaseException) -> str:
+    """The operating-system cause of a failed write if one is named (disk full, permission),
+    else the error's first 200 characters."""
+    text = " ".join(str(e).split())
+    for cause in ("No space left on device", "Permission denied", "Disk quota exceeded"):
+        if cause in text:
+            return cause
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+def _short(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}"
