@@ -12,10 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 from jddp import errors
-from jddp.compat import check_versions
 from jddp.errors import ConfigError, JddpError, Preempted, one_line
+from jddp.proc.cores import size_cpu_threads
+from jddp.proc.versions import check_versions
+from jddp.proc.xla import apply_cpu_flags
 from jddp.run import watchdog
-from jddp.xla_setup import apply_cpu_flags, size_cpu_threads
 
 
 class OneLineParser(argparse.ArgumentParser):

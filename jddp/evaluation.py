@@ -50,12 +50,12 @@ from jddp.inference import as_model, restore_into
 from jddp.mesh import make_mesh, to_host
 from jddp.metrics import Console, append_metrics, describe_eval, nonfinite_eval
 from jddp.preflight import check_same_config, output_shape
+from jddp.proc.xla import enable_compilation_cache
 from jddp.state import TrainState, create_train_state
 from jddp.step import make_eval_step
 from jddp.tasks import Task
 from jddp.tasks.classification import PixelNorm
 from jddp.workdir import RunFolder
-from jddp.xla_setup import enable_compilation_cache
 
 
 @dataclass

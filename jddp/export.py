@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             from jddp.checkpoint.find import find_checkpoint
 
             find_checkpoint(args.workdir, args.step, "--workdir", "--step")  # before JAX starts
-            from jddp.compat import check_versions
-            from jddp.xla_setup import apply_cpu_flags
+            from jddp.proc.versions import check_versions
+            from jddp.proc.xla import apply_cpu_flags
 
             check_versions()
             apply_cpu_flags()

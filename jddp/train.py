@@ -13,7 +13,7 @@ import sys
 
 from jddp import config as config_lib
 from jddp.cli import OneLineParser, Session, run
-from jddp.launch.lifeline import watch_launcher
+from jddp.proc.lifeline import watch_launcher
 from jddp.run.stop import StopRequest
 
 USAGE = (

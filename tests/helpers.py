@@ -213,7 +213,7 @@ def toy_source(n=50, classes=7):
 # the affinity.
 THREADS_PROBE = """
 import collections, os, sys
-from jddp.xla_setup import size_cpu_threads
+from jddp.proc.cores import size_cpu_threads
 pinned = size_cpu_threads(None)
 import jax, jax.numpy as jnp
 x = jnp.ones((256, 256)); (x @ x).block_until_ready()

@@ -2,8 +2,8 @@
 
 import pytest
 
-from jddp import compat
 from jddp.errors import JddpError
+from jddp.proc import versions as compat
 
 
 @pytest.mark.parametrize(

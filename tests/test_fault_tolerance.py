@@ -50,7 +50,7 @@ def test_exact_resume_after_sigkill(tmp_path, straight):
     out = run(args, env={**os.environ, "JAX_DEBUG_LOG_MODULES": "jax._src.compiler"})
     assert_resumed_bitwise(out, wd, straight, resumed_from, 20)
     # The restart compiled nothing: process 1 too loaded the step process 0 had written to
-    # the compilation cache (on CPUs JAX's keys differed between processes: jddp.xla_setup).
+    # the compilation cache (on CPUs JAX's keys differed between processes: jddp.proc.xla).
     hits = [line for line in out.stderr.splitlines() if "cache hit for 'jit_step'" in line]
     assert any(line.startswith("[rank 1]") for line in hits), out.stderr[-3000:]
 

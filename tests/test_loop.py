@@ -119,7 +119,7 @@ from jddp.run.stop import StopRequest
 from jddp.run.loop import train_loop
 from jddp.run.setup import Parts, build_run
 from jddp.workdir import RunFolder
-from jddp.xla_setup import enable_compilation_cache
+from jddp.proc.xla import enable_compilation_cache
 
 for check_every in (2, 0):  # with the check, then the same drift without it
     cfg = config_lib.load(None, [*sys.argv[2:], f"workdir={sys.argv[1]}/{check_every}",

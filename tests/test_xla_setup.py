@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from jddp import xla_setup
-from jddp.data.pipeline import cores_per_process, expand_hostlist, slurm_step_tasks_here
-from jddp.xla_setup import CPU_CONV_OFF_YNNPACK, YNN_FLAG, apply_cpu_flags
+from jddp.proc import xla as xla_setup
+from jddp.proc.cores import cores_per_process, expand_hostlist, slurm_step_tasks_here
+from jddp.proc.xla import CPU_CONV_OFF_YNNPACK, YNN_FLAG, apply_cpu_flags
 from tests.helpers import THREADS_PROBE, run_python
 
 
@@ -73,7 +73,7 @@ def test_train_compilation_cache_dir_is_where_jax_caches(tmp_path):
     programs taking 0.5 s or more to compile are kept (JAX's default: 1 s)."""
     probe = (
         "import jax\n"
-        "from jddp.xla_setup import enable_compilation_cache\n"
+        "from jddp.proc.xla import enable_compilation_cache\n"
         "print(enable_compilation_cache('~/jddp-cache-probe'))\n"
         "print(jax.config.jax_compilation_cache_dir,"
         " jax.config.jax_persistent_cache_min_compile_time_secs)\n"

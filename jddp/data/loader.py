@@ -21,13 +21,13 @@ from jax.sharding import Mesh
 
 from jddp.data.pipeline import (  # noqa: F401 - epoch_permutation: public here too
     HostBatches,
-    default_workers,
     epoch_permutation,
     eval_batch,
     host_iterator,
 )
 from jddp.data.source import Source
 from jddp.mesh import batch_sharded
+from jddp.proc.cores import cores_per_process
 
 Batch = dict[str, Any]
 
@@ -92,7 +92,7 @@ class TrainBatches:
 
     ``augment``: ``none|cifar|imagenet`` (:mod:`jddp.data.augment`). ``workers``: host workers
     building batches ahead (0: the placement thread builds them; None: the cores available,
-    see :func:`~jddp.data.pipeline.default_workers`); ``worker_kind``: ``thread|process``.
+    see :func:`~jddp.proc.cores.cores_per_process`); ``worker_kind``: ``thread|process``.
     Batch *k* is the same pixels whatever the workers, processes or devices.
     """
 
@@ -115,7 +115,7 @@ class TrainBatches:
         self.mesh = mesh
         if workers is not None and workers < 0:
             raise ValueError(f"data.workers={workers} must be >= 0 (null: one per core)")
-        self.workers = default_workers() if workers is None else workers
+        self.workers = cores_per_process() if workers is None else workers
         self.worker_kind = worker_kind
         if len(source) // global_batch_size == 0:
             raise ValueError(
@@ -181,7 +181,7 @@ def eval_batches(
     """
     layout = layout or batch_layout(mesh, global_batch_size)
     starts = range(0, len(source), global_batch_size)
-    workers = default_workers() if workers is None else workers
+    workers = cores_per_process() if workers is None else workers
     fn = functools.partial(_eval_rows, source, global_batch_size, layout.rows, augment)
     host = host_iterator(fn, starts, workers, worker_kind)
     return _placed(host, functools.partial(place_batch, mesh=mesh, layout=layout), 1)

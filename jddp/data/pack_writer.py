@@ -32,7 +32,7 @@ from jddp.data.pack_format import (
 )
 from jddp.data.pack_source import detect_format, fingerprint, item_bytes, read_source
 from jddp.errors import ConfigError, DataError
-from jddp.launch.lifeline import _die_with_parent, _load_prctl
+from jddp.proc import lifeline
 
 PARTIAL = ".pack-partial"  # OUT/.pack-partial/: the plan and finished shards' notes
 
@@ -280,7 +280,7 @@ def run_tasks(tasks: list[tuple[ShardTask, int]], workers: int, progress: Progre
 def die_with_parent(parent: int) -> None:
     """Pool worker start: SIGKILL this worker when the pack process dies (a killed pack must not
     leave workers writing into ``OUT`` behind it; a rerun continues the pack)."""
-    _die_with_parent(_load_prctl(), parent)
+    lifeline.die_with_parent(lifeline.load_prctl(), parent)
 
 
 def pack(

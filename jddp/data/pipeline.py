@@ -12,10 +12,8 @@ whatever the number or kind of workers.
 
 from __future__ import annotations
 
-import os
-import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,7 +25,6 @@ from jddp.data.source import Source, is_image_source
 __all__ = [
     "WORKER_KINDS",
     "HostBatches",
-    "default_workers",
     "eval_batch",
     "eval_rows",
     "host_iterator",
@@ -36,106 +33,6 @@ __all__ = [
 WORKER_KINDS: tuple[str, ...] = ("thread", "process")
 
 _QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
-# processes on this machine: jddp.launch and jddp.ray, torchrun, Open MPI, MPICH
-_LOCAL_SIZE_VARS = (
-    "JDDP_LOCAL_WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "MPI_LOCALNRANKS",
-)
-
-
-def expand_hostlist(hostlist: str) -> list[str]:
-    """SLURM's compressed host list in order: ``"node[01-03,07],gpu5"`` is ``node01, node02,
-    node03, node07, gpu5``; ranges keep their zero padding, several bracket groups in one name
-    (``"r[1-2]n[1-2]"``) multiply out. A malformed list gives ``[]``."""
-    names: list[str] = []
-    for part in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
-        expansions = [""]
-        for text, group in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", part):
-            choices = [""]
-            if group:
-                choices = []
-                for item in group.split(","):
-                    low, _, high = item.partition("-")
-                    if not low.isdigit() or (high and not high.isdigit()):
-                        return []
-                    last = int(high) if high else int(low)
-                    choices += [str(n).zfill(len(low)) for n in range(int(low), last + 1)]
-            expansions = [e + text + c for e in expansions for c in choices]
-        names += expansions
-    return names
-
-
-def slurm_step_tasks_here(environ: Mapping[str, str] | None = None) -> int | None:
-    """Tasks of this SLURM job step on this node, or None outside a step.
-
-    ``srun`` writes them per node of the *step* in ``SLURM_STEP_TASKS_PER_NODE`` ("2",
-    "4(x2),3": two nodes of 4 then one of 3), in the order of ``SLURM_STEP_NODELIST``; this
-    node is ``SLURMD_NODENAME`` there. (``SLURM_NODEID`` counts the *job's* nodes: a step on
-    some of them only, e.g. ``srun -N2 -w node[3-4]`` in a 4-node job, would read another
-    node's count; it is used only where the step's node list does not name this node.)
-    ``SLURM_NTASKS_PER_NODE`` is set only when the job asked ``--ntasks-per-node``. The batch
-    script itself (no step) gets None: it is one process whatever the job's task count."""
-    env = os.environ if environ is None else environ
-    counts: list[int] = []
-    for part in env.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
-        if match is None:
-            counts = []
-            break
-        counts += [int(match[1])] * int(match[2] or 1)
-    nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST", ""))
-    here = env.get("SLURMD_NODENAME")
-    if counts and here in nodes and len(nodes) == len(counts):
-        return counts[nodes.index(here)]
-    node = env.get("SLURM_NODEID", "0")
-    if counts and node.isdigit() and int(node) < len(counts):
-        return counts[int(node)]
-    if "SLURM_STEP_ID" in env:
-        text = env.get("SLURM_NTASKS_PER_NODE", "")
-        if text.isdigit() and int(text) > 0:
-            return int(text)
-    return None
-
-
-def _launcher_local_count() -> int | None:
-    """Processes on this machine as jddp.launch, jddp.ray, torchrun or mpirun (also inside
-    ``salloc``) say."""
-    for var in _LOCAL_SIZE_VARS:
-        text = os.environ.get(var, "")
-        if text.isdigit() and int(text) > 0:
-            return int(text)
-    if os.environ.get("JDDP_LOCAL_RANK") is not None:  # an older jddp.launch: one machine
-        return max(1, int(os.environ.get("JDDP_NUM_PROCESSES", "1")))
-    return None
-
-
-CPU_THREADS_VAR = "JDDP_CPU_THREADS"  # set once jddp has sized this process (xla_setup)
-
-
-def cores_per_process() -> int:
-    """The cores this process owns: the ones its CPU affinity allows (SLURM, taskset, mpirun
-    binding set it), divided among the job's processes on this machine (as jddp.launch, mpirun
-    or srun say, else 1); once :func:`jddp.xla_setup.size_cpu_threads` has pinned the process,
-    the number it pinned."""
-    pinned = os.environ.get(CPU_THREADS_VAR, "")
-    if pinned.isdigit() and int(pinned) > 0:
-        return int(pinned)
-    local = _launcher_local_count()
-    slurm_tasks = None if local else slurm_step_tasks_here()
-    share = max(1, len(os.sched_getaffinity(0)) // (local or slurm_tasks or 1))
-    # A task of srun without CPU binding (TaskPlugin=task/none) sees every core of the node in
-    # its affinity but owns only --cpus-per-task of them: other jobs may run on the rest.
-    allocated = os.environ.get("SLURM_CPUS_PER_TASK", "")
-    if slurm_tasks is not None and allocated.isdigit() and int(allocated) > 0:
-        share = min(share, int(allocated))
-    return share
-
-
-def default_workers() -> int:
-    """The cores this process may use, divided among the job's processes on this machine."""
-    return cores_per_process()
 
 
 def crops(source: Source, indices: np.ndarray, boxes: aug.BoxFn) -> tuple[np.ndarray, np.ndarray]:
@@ -284,7 +181,7 @@ def host_iterator(
         # (os._exit); its warning about freeing them would only add lines to the one-line error.
         if _QUIET_TRACKER not in sys.warnoptions:
             sys.warnoptions.append(_QUIET_TRACKER)
-        from jddp.launch.lifeline import worker_lifeline
+        from jddp.proc.lifeline import worker_lifeline
 
         options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=buffer)
         local = ds.to_iter_dataset(grain.ReadOptions(num_threads=0))

@@ -47,8 +47,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from jddp.errors import STOP_SIGNALS
-from jddp.launch.lifeline import LAUNCHER_PID_ENV, watch_launcher
 from jddp.launch.procs import PROG, STOP_GRACE_S, _Launcher, describe_exit, exit_code_for
+from jddp.proc.lifeline import LAUNCHER_PID_ENV, watch_launcher
 
 __all__ = [
     "LAUNCHER_PID_ENV",

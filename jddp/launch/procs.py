@@ -14,7 +14,7 @@ import time
 from typing import IO
 
 from jddp.errors import PREEMPTED
-from jddp.launch.lifeline import _die_with_parent, _load_prctl
+from jddp.proc.lifeline import die_with_parent, load_prctl
 
 PROG = "jddp.launch"
 _POLL_INTERVAL = 0.05
@@ -273,7 +273,7 @@ class _Launcher:
         """Start the children (stopping early if a signal arrives meanwhile), then their output
         readers: the forks happen while no reader thread runs, since the ``preexec_fn`` that
         ties each child's life to the launcher's is only safe without other threads."""
-        die_with_launcher = functools.partial(_die_with_parent, _load_prctl(), os.getpid())
+        die_with_launcher = functools.partial(die_with_parent, load_prctl(), os.getpid())
         try:
             for env in envs:
                 if self.signal_received is not None:

@@ -24,7 +24,6 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from jddp.launch import find_free_port, merge_xla_flags
-from jddp.launch.lifeline import LAUNCHER_PID_ENV, _die_with_parent, _load_prctl
 from jddp.launch.procs import (
     _HELD_SIGNALS,
     _READER_JOIN_TIMEOUT,
@@ -34,6 +33,7 @@ from jddp.launch.procs import (
     _pump,
     catches,
 )
+from jddp.proc.lifeline import LAUNCHER_PID_ENV, die_with_parent, load_prctl
 
 MAX_BUFFERED_LINES = 20_000  # per rank, between two polls; older lines are dropped beyond
 PYTHON_NAMES = ("python", "python3")  # a command starting with these runs this interpreter
@@ -84,11 +84,11 @@ _RESET_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP, 
 
 def _child_setup(prctl: object, parent: int) -> None:
     """Run in the rank between fork and exec: default signal dispositions and an empty signal
-    mask, then die with ``parent`` (:func:`jddp.launch.lifeline._die_with_parent`)."""
+    mask, then die with ``parent`` (:func:`jddp.proc.lifeline.die_with_parent`)."""
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
     for sig in _RESET_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
-    _die_with_parent(prctl, parent)
+    die_with_parent(prctl, parent)
 
 
 def node_address() -> str:
@@ -171,7 +171,7 @@ class RankProcess:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
-                    preexec_fn=functools.partial(_child_setup, _load_prctl(), os.getpid()),
+                    preexec_fn=functools.partial(_child_setup, load_prctl(), os.getpid()),
                 )
             except OSError as e:
                 failure.append(e)

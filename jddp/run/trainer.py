@@ -23,6 +23,7 @@ from jddp.errors import ConfigError, EvalFailed, JddpError, NonFiniteLoss, Preem
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, describe_eval, nonfinite_eval
 from jddp.preflight import check_same_config
+from jddp.proc.xla import enable_compilation_cache
 from jddp.run.hooks import LockCheck
 from jddp.run.loop import train_loop
 from jddp.run.setup import Parts, Run, build_run
@@ -31,7 +32,6 @@ from jddp.run.trackers import check_installed
 from jddp.run.watchdog import StallWatchdog
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
-from jddp.xla_setup import enable_compilation_cache
 
 __all__ = ["Parts", "RunResult", "train_and_evaluate"]
 

@@ -18,7 +18,7 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCH_INTERVAL = 1.0  # seconds between a rank's checks that its parent is still there
 
 
-def _load_prctl() -> Any:
+def load_prctl() -> Any:
     """libc's ``prctl`` as a ctypes function, or None where there is none (not Linux)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -32,7 +32,7 @@ def _load_prctl() -> Any:
     return prctl
 
 
-def _die_with_parent(prctl: Any, parent: int) -> None:
+def die_with_parent(prctl: Any, parent: int) -> None:
     """Run in the child between fork and exec: SIGKILL this process when ``parent`` dies.
 
     PDEATHSIG survives ``exec`` and fires when the *thread* that forked exits, so the launcher

@@ -23,10 +23,11 @@ import threading
 from importlib import metadata
 from pathlib import Path
 
+from jddp.proc.cores import runs_on_cpu
+
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 CPU_CONV_OFF_YNNPACK = f"{YNN_FLAG}=-individual_convolution"
 KNOWN_JAXLIB_SERIES = ("0.10.",)  # releases checked to know the flag
-GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm70_plugin")
 
 
 def _xla_knows(flag: str) -> bool:
@@ -50,67 +51,17 @@ def _xla_knows(flag: str) -> bool:
     return False
 
 
-def _runs_on_cpu(environ: dict[str, str]) -> bool:
-    platforms = environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return platforms.split(",")[0].strip() == "cpu"
-    return not any(importlib.util.find_spec(p) for p in GPU_PLUGINS)
-
-
 def apply_cpu_flags(environ: dict[str, str] | None = None) -> list[str]:
     """Add jddp's XLA:CPU defaults to ``XLA_FLAGS`` (before JAX starts its backends); returns
     the flags added."""
     env = os.environ if environ is None else environ
     flags = env.get("XLA_FLAGS", "")
-    if env.get("JDDP_XLA_DEFAULTS", "1") == "0" or YNN_FLAG in flags or not _runs_on_cpu(env):
+    if env.get("JDDP_XLA_DEFAULTS", "1") == "0" or YNN_FLAG in flags or not runs_on_cpu(env):
         return []
     if not _xla_knows(YNN_FLAG):
         return []
     env["XLA_FLAGS"] = f"{flags} {CPU_CONV_OFF_YNNPACK}".strip()
     return [CPU_CONV_OFF_YNNPACK]
-
-
-LOCAL_RANK_VARIABLES = (
-    "JDDP_LOCAL_RANK",
-    "LOCAL_RANK",  # torchrun's worker (under srun, SLURM_LOCALID is its agent's)
-    "SLURM_LOCALID",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "MPI_LOCALRANKID",
-    "PMI_LOCAL_RANK",
-)
-
-
-def _local_rank(environ: dict[str, str]) -> int:
-    for name in LOCAL_RANK_VARIABLES:
-        if environ.get(name, "").isdigit():
-            return int(environ[name])
-    return 0
-
-
-def size_cpu_threads(cpu_threads: int | None, environ: dict[str, str] | None = None) -> list[int]:
-    """Pin this process to the cores it owns before XLA:CPU starts (its thread pool is sized
-    from the affinity); returns the cores pinned to ([] when nothing changed).
-
-    ``cpu_threads`` (``dist.cpu_threads``): how many; None: the affinity divided among the
-    machine's processes (:func:`jddp.data.pipeline.cores_per_process`, which the input workers
-    use too). Process ``local_rank`` takes the ``cpu_threads`` cores after those of the ranks
-    before it. Nothing changes off CPU, with ``JDDP_XLA_DEFAULTS=0``, or when the process owns
-    no more cores than asked (a launcher bound it already).
-    """
-    from jddp.data.pipeline import CPU_THREADS_VAR, cores_per_process
-
-    env = os.environ if environ is None else environ
-    if env.get("JDDP_XLA_DEFAULTS", "1") == "0" or not _runs_on_cpu(env):
-        return []
-    allowed = sorted(os.sched_getaffinity(0))
-    wanted = cpu_threads or cores_per_process()
-    if wanted >= len(allowed):
-        return []
-    first = (_local_rank(env) * wanted) % len(allowed)
-    cores = [allowed[(first + i) % len(allowed)] for i in range(wanted)]
-    os.sched_setaffinity(0, cores)
-    env[CPU_THREADS_VAR] = str(wanted)  # the input workers' share: not divided again
-    return cores
 
 
 def enable_compilation_cache(directory: str | None) -> Path | None:
