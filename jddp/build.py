@@ -27,6 +27,7 @@ from jddp.errors import ConfigError, TaskError
 from jddp.imports import import_callable
 from jddp.mesh import DTYPES, make_mesh, select_devices
 from jddp.models import get_model_factory
+from jddp.sharded_update import ShardLayout
 from jddp.state import ModelDef
 from jddp.step import TrainStep, make_eval_step, make_train_step
 from jddp.tasks import Task
@@ -254,6 +255,27 @@ def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
     return mesh, layout
 
 
+def build_layout(
+    cfg: Config, mesh: Mesh, comm: Comm, parts: Parts | None = None
+) -> ShardLayout | None:
+    """Where the optimizer state lives: split over ``mesh`` under ``dist.shard_weight_update``
+    (:mod:`jddp.sharded_update`), else None (replicated). Refused (``ConfigError``) for an
+    optimizer given to ``jddp.fit`` (it may take norms per array, which a slice gets wrong)
+    and on a backend other than ``xla``."""
+    if not cfg.dist.shard_weight_update:
+        return None
+    if parts is not None and parts.optimizer is not None:
+        raise ConfigError(
+            "dist.shard_weight_update=true needs the optim section's optimizer: one given to "
+            "jddp.fit(optimizer=...) may compute norms per array (clipping, trust ratios), "
+            "which each device's slice would get wrong; leave optimizer out (optim.name=...) "
+            "or set dist.shard_weight_update=false"
+        )
+    if comm.name != "xla":
+        raise ConfigError(f"dist.shard_weight_update=true needs dist.backend=xla, not {comm.name}")
+    return ShardLayout(mesh)
+
+
 def build_steps(
     cfg: Config,
     model_def: ModelDef,
@@ -266,7 +288,9 @@ def build_steps(
     task: Task | None = None,
 ) -> tuple[TrainStep, Any]:
     """The trainer's train and eval steps for ``cfg`` and its task (default
-    :func:`build_task` of ``cfg``, ``parts`` and ``pixel_norm``)."""
+    :func:`build_task` of ``cfg``, ``parts`` and ``pixel_norm``). Under
+    ``dist.shard_weight_update`` the train step takes the state as :func:`build_layout`'s
+    ``place`` lays it out."""
     task = task or build_task(cfg, parts, pixel_norm)
     train_step = make_train_step(
         model_def,
@@ -276,5 +300,6 @@ def build_steps(
         task=task,
         grad_accum_steps=cfg.train.grad_accum_steps,
         schedule=schedule,
+        shard_update=build_layout(cfg, mesh, comm, parts),
     )
     return train_step, make_eval_step(model_def, mesh, task=task)

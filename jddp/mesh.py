@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -76,11 +77,18 @@ def put_replicated(tree: Any, mesh: Mesh) -> Any:
 
 
 def to_host(tree: Any) -> Any:
-    """Numpy copies of replicated arrays (read from this process's first shard)."""
+    """Numpy copies of arrays: a replicated one read from this process's first shard, one
+    split over devices (the optimizer state under ``dist.shard_weight_update``) assembled
+    whole, from every process's slices when they span processes (then every process must
+    call this, as for a collective)."""
 
     def get(x: Any) -> Any:
-        if isinstance(x, jax.Array):
+        if not isinstance(x, jax.Array):
+            return x
+        if x.is_fully_replicated:
             return np.asarray(x.addressable_data(0))
-        return x
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(get, tree)

@@ -2,10 +2,11 @@
 
 Parameters and optimizer state are replicated (``P()``); the batch is split over the mesh axis
 ``data``. Each device runs forward and backward on its slice; gradients are averaged in one
-place, ``comm.average_grads`` inside :func:`make_train_step`'s ``grads_stage``. What the model
-and the batch mean is the task's business (:mod:`jddp.tasks`): it returns per-example losses
-and metrics, with optional weights; the step turns them into exact weighted means over the
-global batch (:mod:`jddp.weighted`).
+place, ``comm.average_grads`` inside :func:`make_train_step`'s ``grads_stage`` (with
+``dist.shard_weight_update``, reduce-scattered instead and the optimizer state split:
+:mod:`jddp.sharded_update`). What the model and the batch mean is the task's business
+(:mod:`jddp.tasks`): it returns per-example losses and metrics, with optional weights; the
+step turns them into exact weighted means over the global batch (:mod:`jddp.weighted`).
 
 Why the parameters are cast to *varying* before ``grad``: inside ``shard_map`` the gradient of
 a replicated (``P()``) input is already summed over devices by autodiff, so a ``pmean`` after
@@ -34,6 +35,7 @@ from jddp import weighted
 from jddp.comm import Comm
 from jddp.mesh import DATA_AXIS
 from jddp.run.stop import STOP_KEY
+from jddp.sharded_update import ShardLayout
 from jddp.state import MODEL_STATE, ModelDef, TrainState
 from jddp.tasks import Task
 from jddp.tasks.classification import (  # noqa: F401 - PixelNorm, cross_entropy_loss: public here
@@ -114,8 +116,17 @@ def _accumulate(local_grads: Callable, params, model_state, data, k: int):
     return grads, stats, metrics
 
 
-def _make_update_stage(tx: optax.GradientTransformation, schedule: optax.Schedule | None):
-    """The optimizer stage: ``(state, grads, model_state, metrics) -> (state, metrics)``."""
+def _make_update_stage(
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule | None,
+    tree_norm: Callable[[Any], jax.Array] = optax.tree.norm,
+    all_finite: Callable[[Any], jax.Array] = _all_finite,
+):
+    """The optimizer stage: ``(state, grads, model_state, metrics) -> (state, metrics)``.
+
+    ``tree_norm`` and ``all_finite`` see the gradients and parameters this stage updates: a
+    device's slices of them under ``dist.shard_weight_update``, whose versions add the
+    slices' results (:class:`~jddp.sharded_update.ShardLayout`)."""
 
     def update_stage(state: TrainState, grads, stats, terms):
         # The averaged terms divided once: exact weighted means over the global batch. A
@@ -129,7 +140,7 @@ def _make_update_stage(tx: optax.GradientTransformation, schedule: optax.Schedul
         params = optax.apply_updates(state.params, updates)
         # A non-finite loss or gradient drops the whole update, identically on every replica
         # (all of them see the same averaged values), so the state never holds NaNs.
-        finite = jnp.isfinite(metrics["train/loss"]) & _all_finite(grads)
+        finite = jnp.isfinite(metrics["train/loss"]) & all_finite(grads)
         params, opt_state, stats = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             (params, opt_state, stats),
@@ -140,8 +151,8 @@ def _make_update_stage(tx: optax.GradientTransformation, schedule: optax.Schedul
             **metrics,
             NONFINITE_KEY: (~finite).astype(jnp.float32),
             "train/skipped_steps": skipped,
-            "train/grad_norm": optax.tree.norm(grads),  # of the averaged gradient
-            "train/param_norm": optax.tree.norm(params),
+            "train/grad_norm": tree_norm(grads),  # of the averaged gradient
+            "train/param_norm": tree_norm(params),
         }
         if schedule is not None:
             metrics["train/lr"] = schedule(state.step)
@@ -225,6 +236,7 @@ def make_train_step(
     compute_dtype: Any = jnp.float32,
     schedule: optax.Schedule | None = None,
     pixel_norm: PixelNorm | None = None,
+    shard_update: ShardLayout | None = None,
 ) -> TrainStep:
     """Build the data-parallel train step ``(state, batch) -> (state, metrics)``.
 
@@ -247,6 +259,11 @@ def make_train_step(
     carries through the micro-batches and comes back synced over devices; each device draws its
     own random numbers. The state argument is donated. Returns a :class:`TrainStep`: call it,
     or reach its stages.
+
+    ``shard_update`` (``dist.shard_weight_update``; the ``xla`` backend): gradients are
+    reduce-scattered, each device updates its slice of the parameters with its slice of the
+    optimizer state (the state laid out by ``shard_update.place``) and the parameters are
+    all-gathered (:mod:`jddp.sharded_update`); the steps are the same.
     """
     task = _classification(task, loss_fn, metrics_fn, compute_dtype, pixel_norm)
 
@@ -274,7 +291,10 @@ def make_train_step(
             local_grads, state.params, state.model_state, data, grad_accum_steps
         )
         # The one place where gradients are averaged across devices (and processes).
-        grads = comm.average_grads(grads)
+        if shard_update is None:
+            grads = comm.average_grads(grads)
+        else:  # each device keeps the mean of its slice of every split array
+            grads = shard_update.mean_scatter(grads, comm)
         stats = _sync_model_state(comm, stats)
         return grads, stats, metrics
 
@@ -284,11 +304,16 @@ def make_train_step(
             metrics[STOP_KEY] = jnp.max(batch[STOP_KEY]).astype(jnp.float32)
         return grads, stats, comm.average(metrics)
 
-    grads_stage = jax.shard_map(
-        per_device_batch, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P()
-    )
-
-    update_stage = _make_update_stage(tx, schedule)
+    if shard_update is None:
+        grads_stage = jax.shard_map(
+            per_device_batch, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P()
+        )
+        update_stage = _make_update_stage(tx, schedule)
+    else:
+        grads_stage = shard_update.grads_stage(per_device_batch)
+        update_stage = shard_update.update_stage(
+            _make_update_stage(tx, schedule, shard_update.tree_norm, shard_update.all_finite)
+        )
     return TrainStep(grads_stage, update_stage, comm.compose(grads_stage, update_stage))
 
 
@@ -325,6 +350,7 @@ def make_eval_step(
         sums["count"] = mask.sum()
         return jax.lax.psum(sums, DATA_AXIS)
 
-    return jax.jit(
-        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P())
-    )
+    per_batch = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P())
+    # The optimizer state stays out: unused here, and split over devices under
+    # dist.shard_weight_update (P() would gather it).
+    return jax.jit(lambda state, batch: per_batch(state.replace(opt_state=None), batch))

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from jddp import config as config_lib
 from jddp.build import (
     Parts,
+    build_layout,
     build_mesh,
     build_model,
     build_steps,
@@ -165,6 +166,7 @@ def build_run(
         tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
     model_def, state = create_train_state(model, tx, mesh)
     del model
+    shard_update = build_layout(cfg, mesh, comm, parts)  # None: the optimizer state replicated
     pixel_norm = PixelNorm.of(splits.train) if images else None
     task = build_task(cfg, parts, pixel_norm)
     if custom:  # the loss and metrics fit the batches, or one line naming them
@@ -183,9 +185,13 @@ def build_run(
         writes=comm.writes_checkpoints,
         primary=writer,
     )
+    if shard_update is not None:  # laid out before restoring: orbax reads each device's slice
+        state = shard_update.place(state)
     state, start_step = restore(cfg, ckpts, state, comm, console, steps)
     if start_step == 0 and cfg.checkpoint.init_from:  # a fresh run; a resume keeps its own
         state = warm_start(cfg.checkpoint.init_from, state, tx, mesh, console, num_outputs)
+        if shard_update is not None:
+            state = shard_update.place(state)
     state = comm.broadcast_state(state, mesh)
     if writer:
         folder.config_yaml.write_text(config_lib.dump(cfg))

@@ -1,0 +1,145 @@
+"""Train steps of a small CNN on N fake CPU devices, replicated and with
+``dist.shard_weight_update``, for each case; save what test_shard_update.py compares.
+
+``python shard_update_worker.py N OUT.json CASE [CASE ...]``, in a subprocess
+with N fake devices (``tests.helpers.fake_devices``). A case is ``name:override,override``
+(config overrides). Each case runs 5 steps from the same start on the same batches, the 4th
+batch holding a NaN (the update must be dropped), in both modes; steps are built by
+``jddp.build.build_steps``, the state laid out by ``build_layout(...).place``, as the trainer
+does. A case named ``broken-...`` runs only sharded, with LARS/LAMB trust ratios from each
+slice's own norms (the psum over devices dropped: the bug the tests must catch). The first
+case's final states also go through a checkpoint, each restored in the other's layout.
+"""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jddp.optimizer
+from jddp.api import load_config
+from jddp.build import build_layout, build_steps
+from jddp.checkpoint import Checkpoints
+from jddp.comm import XlaComm
+from jddp.data.loader import batch_layout, place_batch
+from jddp.mesh import make_mesh, to_host
+from jddp.optimizer import make_optimizer
+from jddp.sharded_update import optimizer_state_bytes
+from jddp.state import TrainState, create_train_state
+
+STEPS, NAN_STEP, ROWS_PER_DEVICE = 5, 3, 16
+
+
+class SmallCnn(nnx.Module):
+    """Arrays split along different axes on 4 devices (kernels HWIO along I or O, the dense
+    kernel along its input) and one kept whole (the 10-class bias); BatchNorm statistics."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 8, (3, 3), strides=(2, 2), rngs=rngs)
+        self.head = nnx.Linear(8, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.bn(self.conv1(x)))
+        return self.head(nnx.relu(self.conv2(x)).mean(axis=(1, 2)))
+
+
+def batches(global_rows: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    for step in range(STEPS):
+        images = rng.normal(size=(global_rows, 8, 8, 3)).astype(np.float32)
+        if step == NAN_STEP:
+            images[1, 2, 3, 0] = np.nan
+        out.append({"images": images, "labels": rng.integers(0, 10, global_rows).astype(np.int32)})
+    return out
+
+
+def run(overrides: list[str], num_devices: int, sharded: bool) -> tuple[dict, TrainState]:
+    mesh = make_mesh(jax.devices()[:num_devices])
+    rows = ROWS_PER_DEVICE * num_devices
+    cfg = load_config(
+        overrides=[
+            f"data.global_batch_size={rows}",
+            "optim.schedule=constant",
+            f"dist.shard_weight_update={str(sharded).lower()}",
+            *overrides,
+        ]
+    )
+    comm = XlaComm(cfg.dist.grad_allreduce_dtype)
+    tx, schedule = make_optimizer(cfg.optim, rows, STEPS)
+    model_def, state = create_train_state(SmallCnn(nnx.Rngs(0)), tx, mesh)
+    layout = build_layout(cfg, mesh, comm)
+    if layout is not None:
+        state = layout.place(state)
+    step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule)
+    where = batch_layout(mesh, rows)
+    out: dict = {"loss": [], "grad_norm": [], "param_norm": [], "nonfinite": []}
+    for batch in batches(rows):
+        state, metrics = step(state, place_batch(batch, mesh, where))
+        for key in out:
+            out[key].append(float(metrics[f"train/{key}"]))
+    params = to_host(state.params)
+    out["params"] = np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)]).tolist()
+    opt = to_host(state.opt_state)  # assembled whole, as a checkpoint's manifest reads it
+    out["opt_state"] = np.concatenate([np.ravel(x) for x in jax.tree.leaves(opt)]).tolist()
+    out["opt_bytes_per_device"] = optimizer_state_bytes(state)
+    out["opt_bytes_total"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(opt))
+    out["opt_specs"] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(state.opt_state)})
+    out["params_replicated"] = all(x.is_fully_replicated for x in jax.tree.leaves(state.params))
+    return out, state
+
+
+def round_trip(saved: TrainState, like: TrainState, folder: Path) -> bool:
+    """``saved`` written as a checkpoint and restored in ``like``'s layout: bitwise the same
+    arrays (their checksums verified on the way), laid out as ``like``."""
+    ckpts = Checkpoints(
+        folder, every_steps=1, keep=1, async_save=False, damaged_directory=folder / "damaged"
+    )
+    ckpts.save(1, saved, {})
+    ckpts.wait()
+    restored, _ = ckpts.restore_newest_good(like)
+    ckpts.close()
+    layout = [x.sharding for x in jax.tree.leaves(restored)]
+    same = jax.tree.map(np.array_equal, to_host(restored), to_host(saved))
+    return all(jax.tree.leaves(same)) and layout == [x.sharding for x in jax.tree.leaves(like)]
+
+
+def slice_sq_norms(*trees):
+    """:func:`jddp.optimizer.layer_sq_norms` without the psum: each slice's own norm."""
+    return [jnp.sum(jnp.real(x * jnp.conj(x))) for t in trees for x in jax.tree.leaves(t)]
+
+
+def main() -> None:
+    num_devices, path = int(sys.argv[1]), sys.argv[2]
+    results = {}
+    for case in sys.argv[3:]:
+        name, _, text = case.partition(":")
+        overrides = [o for o in text.split(",") if o]
+        if name.startswith("broken-"):  # the trust ratios' psum dropped; sharded only
+            correct, jddp.optimizer.layer_sq_norms = jddp.optimizer.layer_sq_norms, slice_sq_norms
+            results[name] = {"sharded": run(overrides, num_devices, True)[0]}
+            jddp.optimizer.layer_sq_norms = correct
+            continue
+        (replicated, one), (sharded, other) = (
+            run(overrides, num_devices, mode) for mode in (False, True)
+        )
+        results[name] = {"replicated": replicated, "sharded": sharded}
+        if len(results) == 1:  # checkpoints of either layout restore in the other
+            with tempfile.TemporaryDirectory() as tmp:
+                results["round_trip"] = {
+                    "sharded->replicated": round_trip(other, one, Path(tmp) / "a"),
+                    "replicated->sharded": round_trip(one, other, Path(tmp) / "b"),
+                }
+    with open(path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
