@@ -1,32 +1,11 @@
 """Training throughput: jddp's trainer vs PyTorch DistributedDataParallel, side by side in one run.
 
-    .venv/bin/python experiments/bench.py [--configs jddp-1x1,jddp-2x1,torch-ddp-2x1]
-        [--dtypes float32,bfloat16] [--rounds 3] [--steps-per-round 2] [--warmup 2]
-        [--preset resnet18-cifar|resnet50-imagenet] [--width 64] [--global-batch N]
-        [--platform cpu|gpu] [--peak-tflops T] [--machine NAME] [--out PATH] [--quick]
+    .venv/bin/python experiments/bench.py [--configs jddp-1x1,jddp-2x1,torch-ddp-2x1] [--quick]
 
-jddp is measured through its trainer: ``python -m jddp.train`` (``jddp-1x1``), under ``python
--m jddp.launch --nproc P --devices-per-proc D`` (``jddp-PxD``, gloo collectives on CPU) or under
-``mpirun -np P`` with ``dist.backend=mpi`` (``jddp-mpi-PxD``) or as the tasks of ``srun -N1 -n P
---cpus-per-task=C`` (``jddp-srun-Px1``, a SLURM on this machine: scripts/slurm_local.sh), on
-synthetic images, reading the
-step times the trainer logs itself (``train/step_time_s`` with ``log.every_steps=1``,
-``train/compile_s``, ``perf/input_wait_fraction``; :func:`benchlib.run_trainer`). PyTorch is
-``experiments/peers/torch_ddp.py`` (``torch-ddp-PxT``: P processes x T threads; on GPU
-torchvision's model, ``channels_last``, ``cudnn.benchmark``; ``-compile``: ``torch.compile``).
-Suffixes: ``-pin`` pins rank i to CPU i; ``-1t`` and ``-noynnconv`` add XLA:CPU flags;
-``-xladefaults`` runs jddp under XLA's own defaults (``JDDP_XLA_DEFAULTS=0``; jddp itself sets
-``-noynnconv``'s flag on CPU since 2026-11-23, so the 2026-11-21 files' plain ``jddp-*`` rows
-are today's ``-xladefaults``).
-
-Each round runs every configuration once, in turn (``--warmup`` untimed steps, then
-``--steps-per-round`` timed ones), so slow phases of a shared machine hit every configuration;
-each configuration keeps its own compilation cache, so "1st step s" is the first round's
-(cold). Reported: the median step time (p10-p90) over all timed steps, images/s, jddp / PyTorch
-images/s (same dtype; eager and compiled), the model FLOPs of a step from the ``jddp.models``
-network (:func:`benchlib.model_figures`), GFLOP/s and MFU against ``--peak-tflops`` (on CPU an
-*assumed* AVX-512 FP32 peak, float32 only). Prints a Markdown table, writes
-``results/<date>-<machine>.json`` (``--quick``: ``...-quick.json``, git-ignored).
+Configurations ``jddp-PxD``, ``jddp-mpi-PxD``, ``jddp-srun-Px1`` (the trainer, read through
+:func:`benchlib.run_trainer`) and ``torch-ddp-PxT`` (``peers/torch_ddp.py``), suffixes ``-pin``,
+``-1t``, ``-noynnconv``, ``-xladefaults``, ``-compile``; the method and the table's columns are
+in ``experiments/README.md``. Writes ``results/<date>-<machine>.json``.
 """
 
 from __future__ import annotations
@@ -104,12 +83,9 @@ def parse_config(name: str, platform: str) -> dict:
 
 def jddp_env(spec: dict, platform: str) -> dict[str, str]:
     """The environment of a jddp run: platform pinned, the configuration's XLA flags."""
-    env = {**os.environ, "JAX_PLATFORMS": "cuda" if platform == "gpu" else "cpu"}
-    flags = [env.get("XLA_FLAGS", "")] + [XLA_FLAGS[v] for v in spec["variants"] if v in XLA_FLAGS]
-    env["XLA_FLAGS"] = " ".join(f for f in flags if f)
-    if "xladefaults" in spec["variants"]:
-        env["JDDP_XLA_DEFAULTS"] = "0"
-    return env
+    flags = " ".join(XLA_FLAGS[v] for v in spec["variants"] if v in XLA_FLAGS)
+    defaults = {"JDDP_XLA_DEFAULTS": "0"} if "xladefaults" in spec["variants"] else {}
+    return benchlib.trainer_env(platform, flags, defaults)
 
 
 def run_jddp(spec: dict, work: dict, args, workdir: Path, cache: Path) -> dict:
@@ -208,11 +184,12 @@ def print_table(records: list[dict]) -> None:
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
 
-    print(
-        "\n| config | dtype | timed steps | step s, median (p10-p90) | img/s | jddp / PyTorch "
-        "| jddp / PyTorch compiled | 1st step s | input wait (max) | GFLOP/s | MFU |"
+    print()
+    benchlib.md_table(
+        "config | dtype | timed steps | step s, median (p10-p90) | img/s | jddp / PyTorch | "
+        "jddp / PyTorch compiled | 1st step s | input wait (max) | GFLOP/s | MFU",
+        "llr",
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in records:
         if "median_step_s" not in r:
             error = next((x["error"] for x in r["runs"] if "error" in x), "not run")
@@ -241,9 +218,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--platform", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--peak-tflops", type=float, help="peak for MFU (CPU default: assumed)")
-    ap.add_argument("--machine", help="name in the output file (default: host)")
-    ap.add_argument("--out", help="JSON path (default experiments/results/...)")
     ap.add_argument("--quick", action="store_true", help="smoke run, numbers meaningless")
+    benchlib.output_args(ap)
     if ap.parse_known_args(argv)[0].quick:
         ap.set_defaults(**QUICK)  # options given on the command line still win
     args = ap.parse_args(argv)
@@ -279,16 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         work[key] = getattr(args, key) or work[key]
     started = dt.datetime.now(dt.UTC)
     machine = benchlib.machine_info(args.machine)
-    peak, peak_note = (
-        (args.peak_tflops * 1e12, f"given: {args.peak_tflops} TFLOP/s")
-        if args.peak_tflops
-        else benchlib.assumed_peak(machine, args.platform)
-    )
+    peak, peak_note = benchlib.peak_flops(machine, args.platform, args.peak_tflops)
     figures = benchlib.model_figures(
         work["model"], work["stem"], args.width, work["num_classes"], work["image_size"]
     )
     flops = benchlib.train_step_flops(figures, work["global_batch"])
-    records, load, interrupted = [], [os.getloadavg()[0]], False
+    records, load, interrupted = [], [benchlib.load1()], False
     with tempfile.TemporaryDirectory(prefix="jddp-bench-") as tmp:
         for dtype in args.dtype_list:
             work_d = {**work, "dtype": dtype}
@@ -312,17 +284,10 @@ def main(argv: list[str] | None = None) -> int:
                 interrupted = True
             peak_d = peak if dtype == "float32" or args.peak_tflops else None
             records += [summarise(s, work_d, runs[s["name"]], flops, peak_d) for s in args.specs]
-            load.append(os.getloadavg()[0])
+            load.append(benchlib.load1())
             if interrupted:
                 break
     add_ratios(records, args.platform)
-    date = started.date().isoformat()
-    if args.out:
-        out = Path(args.out)
-    elif args.quick:
-        out = benchlib.RESULTS_DIR / f"{date}-{machine['name']}-quick.json"
-    else:
-        out = benchlib.unused_path(benchlib.RESULTS_DIR, f"{date}-{machine['name']}")
     result = {
         "benchmark": "train-throughput",
         "date_utc": started.isoformat(timespec="seconds"),
@@ -341,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
           f"global batch {work['global_batch']}, {flops / 1e9:.1f} GFLOP per step; MFU peak: "
           f"{peak_note}")  # fmt: skip
     print_table(records)
-    benchlib.write_json(out, result)
+    benchlib.save_result("", machine["name"] + "-quick" * args.quick, result, args.out)
     return 1 if any("median_step_s" not in r for r in records) else 0
 
 

@@ -1,26 +1,21 @@
 """Gradient all-reduce benchmark: mpi4jax vs XLA/gloo, 2 processes on one machine.
 
-    .venv/bin/python experiments/bench_allreduce.py [--iters N] [--elements N]
-        [--warmup N] [--layouts flat,leaves] [--backends mpi4jax,gloo]
-        [--dtypes float32,bfloat16] [--no-baseline] [--out PATH]
+    .venv/bin/python experiments/bench_allreduce.py [--iters N] [--elements N] [--warmup N]
+        [--layouts flat,leaves] [--backends mpi4jax,gloo] [--dtypes float32,bfloat16]
 
-It starts its own processes: ``mpirun -np 2`` (:func:`benchlib.mpirun`) for ``mpi4jax``
-(``mpi4jax.allreduce`` in a jit, as ``dist.backend=mpi``; for bfloat16 also
-``mpi4jax-allgather`` and ``mpi4jax-rs-ag``, jddp's own ``MpiComm.bf16_allreduce_sum``) and
-two processes joined by ``jax.distributed`` for ``gloo`` (a ``shard_map`` ``psum``, as
-``dist.backend=xla``); ``local-x+1`` is a no-communication baseline. Layouts: ``flat``, one
-buffer of ``--elements`` values (default: the parameter count of ``jddp.models.resnet18``, CIFAR
-stem, 10 classes: 11,173,962), or ``leaves``, that model's 62 parameter tensors (shapes read
-from the model, :func:`benchlib.model_figures`). A call's time is the slowest rank's after a
-barrier; every rank feeds ``rank + 1`` and every result must be 3. busbw = algbw x 2(n-1)/n.
-Prints a table, writes ``results/allreduce-<date>-<host>.json``; exit 1 if a check fails.
+Starts its own processes (``mpirun -np 2`` for ``mpi4jax``; two ``jax.distributed`` processes
+for ``gloo``); the method is in ``experiments/README.md``. A call's time is the slowest rank's
+after a barrier; every rank feeds ``rank + 1`` and every result must be 3 (exit 1 if not).
+Writes ``results/allreduce-<date>-<machine>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
+import math
 import os
 import re
 import statistics
@@ -31,20 +26,11 @@ import time
 from pathlib import Path
 
 import benchlib
-from benchlib import RESULTS_DIR, percentile, sh, unused_path
-
-from jddp.launch import find_free_port
+from benchlib import percentile, sh
 
 N_PROCS = 2
 EXPECTED = N_PROCS * (N_PROCS + 1) / 2  # sum over ranks of (rank + 1)
 WORKER_TIMEOUT_S = 600
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def layout_shapes(layout: str, spec: dict) -> list[tuple[int, ...]]:
@@ -53,18 +39,14 @@ def layout_shapes(layout: str, spec: dict) -> list[tuple[int, ...]]:
 
 
 # --------------------------------------------------------------------------------- workers
-
-
 def _cases(spec: dict, backend: str) -> list[dict]:
     cases = []
-    for layout in spec["layouts"]:
-        for dtype in spec["dtypes"]:
-            cases.append({"backend": backend, "layout": layout, "dtype": dtype})
-            if backend == "mpi4jax" and dtype == "bfloat16":
-                for variant in ("mpi4jax-allgather", "mpi4jax-rs-ag"):
-                    cases.append({"backend": variant, "layout": layout, "dtype": dtype})
-            if backend == "mpi4jax" and spec.get("baseline", True):
-                cases.append({"backend": "local-x+1", "layout": layout, "dtype": dtype})
+    for layout, dtype in itertools.product(spec["layouts"], spec["dtypes"]):
+        names = [backend]
+        if backend == "mpi4jax":  # bf16 two more ways, and the no-communication baseline
+            names += ["mpi4jax-allgather", "mpi4jax-rs-ag"] if dtype == "bfloat16" else []
+            names.append("local-x+1")
+        cases += [{"backend": name, "layout": layout, "dtype": dtype} for name in names]
     return cases
 
 
@@ -85,10 +67,8 @@ def _time_case(fn, args, spec: dict, barrier) -> tuple[object, list[float]]:
 def _check(leaves, expected: float) -> tuple[bool, float, float]:
     import numpy as np
 
-    lo, hi = float("inf"), float("-inf")
-    for leaf in leaves:
-        a = np.asarray(leaf).astype(np.float32)
-        lo, hi = min(lo, float(a.min())), max(hi, float(a.max()))
+    arrays = [np.asarray(leaf).astype(np.float32) for leaf in leaves]
+    lo, hi = min(float(a.min()) for a in arrays), max(float(a.max()) for a in arrays)
     return lo == hi == expected, lo, hi
 
 
@@ -101,7 +81,7 @@ def _run_cases(spec: dict, backend: str, rank: int, build, barrier) -> list[dict
     for case in _cases(spec, backend):
         shapes = layout_shapes(case["layout"], spec)
         np_dtype = np.dtype(jnp.dtype(case["dtype"]))
-        rec = dict(case, rank=rank, tensors=len(shapes), elements=sum(map(_numel, shapes)))
+        rec = dict(case, rank=rank, tensors=len(shapes), elements=sum(map(math.prod, shapes)))
         rec["bytes"] = rec["elements"] * np_dtype.itemsize
         try:
             fn, args, out_leaves, expected = build(case, shapes, np_dtype)
@@ -118,12 +98,8 @@ def _run_cases(spec: dict, backend: str, rank: int, build, barrier) -> list[dict
         except Exception as e:  # record and go on (e.g. an unsupported dtype)
             rec.update(status="error", error=f"{type(e).__name__}: {e}"[:500])
             barrier()
-        print(
-            f"[{backend} rank {rank}] {case['layout']} {case['dtype']} {case['backend']}: "
-            f"{rec['status']}",
-            file=sys.stderr,
-            flush=True,
-        )
+        what = f"{case['layout']} {case['dtype']} {case['backend']}"
+        print(f"[{backend} rank {rank}] {what}: {rec['status']}", file=sys.stderr, flush=True)
         records.append(rec)
     return records
 
@@ -176,15 +152,15 @@ def worker_mpi4jax(spec: dict, result_dir: Path) -> None:
         return jax.jit(body), (xs,), list, EXPECTED
 
     records = _run_cases(spec, "mpi4jax", rank, build, comm.Barrier)
-    info = {
-        "devices": [str(d) for d in jax.devices()],
-        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
-    }
-    out = {"info": info, "records": records}
-    (result_dir / f"mpi4jax-rank{rank}.json").write_text(json.dumps(out))
+    library = MPI.Get_library_version().strip().splitlines()[0]
+    info = {"devices": [str(d) for d in jax.devices()], "mpi_library": library}
+    (result_dir / f"mpi4jax-rank{rank}.json").write_text(
+        json.dumps({"info": info, "records": records})
+    )
 
 
-def worker_gloo(spec: dict, result_dir: Path, process_id: int, port: int) -> None:
+def worker_gloo(spec: dict, result_dir: Path) -> None:
+    """One of ``python -m jddp.launch --nproc 2``'s ranks (its coordinator and process id)."""
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
@@ -192,7 +168,9 @@ def worker_gloo(spec: dict, result_dir: Path, process_id: int, port: int) -> Non
     from jax.sharding import PartitionSpec as P
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"localhost:{port}", num_processes=N_PROCS, process_id=process_id)
+    process_id = int(os.environ["JDDP_PROCESS_ID"])
+    coordinator = os.environ["JDDP_COORDINATOR_ADDRESS"]
+    jax.distributed.initialize(coordinator, num_processes=N_PROCS, process_id=process_id)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     sharding = NamedSharding(mesh, P("data"))
     psum = jax.jit(
@@ -200,11 +178,10 @@ def worker_gloo(spec: dict, result_dir: Path, process_id: int, port: int) -> Non
             lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P("data")
         )
     )
-    n_barrier = [0]
+    barriers = itertools.count(1)
 
     def barrier():
-        n_barrier[0] += 1
-        multihost_utils.sync_global_devices(f"bench-{n_barrier[0]}")
+        multihost_utils.sync_global_devices(f"bench-{next(barriers)}")
 
     compiled: dict[str, dict] = {}
 
@@ -237,29 +214,20 @@ def worker_gloo(spec: dict, result_dir: Path, process_id: int, port: int) -> Non
         "compiled_all_reduces": compiled,
         "collectives": jax.config.jax_cpu_collectives_implementation,
     }
-    out = {"info": info, "records": records}
-    (result_dir / f"gloo-rank{process_id}.json").write_text(json.dumps(out))
+    out = json.dumps({"info": info, "records": records})
+    (result_dir / f"gloo-rank{process_id}.json").write_text(out)
     jax.distributed.shutdown()
 
 
 # ---------------------------------------------------------------------------------- driver
-
-
-def _worker_cmd(spec_path: Path, result_dir: Path, backend: str) -> list[str]:
-    return [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker",
-        backend,
-        "--spec",
-        str(spec_path),
-        "--result-dir",
-        str(result_dir),
-    ]
-
-
-def launch_mpi4jax(spec_path: Path, result_dir: Path) -> dict:
-    cmd = [benchlib.mpirun(), "-np", str(N_PROCS), *_worker_cmd(spec_path, result_dir, "mpi4jax")]
+def launch(spec_path: Path, result_dir: Path, backend: str) -> dict:
+    """The two ranks of ``backend``: ``mpirun -np 2`` (mpi4jax) or ``python -m jddp.launch``."""
+    worker = [sys.executable, str(Path(__file__).resolve()), "--worker", backend, "--spec",
+              str(spec_path), "--result-dir", str(result_dir)]  # fmt: skip
+    if backend == "mpi4jax":
+        cmd = [benchlib.mpirun(), "-np", str(N_PROCS), *worker]
+    else:
+        cmd = [sys.executable, "-m", "jddp.launch", "--nproc", str(N_PROCS), "--", *worker]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     return {
@@ -267,42 +235,6 @@ def launch_mpi4jax(spec_path: Path, result_dir: Path) -> dict:
         "returncode": proc.returncode,
         "wall_s": time.perf_counter() - t0,
         "stderr_tail": proc.stderr[-2000:],
-    }
-
-
-def launch_gloo(spec_path: Path, result_dir: Path) -> dict:
-    port = find_free_port()
-    base = _worker_cmd(spec_path, result_dir, "gloo") + ["--port", str(port)]
-    t0 = time.perf_counter()
-    logs = [open(result_dir / f"gloo-{i}.log", "w+") for i in range(N_PROCS)]
-    procs = [
-        subprocess.Popen(base + ["--process-id", str(i)], stdout=logs[i], stderr=logs[i])
-        for i in range(N_PROCS)
-    ]
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    codes: list[int | None] = [None] * N_PROCS
-    while any(c is None for c in codes) and time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        if any(c not in (None, 0) for c in codes):  # one failed: don't wait for its peer
-            time.sleep(2)
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    codes = [p.returncode for p in procs]
-    tails = []
-    for f in logs:
-        f.seek(0)
-        tails.append(f.read()[-2000:])
-        f.close()
-    return {
-        "command": base + ["--process-id", "<i>"],
-        "port": port,
-        "returncodes": codes,
-        "wall_s": time.perf_counter() - t0,
-        "stderr_tail": tails,
     }
 
 
@@ -347,8 +279,9 @@ def combine(rank_files: list[Path]) -> tuple[list[dict], list[dict]]:
 
 def print_table(records: list[dict]) -> None:
     """The table as RESULTS.md shows it (Markdown)."""
-    print("| backend | layout | wire dtype | MB | median ms (p10–p90) | busbw GB/s | check |")
-    print("|---|---|---|---:|---:|---:|---|")
+    benchlib.md_table(
+        "backend | layout | wire dtype | MB | median ms (p10–p90) | busbw GB/s | check", "lllrrrl"
+    )
     for r in records:
         row = f"| {r['backend']} | {r['layout']} | {r['dtype']} | {r['bytes'] / 1e6:.1f} |"
         if "median_ms" not in r:
@@ -363,21 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=10, help="timed calls per case (default 10)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
-    ap.add_argument(
-        "--elements", type=int, help="elements of the 'flat' buffer (default: the model's)"
-    )
+    ap.add_argument("--elements", type=int, help="the 'flat' buffer's size (default: the model's)")
     ap.add_argument("--layouts", default="flat,leaves", help="flat and/or leaves")
     ap.add_argument("--backends", default="mpi4jax,gloo", help="mpi4jax and/or gloo")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="float32 and/or bfloat16")
-    ap.add_argument(
-        "--no-baseline", action="store_true", help="skip the local x+1 baseline (no communication)"
-    )
-    ap.add_argument("--out", default=None, help="JSON path (default experiments/results/...)")
+    benchlib.output_args(ap)
     ap.add_argument("--worker", choices=["mpi4jax", "gloo"], help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     ap.add_argument("--result-dir", help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.worker:
@@ -385,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.worker == "mpi4jax":
             worker_mpi4jax(spec, Path(args.result_dir))
         else:
-            worker_gloo(spec, Path(args.result_dir), args.process_id, args.port)
+            worker_gloo(spec, Path(args.result_dir))
         return 0
 
     def split(s: str, allowed: set[str]) -> list[str]:
@@ -403,7 +329,6 @@ def main(argv: list[str] | None = None) -> int:
         "leaf_shapes": model["param_shapes"],
         "layouts": split(args.layouts, {"flat", "leaves"}),
         "dtypes": split(args.dtypes, {"float32", "bfloat16"}),
-        "baseline": not args.no_baseline,
     }
     if args.iters < 1 or args.warmup < 0 or spec["elements"] < 1:
         ap.error("--iters >= 1, --warmup >= 0, --elements >= 1")
@@ -417,13 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         spec_path.write_text(json.dumps(spec))
         for backend in backends:
             print(f"running {backend} ...", file=sys.stderr, flush=True)
-            launch = launch_mpi4jax if backend == "mpi4jax" else launch_gloo
-            launches[backend] = launch(spec_path, tmp_path)
+            launches[backend] = launch(spec_path, tmp_path, backend)
             files = [tmp_path / f"{backend}-rank{r}.json" for r in range(N_PROCS)]
             if not all(f.exists() for f in files):
-                print(
-                    f"{backend} failed: {json.dumps(launches[backend], indent=1)}", file=sys.stderr
-                )
+                print(f"{backend} failed: {json.dumps(launches[backend])}", file=sys.stderr)
                 continue
             recs, infos = combine(files)
             records += recs
@@ -432,9 +354,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mpichversion = Path(sys.executable).parent / "mpichversion"
     mpich = sh(str(mpichversion)) if mpichversion.exists() else None
-    machine = benchlib.machine_info(extra={"mpichversion": mpich})
-    stem = f"allreduce-{started.date().isoformat()}-{machine['hostname'] or 'cpu2'}"
-    out_path = Path(args.out) if args.out else unused_path(RESULTS_DIR, stem)
+    machine = benchlib.machine_info(args.machine, extra={"mpichversion": mpich})
     result = {
         "benchmark": "allreduce",
         "date_utc": started.isoformat(timespec="seconds"),
@@ -452,11 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         "worker_info": worker_info,
         "records": records,
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1) + "\n")
     print()
     print_table(records)
-    print(f"\nwrote {out_path}")
+    benchlib.save_result("allreduce", machine["name"], result, args.out)
     bad = [r for r in records if r["status"] not in ("ok", "error")]
     return 1 if bad or not records else 0
 

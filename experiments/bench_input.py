@@ -1,21 +1,13 @@
 """Input pipeline throughput: per-core decoders, the host pipeline alone, and the trainer.
 
-* ``--decoders``: images/s on one core (this thread) of decode + random-resized crop + flip to
-  224 px, per JPEG library, for 500x375 JPEGs (quality 90) cut from scikit-learn's two sample
-  photos and for the same stored at shorter side 256 (what ``python -m jddp.pack --max-side
-  256`` stores), with each library's mean absolute difference from the old Pillow path.
-* ``--pipeline``: ``HostBatches`` through ``host_iterator`` alone (no model, no device), images/s
-  against the number and kind of workers, for a JPEG folder and its pack.
-* ``--trainer`` (default): ``python -m jddp.train`` end to end on 2 CPU devices with a nearly
-  free model (:mod:`nearly_free`; on a CPU the CPU is also the device, so the model must not
-  touch every pixel), read from the trainer's own ``metrics.jsonl``: in-memory 224 px, in-memory
-  32 px with ``cifar`` augmentation, the JPEG folder and its pack with ``imagenet`` augmentation;
-  ``--before COMMIT`` adds the JPEG folder with jddp at that commit.
-
     .venv/bin/python experiments/bench_input.py --decoders --pipeline --trainer   # ~6 min
+    .venv/bin/python experiments/bench_input.py --formats --trainer --cases folder parquet
 
-Prints tables and writes ``experiments/results/input-<date>-<machine>.json`` (``-runN`` when
-it exists) with the machine, commit and 1-minute load average per row.
+``--decoders``: decode + random-resized crop per JPEG library, one core; ``--pipeline``: the host
+pipeline alone per worker count and kind; ``--formats``: WebDataset indexing, Parquet by index;
+``--trainer`` (default): ``python -m jddp.train`` end to end on 2 CPU devices with a nearly free
+model (:mod:`nearly_free`). What each measures: ``experiments/README.md``. Writes
+``results/input-<date>-<machine>.json`` with the 1-minute load average per row.
 """
 
 from __future__ import annotations
@@ -23,22 +15,20 @@ from __future__ import annotations
 import argparse
 import functools
 import io
-import json
 import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import REPO, RESULTS_DIR, machine_info, run_trainer, unused_path  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported (gpu_session.py)
+import benchlib  # noqa: E402
+from benchlib import REPO, load1, machine_info, run_trainer  # noqa: E402
 
-sys.path.insert(0, str(REPO))
 WARM_STEPS = 15  # trainer windows up to here: compilation, and the batches built meanwhile
 
 
@@ -71,10 +61,6 @@ def pack(folder: Path, out: Path, max_side: int = 256) -> Path:
     return out
 
 
-def load1() -> float:
-    return os.getloadavg()[0]
-
-
 # --------------------------------------------------------------------------- the decoders
 def decoders() -> dict:
     """Library -> ``fn(data, box_of, size) -> uint8 [size,size,3]`` (crop, then resize)."""
@@ -100,7 +86,7 @@ def decoders() -> dict:
 
     def simplejpeg_pillow(data, box_of, size):
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-        box, f = box_of(height, width), 1
+        box = box_of(height, width)
         f = draft_factor(box, size)
         arr = simplejpeg.decode_jpeg(
             data, "RGB", min_height=-(-height // f), min_width=-(-width // f)
@@ -120,23 +106,12 @@ def decoders() -> dict:
         arr = cv2.cvtColor(arr, cv2.COLOR_BGR2RGB)
         return resize_crop(arr, scaled(box, arr, height, width), size)
 
-    found = {
+    return {
         "pillow (jddp before)": pillow,
         "simplejpeg + pillow resize": simplejpeg_pillow,
         "opencv imdecode + opencv resize": opencv,
         "simplejpeg + opencv resize (jddp now)": lambda d, b, s: decode_crop(d, b, s, "bench"),
     }
-    try:  # optional: pip install --target DIR imagecodecs; PYTHONPATH=DIR
-        import imagecodecs
-
-        def icodecs(data, box_of, size):  # libjpeg-turbo too; offers no DCT scaling
-            arr = imagecodecs.jpeg8_decode(data)
-            return resize_crop(arr, box_of(*arr.shape[:2]), size)
-
-        found["imagecodecs + opencv resize"] = icodecs
-    except ImportError:
-        print("(imagecodecs not installed: its row is skipped)")
-    return found
 
 
 def crops(fn, datas: list[bytes], u: np.ndarray, flip: np.ndarray, n: int) -> list[np.ndarray]:
@@ -150,40 +125,9 @@ def crops(fn, datas: list[bytes], u: np.ndarray, flip: np.ndarray, n: int) -> li
     return out
 
 
-def dali(datas: list[bytes], count: int) -> tuple[float, float] | None:
-    """DALI's CPU operators, one thread, batches of 64 (optional: ``pip install --target DIR
-    nvidia-dali-cuda130``; ``PYTHONPATH=DIR``): (wall, CPU) seconds per image, or None."""
-    try:
-        from nvidia.dali import fn, pipeline_def, types
-    except ImportError:
-        print("(nvidia-dali not installed: its row is skipped)")
-        return None
-    arrays = [np.frombuffer(d, np.uint8) for d in datas]
-
-    @pipeline_def(batch_size=64, num_threads=1, device_id=None)  # a CPU-only pipeline
-    def pipe():
-        jpegs = fn.external_source(
-            source=lambda: [arrays[i % len(arrays)] for i in range(64)], batch=True
-        )
-        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB)
-        images = fn.resize(images, resize_x=224, resize_y=224)
-        return fn.flip(images, horizontal=fn.random.coin_flip())
-
-    p = pipe()
-    p.build()
-    p.run()
-    rounds = max(1, count // 64)
-    start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(rounds):
-        p.run()
-    return (time.perf_counter() - start) / (64 * rounds), (time.process_time() - cpu) / (
-        64 * rounds
-    )
-
-
 def decoder_rows(args, tmp: Path) -> list[dict]:
     from jddp.data import augment as aug
-    from jddp.pack import shrink_to_max_side  # what python -m jddp.pack --max-side stores
+    from jddp.data.pack_writer import shrink_to_max_side  # what jddp.pack --max-side stores
 
     raw = [f.read_bytes() for f in sorted(make_jpeg_folder(tmp / "dec", 16).rglob("*.jpg"))[:16]]
     sets = {
@@ -206,39 +150,14 @@ def decoder_rows(args, tmp: Path) -> list[dict]:
             cpu = (time.thread_time() - cpu) / args.decode_images
             outs = run(64)
             reference = reference or outs
-            mad = float(
-                np.mean(
-                    [np.abs(a.astype(int) - b).mean() for a, b in zip(outs, reference, strict=True)]
-                )
-            )
-            rows.append(
-                {
-                    "library": library,
-                    "images": images,
-                    "ms_per_image": 1e3 * wall,
-                    "img_per_s": 1 / wall,
-                    "img_per_cpu_s": 1 / cpu,
-                    "mad_vs_pillow": mad,
-                }
-            )
-        seconds = dali(datas, args.decode_images)
-        if seconds:
-            rows.append(
-                {
-                    "library": "DALI CPU (image_random_crop + resize + flip)",
-                    "images": images,
-                    "ms_per_image": 1e3 * seconds[0],
-                    "img_per_s": 1 / seconds[0],
-                    "img_per_cpu_s": 1 / seconds[1],
-                    "mad_vs_pillow": None,
-                }
-            )
-        for r in rows[-len(libraries) - bool(seconds) :]:
-            r.update(case="decoders", load1=load1())
-            mad = "-" if r["mad_vs_pillow"] is None else f"{r['mad_vs_pillow']:.2f}"
-            cells = [images, r["library"], f"{r['ms_per_image']:.2f}", f"{r['img_per_s']:,.0f}"]
-            cells += [f"{r['img_per_cpu_s']:,.0f}", mad, f"{r['load1']:.2f}"]
-            print("| " + " | ".join(cells) + " |", flush=True)
+            diffs = [np.abs(a.astype(int) - b).mean() for a, b in zip(outs, reference, strict=True)]
+            mad = float(np.mean(diffs))
+            load = load1()
+            rows.append({"library": library, "images": images, "ms_per_image": 1e3 * wall,
+                         "img_per_s": 1 / wall, "img_per_cpu_s": 1 / cpu, "mad_vs_pillow": mad,
+                         "case": "decoders", "load1": load})  # fmt: skip
+            cells = [f"{1e3 * wall:.2f}", f"{1 / wall:,.0f}", f"{1 / cpu:,.0f}", f"{mad:.2f}"]
+            print("| " + " | ".join([images, library, *cells, f"{load:.2f}"]) + " |", flush=True)
     return rows
 
 
@@ -268,20 +187,9 @@ def pipeline_rows(args, tmp: Path) -> list[dict]:
                 start = time.perf_counter()
                 rate = sum(128 for _ in it) / (time.perf_counter() - start)
                 getattr(it, "close", lambda: None)()
-                rows.append(
-                    {
-                        "case": "pipeline",
-                        "data": name,
-                        "workers": workers,
-                        "kind": kind,
-                        "img_per_s": rate,
-                        "load1": load1(),
-                    }
-                )
-                print(
-                    f"| {name} | {workers} | {kind} | {rate:,.0f} | {rows[-1]['load1']:.2f} |",
-                    flush=True,
-                )
+                row, load = {"case": "pipeline", "data": name, "workers": workers}, load1()
+                rows.append({**row, "kind": kind, "img_per_s": rate, "load1": load})
+                print(f"| {name} | {workers} | {kind} | {rate:,.0f} | {load:.2f} |", flush=True)
                 time.sleep(1.0 if kind == "process" else 0)  # let a closing process pool go
     return rows
 
@@ -393,12 +301,8 @@ def trainer_rows(args, tmp: Path) -> list[dict]:
     trees = {name: REPO for name in cases}
     if args.before:
         old = tmp / "before"
-        subprocess.run(
-            ["git", "worktree", "add", "--detach", str(old), args.before],
-            cwd=REPO,
-            check=True,
-            capture_output=True,
-        )
+        worktree = ["git", "worktree", "add", "--detach", str(old), args.before]
+        subprocess.run(worktree, cwd=REPO, check=True, capture_output=True)
         name = f"JPEG folder 500x375 (128, imagenet) at {args.before}"
         cases, trees[name] = {name: cases["JPEG folder 500x375 (128, imagenet)"], **cases}, old
     print("| python -m jddp.train, 2 devices | images/s | input wait | load |\n|---|---|---|---|")
@@ -408,29 +312,13 @@ def trainer_rows(args, tmp: Path) -> list[dict]:
             path = os.pathsep.join([str(trees[name]), str(Path(__file__).parent)])
             env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
             load = load1()
-            r = run_trainer(
-                tmp / f"run{i}",
-                [*free, *overrides],
-                devices=2,
-                env=env,
-                skip_steps=WARM_STEPS,
-                tree=trees[name],
-            )
-            rate, wait = (
-                float(np.median(r["img_per_s"])),
-                float(np.median(r["input_wait_fraction"])),
-            )
-            rows.append(
-                {
-                    "case": "trainer",
-                    "data": name,
-                    "img_per_s": rate,
-                    "input_wait_fraction": wait,
-                    "windows_img_per_s": r["img_per_s"],
-                    "command": " ".join(map(str, r["command"])),
-                    "load1": load,
-                }
-            )
+            r = run_trainer(tmp / f"run{i}", [*free, *overrides], devices=2, env=env,
+                            skip_steps=WARM_STEPS, tree=trees[name])  # fmt: skip
+            rate = float(np.median(r["img_per_s"]))
+            wait = float(np.median(r["input_wait_fraction"]))
+            rows.append({"case": "trainer", "data": name, "img_per_s": rate,
+                         "input_wait_fraction": wait, "windows_img_per_s": r["img_per_s"],
+                         "command": " ".join(map(str, r["command"])), "load1": load})  # fmt: skip
             print(f"| {name} | {rate:,.0f} | {wait:.2f} | {load:.2f} |", flush=True)
     finally:
         if args.before:
@@ -447,12 +335,7 @@ def main() -> int:
     p.add_argument("--trainer", action="store_true", help="python -m jddp.train end to end")
     p.add_argument("--formats", action="store_true", help="WebDataset index rate, Parquet reads")
     p.add_argument("--index-repeats", type=int, default=20, help="--formats: index builds")
-    p.add_argument(
-        "--cases",
-        nargs="*",
-        default=None,
-        help="--trainer: only the cases whose name holds one of these words (e.g. folder parquet)",
-    )
+    p.add_argument("--cases", nargs="*", help="--trainer: the cases whose name holds a word")
     p.add_argument("--repeats", type=int, default=1, help="--trainer --cases: rounds, alternated")
     p.add_argument("--decode-images", type=int, default=200, help="images per decoder row")
     p.add_argument("--workers", default="0,1,2,4", help="--pipeline worker counts")
@@ -460,8 +343,7 @@ def main() -> int:
     p.add_argument("--e2e-images", type=int, default=512, help="JPEGs in the folder")
     p.add_argument("--e2e-steps", type=int, default=60)
     p.add_argument("--before", default=None, help="--trainer: also the JPEG folder at COMMIT")
-    p.add_argument("--machine", default=None, help="machine name in the file name")
-    p.add_argument("--out", default=None)
+    benchlib.output_args(p)
     args = p.parse_args()
     args.workers = [int(w) for w in args.workers.split(",")]
     info = machine_info(args.machine, {"load1_start": load1()})
@@ -476,12 +358,8 @@ def main() -> int:
         if args.trainer or not (args.decoders or args.pipeline or args.formats):
             rows += trainer_rows(args, Path(tmp))
     info["load1_end"] = load1()
-    stamp = date.today().isoformat()
-    out = Path(args.out) if args.out else unused_path(RESULTS_DIR, f"input-{stamp}-{info['name']}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = " ".join([Path(sys.executable).name, *sys.argv])
-    out.write_text(json.dumps({"machine": info, "command": cmd, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {out}")
+    result = {"machine": info, "command": benchlib.command_line(), "rows": rows}
+    benchlib.save_result("input", info["name"], result, args.out)
     return 0
 
 

@@ -3,17 +3,9 @@
     .venv/bin/python experiments/bench_lm.py [--configs 1x1,2x1] [--steps 600] [--skip 40]
         [--platform cpu|gpu] [--peak-tflops T] [--machine NAME] [--out PATH] [--quick]
 
-Runs ``python -m jddp.train --config configs/lm_stdlib.yaml`` (the byte-level GPT of
-``examples/lm_stdlib.py`` on the standard library's sources) as one process (``1x1``) or under
-``python -m jddp.launch --nproc P --devices-per-proc D`` (``PxD``), reading what the trainer
-logged itself (:func:`benchlib.run_trainer`): ``train/tokens_per_s`` (real, unpadded tokens),
-``train/step_time_s`` over the windows after step ``--skip``, the final ``eval/loss`` (nats per
-byte). Beside them: the unigram baseline of the same held-out bytes, the model FLOPs of a step
-(3 x 2 x the forward multiply-accumulates of the GPT on full-length sequences, traced from the
-model itself, :func:`benchlib.forward_macs`, times the global batch: the padding is computed
-too), achieved GFLOP/s and MFU against ``--peak-tflops`` (on CPU an *assumed* FP32 vector peak,
-:func:`benchlib.assumed_peak`). Prints a Markdown table and writes
-``results/lm-<date>-<machine>.json`` (``--quick``: 20 steps, ``...-quick.json``, git-ignored).
+``python -m jddp.train --config configs/lm_stdlib.yaml`` as ``PxD`` (:func:`benchlib.run_trainer`):
+final ``eval/loss`` (nats per byte) against the unigram baseline, ``train/tokens_per_s``, model
+FLOPs (:func:`step_flops`), GFLOP/s and MFU. Writes ``results/lm-<date>-<machine>.json``.
 """
 
 from __future__ import annotations
@@ -29,7 +21,8 @@ CONFIG = "configs/lm_stdlib.yaml"
 
 
 def step_flops(config: dict) -> float:
-    """Model FLOPs of one train step: 6 x forward MACs of one full-length sequence x batch."""
+    """Model FLOPs of one train step: 6 x the forward MACs of one full-length sequence (traced,
+    :func:`benchlib.forward_macs`; padding is computed too) x the global batch."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -55,9 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=40, help="windows ending after this step timed")
     ap.add_argument("--platform", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--peak-tflops", type=float, help="peak for MFU (CPU default: assumed)")
-    ap.add_argument("--machine", help="name in the output file (default: host)")
-    ap.add_argument("--out", help="JSON path (default experiments/results/...)")
     ap.add_argument("--quick", action="store_true", help="smoke run, numbers meaningless")
+    benchlib.output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.skip = 20, 5
@@ -71,11 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     train, evals = lm_stdlib.data(config["data"])
     baseline = lm_stdlib.unigram_baseline(train, evals)
     machine = benchlib.machine_info(args.machine)
-    peak, peak_note = (
-        (args.peak_tflops * 1e12, f"given: {args.peak_tflops} TFLOP/s")
-        if args.peak_tflops
-        else benchlib.assumed_peak(machine, args.platform)
-    )
+    peak, peak_note = benchlib.peak_flops(machine, args.platform, args.peak_tflops)
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.configs.split(","):
@@ -107,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         f"\nunigram baseline {baseline:.4f} nats/byte; model FLOPs/step {flops / 1e9:.2f} G; "
         f"{peak_note}\n"
     )
-    print("| config | eval loss (nats/byte) | tokens/s | step s | GFLOP/s | MFU | wall s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    benchlib.md_table(
+        "config | eval loss (nats/byte) | tokens/s | step s | GFLOP/s | MFU | wall s", "lr"
+    )
     for r in records:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(
@@ -129,11 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak_note": peak_note,
         "records": records,
     }
-    if args.out:
-        benchlib.write_json(Path(args.out), result)
-    else:
-        name = machine["name"] + ("-quick" if args.quick else "")
-        benchlib.save_result("lm", name, result)
+    benchlib.save_result("lm", machine["name"] + "-quick" * args.quick, result, args.out)
     return 0
 
 

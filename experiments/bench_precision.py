@@ -1,26 +1,22 @@
 """Mixed precision on the default run: accuracy and speed of ``train.precision`` float32 vs
-bfloat16 on ``configs/digits.yaml`` (ResNet-18 on scikit-learn's digits, 220 steps).
+bfloat16 on ``configs/digits.yaml``, alternating, ``--repeats`` times each.
 
     .venv/bin/python experiments/bench_precision.py [--repeats 2] [--steps 220]
 
-Each repeat trains once per precision, alternating (f32, bf16, f32, bf16, ...) so a slow phase
-of a shared machine hits both. Reported per run: final eval accuracy on the 360 held-out digits
-(what the issue's "within 1 point" is about) and training throughput, the median of the
-``train/img_per_s`` log lines (each covers ``log.every_steps`` steps; the first, which
-includes compilation, is dropped). Writes ``results/precision-<date>-<machine>.json``.
+Exit 1 if the accuracy gap exceeds 1 point. Writes ``results/precision-<date>-<machine>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import RESULTS_DIR, machine_info, run_trainer
+import benchlib
+from benchlib import machine_info, run_trainer
 from cases import case
 
 PRECISIONS = ("float32", "bfloat16")
@@ -47,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=220)
-    parser.add_argument("--machine", default=None)
-    parser.add_argument("--out", default=None)
+    benchlib.output_args(parser)
     args = parser.parse_args(argv)
     machine = machine_info(args.machine)
     runs = []
@@ -74,15 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {precision} | {s['eval_accuracy_mean']:.4f} | {s['img_per_s_median']:.1f} |")
     print(f"\nbf16 accuracy gap: {gap_points:+.2f} points (target within 1); "
           f"bf16 speed-up: {speedup:.2f}x")  # fmt: skip
-    date = datetime.date.today().isoformat()
-    out = Path(args.out) if args.out else RESULTS_DIR / f"precision-{date}-{machine['name']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     record = {
-        "date": date, "machine": machine, "argv": sys.argv, "runs": runs, "summary": summary,
-        "accuracy_gap_points": gap_points, "bf16_speedup": speedup,
+        "date": datetime.date.today().isoformat(), "machine": machine, "argv": sys.argv,
+        "runs": runs, "summary": summary, "accuracy_gap_points": gap_points,
+        "bf16_speedup": speedup,
     }  # fmt: skip
-    out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {out}")
+    benchlib.save_result("precision", machine["name"], record, args.out)
     return 0 if abs(gap_points) <= 1.0 else 1
 
 

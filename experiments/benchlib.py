@@ -1,15 +1,13 @@
 """What every benchmark of ``experiments/`` shares: the machine and checkout a results file
-records (:func:`machine_info`), where results go (:func:`save_result`), the one way to run the
-trainer and read its own metrics (:func:`run_trainer`), the one ``mpirun``
-(:func:`mpirun`), and the architecture figures of a ``jddp.models`` network
-(:func:`model_figures`).
-
-The scripts run as ``python experiments/<script>.py``, so this folder is on ``sys.path`` and
-``import benchlib`` finds this file. jax is imported only inside :func:`model_figures`.
+records (:func:`machine_info`), its options and where it goes (:func:`output_args`,
+:func:`save_result`), Markdown tables (:func:`md_table`), the one way to run the trainer and read
+its own metrics (:func:`run_trainer`), the one ``mpirun``, and model FLOPs (:func:`model_figures`).
+Scripts run as ``python experiments/<script>.py``: this folder is on ``sys.path``.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as md
 import json
 import math
@@ -75,6 +73,11 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def load1() -> float:
+    """The 1-minute load average (the VM is shared: every results file records it)."""
+    return os.getloadavg()[0]
+
+
 def unused_path(folder: Path, stem: str, suffix: str = ".json") -> Path:
     """``folder/<stem><suffix>``, or ``<stem>-run2``, ``-run3``, ... when that exists."""
     path = folder / f"{stem}{suffix}"
@@ -87,24 +90,14 @@ def unused_path(folder: Path, stem: str, suffix: str = ".json") -> Path:
 
 def _cpuinfo() -> tuple[str | None, float | None, set[str]]:
     """Model name, clock (MHz) and flags of the first CPU in /proc/cpuinfo (None/empty: unknown)."""
-    model, mhz, flags = None, None, set()
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
     except OSError:
-        return model, mhz, flags
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and model is None:
-            model = value.strip()
-        elif key == "cpu MHz" and mhz is None:
-            try:
-                mhz = float(value)
-            except ValueError:
-                pass
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-    return model, mhz, flags
+        first = []
+    cpu = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first)}
+    mhz = cpu.get("cpu MHz", "")
+    mhz = float(mhz) if mhz.replace(".", "", 1).isdigit() else None
+    return cpu.get("model name"), mhz, set(cpu.get("flags", "").split())
 
 
 def _mem_gib() -> float | None:
@@ -115,12 +108,10 @@ def _mem_gib() -> float | None:
 
 
 def checkout() -> tuple[str | None, list[str], str | None]:
-    """Commit (short), dirty paths and where they came from: ``git``, or, in a copy of the tree
-    without ``.git`` (as on a lent GPU machine), the file :data:`GPU_COMMIT_FILE` that
-    ``scripts/gpu_wheels.sh`` writes (``<commit> clean|dirty``; dirty paths are then unknown,
-    one placeholder); ``(None, [], None)`` when neither is there. ``JDDP_PREFER_COMMIT_FILE=1``
-    (set by ``gpu_session.sh`` there) reads the file first: the lent machine's tree once came
-    with a ``.git`` from the session's start, older than the tree (2026-11-24)."""
+    """Commit (short), dirty paths and their source: ``git``, or, in a tree without ``.git`` (a
+    lent GPU machine), :data:`GPU_COMMIT_FILE` (``<commit> clean|dirty``); ``(None, [], None)``
+    when neither. ``JDDP_PREFER_COMMIT_FILE=1`` (``gpu_session.sh``) reads the file first: that
+    tree once came with a stale ``.git`` (2026-11-24)."""
     commit = None
     if not (os.environ.get("JDDP_PREFER_COMMIT_FILE") == "1" and (REPO / GPU_COMMIT_FILE).exists()):
         commit = sh("git", "-C", str(REPO), "rev-parse", "--short", "HEAD")
@@ -138,13 +129,12 @@ def checkout() -> tuple[str | None, list[str], str | None]:
 
 
 def machine_info(name: str | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """This machine and checkout, as the results files record them.
-
-    ``name``: the machine's name in file names (default: the short host name). ``extra``: a
-    script's own fields, added last (they win over a common field of the same name)."""
+    """This machine and checkout as the results files record them; ``name``: the machine's name
+    in file names (default: the short host name); ``extra``: a script's own fields, added last."""
     cpu_model, mhz, flags = _cpuinfo()
     host = socket.gethostname().split(".")[0]
     commit, dirty, commit_source = checkout()
+    driver = sh("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
     info: dict[str, Any] = {
         "name": name or host or "cpu",
         "hostname": host,
@@ -157,10 +147,7 @@ def machine_info(name: str | None = None, extra: dict[str, Any] | None = None) -
         "isa": sorted(flags & ISA_FLAGS),
         "mem_gib": _mem_gib(),
         "gpus": (sh("nvidia-smi", "-L") or "").splitlines(),
-        "gpu_driver": (
-            sh("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader") or ""
-        ).split("\n")[0]
-        or None,
+        "gpu_driver": (driver or "").split("\n")[0] or None,
         "python": platform.python_version(),
         "versions": {d: version(d) for d in VERSIONED},
         "xla_flags": os.environ.get("XLA_FLAGS"),
@@ -175,19 +162,59 @@ def machine_info(name: str | None = None, extra: dict[str, Any] | None = None) -
 
 
 def write_json(path: Path, result: dict[str, Any]) -> Path:
-    """Write ``result`` to ``path`` (folders made as needed) as the results files are written,
-    and say where."""
+    """Write ``result`` to ``path`` (folders made as needed) and say where."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
     return path
 
 
-def save_result(kind: str, machine: str, result: dict[str, Any]) -> Path:
-    """Write ``result`` as ``results/<kind>-<date>-<machine>.json`` (``-runN`` if taken) and say
-    where."""
-    path = unused_path(RESULTS_DIR, f"{kind}-{time.strftime('%Y-%m-%d')}-{machine}")
-    return write_json(path, result)
+def output_args(ap: argparse.ArgumentParser, machine: str | None = None) -> None:
+    """The options every script shares: ``--machine`` (its name in the results file's name) and
+    ``--out`` (the JSON path instead of ``results/...``)."""
+    ap.add_argument("--machine", default=machine, help="name in the results file (default: host)")
+    ap.add_argument(
+        "--out", help="JSON path (default: experiments/results/<kind>-<date>-<machine>)"
+    )
+
+
+def save_result(kind: str, machine: str, result: dict[str, Any], out: str | None = None) -> Path:
+    """Write ``result`` to ``out``, else to ``results/<kind>-<date>-<machine>.json`` (no ``kind``:
+    ``<date>-<machine>``; ``-runN`` if taken), and say where."""
+    if out:
+        return write_json(Path(out), result)
+    stem = "-".join(x for x in (kind, time.strftime("%Y-%m-%d"), machine) if x)
+    return write_json(unused_path(RESULTS_DIR, stem), result)
+
+
+def command_line() -> str:
+    """This script's command line, as the results files record it."""
+    return " ".join([Path(sys.executable).name, *sys.argv])
+
+
+def md_table(columns: str, align: str = "l") -> None:
+    """Print a Markdown table's head: ``columns`` as ``"a | b | c"``, ``align`` ``l`` or ``r``
+    per column (the last letter repeated)."""
+    n = columns.count(" | ") + 1
+    rule = "|".join("---:" if a == "r" else "---" for a in align.ljust(n, align[-1]))
+    print(f"| {columns} |\n|{rule}|")
+
+
+def call_times(fn: Any, n: int) -> list[float]:
+    """Seconds of each of ``n`` calls of ``fn()``."""
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def xla_cost(compiled: Any) -> dict[str, float]:
+    """XLA's ``cost_analysis()`` of a compiled program as one dict (``{}`` when it has none)."""
+    cost = compiled.cost_analysis()
+    return (cost[0] if cost else {}) if isinstance(cost, list | tuple) else (cost or {})
 
 
 def median_p10_p90(xs: list[float]) -> dict[str, float]:
@@ -207,6 +234,16 @@ def mpirun() -> str:
     return found
 
 
+def trainer_env(platform: str, xla_flags: str = "", extra: dict | None = None) -> dict[str, str]:
+    """A trainer run's environment: ``JAX_PLATFORMS`` pinned (``cuda`` on GPU, so a machine
+    without one fails instead of measuring the CPU), ``extra``, ``xla_flags`` appended."""
+    env = {**os.environ, "JAX_PLATFORMS": "cuda" if platform == "gpu" else "cpu", **(extra or {})}
+    flags = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
+    return env
+
+
 def trainer_command(
     workdir: Path,
     overrides: list[str],
@@ -216,11 +253,9 @@ def trainer_command(
     wrap: tuple[str, ...] = (),
     launcher: str = "jddp.launch",
 ) -> list[str]:
-    """``python -m jddp.train <overrides> workdir=...``, as one process, under ``python -m
-    jddp.launch --nproc P --devices-per-proc D`` (``backend="xla"``, P or D > 1), under
-    ``srun -N1 -n P --cpus-per-task=C`` (``launcher="srun"``, one device per task, C: this
-    machine's cores over P) or under ``mpirun -np P`` with ``dist.backend=mpi``. ``wrap``: a
-    command each rank is started through (e.g. ``bench.py``'s CPU pinning)."""
+    """``python -m jddp.train <overrides> workdir=...``: one process, under ``python -m
+    jddp.launch`` (P or D > 1), ``srun -N1 -n P --cpus-per-task=<cores / P>`` (``launcher="srun"``)
+    or ``mpirun -np P`` (``backend="mpi"``); each rank started through ``wrap``."""
     train = [*wrap, sys.executable, "-m", "jddp.train", *overrides, f"workdir={workdir}"]
     if backend == "mpi":
         return [mpirun(), "-np", str(nproc), *train, "dist.backend=mpi"]
@@ -250,15 +285,15 @@ def run_trainer(
     timeout: float | None = None,
     tree: Path = REPO,
 ) -> dict[str, Any]:
-    """Run the trainer (:func:`trainer_command`) to the end and read what it logged itself in
-    ``workdir/metrics.jsonl``: ``train/compile_s`` (the first step, compilation included) and,
-    for every logging window ending after step ``skip_steps``, ``train/step_time_s``,
-    ``train/img_per_s`` (a custom task's ``train/examples_per_s``) and
-    ``perf/input_wait_fraction`` (and all of those windows' keys: ``timed_rows``); also every
-    step's ``train/loss`` and the last eval line. Output goes to ``workdir/train.log``. A failed
-    run raises SystemExit, or with ``check=False`` returns ``{"error": ...}``. ``tree``: the
-    checkout whose jddp runs (the working directory: ``python -m`` puts it first on
-    ``sys.path``, before PYTHONPATH)."""
+    """Run the trainer (:func:`trainer_command`) to the end and read its ``metrics.jsonl``
+    (``jddp.plot.load_metrics``): ``train/compile_s`` and, for every logging window ending after
+    step ``skip_steps``, ``train/step_time_s``, ``train/img_per_s`` (a custom task's
+    ``train/examples_per_s``), ``perf/input_wait_fraction`` (all keys: ``timed_rows``); every
+    ``train/loss``, the last eval line. Output: ``workdir/train.log``. A failed run raises
+    SystemExit, or with ``check=False`` returns ``{"error": ...}``. ``tree``: the checkout whose
+    jddp runs (the working directory, first on ``sys.path``)."""
+    from jddp.plot import MetricsError, load_metrics
+
     env = dict(os.environ if env is None else env)
     if backend == "mpi" and devices > 1:  # jddp.launch sets this itself for its ranks
         flags = env.get("XLA_FLAGS", "")
@@ -277,13 +312,15 @@ def run_trainer(
     (workdir / "train.log").write_text(
         f"$ XLA_FLAGS={env.get('XLA_FLAGS', '')!r} {' '.join(cmd)}\n{stdout}\n{stderr}"
     )
-    metrics = workdir / "metrics.jsonl"
-    if rc != 0 or not metrics.exists():
+    try:
+        rows = load_metrics(workdir) if rc == 0 else None
+    except MetricsError as e:
+        rows, stderr = None, f"{stderr}\n{e}"
+    if rows is None:
         message = f"{' '.join(cmd)} failed ({rc}):\n{stderr[-2000:]}"
         if check:
             raise SystemExit(message)
         return {"command": cmd, "error": message[-3000:], "wall_s": wall}
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     timed = [r for r in rows if "train/step_time_s" in r and r["step"] > skip_steps]
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     return {
@@ -305,12 +342,8 @@ def run_trainer(
 def model_figures(
     model: str, stem: str, width: int, num_classes: int, image_size: int
 ) -> dict[str, Any]:
-    """Parameter shapes and count and the forward multiply-accumulates of one example, read from
-    the ``jddp.models`` network itself: the model is built abstractly (``nnx.eval_shape``) and
-    its forward pass traced (``jax.make_jaxpr``); every convolution counts output elements x
-    kernel elements per output feature (padding taps included, as torchvision, thop and fvcore
-    count), every matmul output elements x contracted size; BatchNorm, activations, pooling and
-    residual adds are left out (well under 1% for a ResNet)."""
+    """Parameter shapes and count and the forward multiply-accumulates of one example of the
+    ``jddp.models`` network, built abstractly and traced (:func:`forward_macs`)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a trace needs no accelerator
     import jax
     import jax.numpy as jnp
@@ -368,9 +401,13 @@ def forward_macs(forward: Any, *args: Any) -> int:
     return macs
 
 
-def assumed_peak(machine: dict[str, Any], platform: str = "cpu") -> tuple[float | None, str]:
-    """The FP32 vector peak FLOP/s assumed for a CPU (cores x clock x FLOP/cycle of its widest
-    FMA units) and how it was reckoned; None on other platforms (give a peak there)."""
+def peak_flops(
+    machine: dict[str, Any], platform: str = "cpu", tflops: float | None = None
+) -> tuple[float | None, str]:
+    """The peak FLOP/s for MFU and how it was reckoned: ``tflops`` if given, else on a CPU an
+    assumed FP32 vector peak (cores x clock x FLOP/cycle of its widest FMA units), else None."""
+    if tflops:
+        return tflops * 1e12, f"given: {tflops} TFLOP/s"
     if platform != "cpu" or not machine.get("cpu_mhz"):
         return None, "none given (--peak-tflops): achieved FLOP/s only"
     cores, ghz = machine["cpu_count"], machine["cpu_mhz"] / 1e3

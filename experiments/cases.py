@@ -33,8 +33,6 @@ def synthetic(
 
 
 CASES: dict[str, list[str]] = {
-    # bench_xla.py on CPU: ResNet-18 (CIFAR stem, width 32), batch 64, cifar augmentation.
-    "xla-cpu": [*synthetic("resnet18", "cifar", 32, 10, 32, 64, "cifar"), "log.every_steps=1"],
     # The GPU measurements: configs/imagenet_resnet50.yaml's model, batch and precision.
     "rn50-gpu": [
         *synthetic("resnet50", "imagenet", 64, 1000, 224, 256, precision="bfloat16"),

@@ -4,13 +4,8 @@
     python3 experiments/gpu_session.py e2e  OUT_DIR   # trainer throughput vs the input targets
     python3 experiments/gpu_session.py mpi  OUT_DIR   # dist.backend=mpi vs xla, one GPU
 
-``--smoke`` (or ``JDDP_GPU_SMOKE=1``): the same code paths on a CPU with tiny sizes; the
-numbers mean nothing and every JSON says ``"smoke": true``. Each command prints a short table
-last and writes one JSON into OUT_DIR; the run folders (logs, metrics.jsonl) go to
-``--logs DIR`` for the shell script to bundle.
-
-The trainer is what is measured: every run is a case of ``cases.py`` through
-:func:`benchlib.run_trainer` (the JPEG folder is ``bench_input.make_jpeg_folder``'s).
+``--smoke`` (or ``JDDP_GPU_SMOKE=1``): the same code on a CPU, tiny (``"smoke": true``). Run
+folders go to ``--logs DIR``; every run is a case of ``cases.py`` (:func:`benchlib.run_trainer`).
 """
 
 from __future__ import annotations
@@ -25,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: benchlib, bench_*
 import benchlib  # noqa: E402
-from bench_xla import run_case, trainer_env  # noqa: E402
+from bench_xla import run_case  # noqa: E402
+from benchlib import trainer_env  # noqa: E402
 from cases import case, value, with_overrides  # noqa: E402
 
 SMOKE = os.environ.get("JDDP_GPU_SMOKE") == "1"
@@ -41,33 +37,25 @@ ENV_VARS = (
 
 # ----------------------------------------------------------------------------- env
 def env_record(out: Path) -> int:
-    """What ran: machine_info (GPU, driver, versions, commit) plus where each module was
-    imported from (the carried wheels in /tmp/site must shadow the image's), JAX's devices,
-    nvidia-smi and nvcc, and the environment variables that change a run."""
-    import importlib
+    """What ran: machine_info, where each module came from (the carried wheels must shadow the
+    image's), JAX's devices, nvidia-smi, nvcc and the environment variables that change a run."""
+    from importlib import import_module
+
+    def attempt(fn, failed: str = "not importable"):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - recorded, not fatal
+            return f"{failed}: {type(e).__name__}: {e}"
 
     info = benchlib.machine_info(None, {"smoke": SMOKE})
     info["versions"].update({d: benchlib.version(d) for d in MORE_VERSIONS})
-    files = {}
-    for name in MODULES:
-        try:
-            files[name] = getattr(importlib.import_module(name), "__file__", None)
-        except Exception as e:  # noqa: BLE001 - recorded, not fatal
-            files[name] = f"not importable: {type(e).__name__}: {e}"
+    files = {m: attempt(lambda m=m: getattr(import_module(m), "__file__", None)) for m in MODULES}
     info["module_files"] = files
-    try:
-        import mpi4jax
-
-        info["mpi4jax_cuda_support"] = mpi4jax.has_cuda_support()
-    except Exception as e:  # noqa: BLE001
-        info["mpi4jax_cuda_support"] = f"not importable: {type(e).__name__}: {e}"
-    try:
-        import jax
-
-        info["jax_backend"] = jax.default_backend()
-        info["jax_devices"] = [str(d) for d in jax.devices()]
-    except Exception as e:  # noqa: BLE001
-        info["jax_backend"] = f"failed: {type(e).__name__}: {e}"
+    info["mpi4jax_cuda_support"] = attempt(lambda: import_module("mpi4jax").has_cuda_support())
+    info["jax_backend"] = attempt(lambda: import_module("jax").default_backend(), "failed")
+    info["jax_devices"] = attempt(
+        lambda: [str(d) for d in import_module("jax").devices()], "failed"
+    )
     info["nvidia_smi"] = benchlib.sh("nvidia-smi")
     info["nvcc"] = (benchlib.sh("nvcc", "--version") or "").splitlines()[-1:]
     info["env"] = {k: os.environ.get(k) for k in ENV_VARS}
@@ -163,7 +151,7 @@ def e2e(out: Path, logs: Path, cases_wanted: list[str] | None, extra: list[str])
     result = {
         "benchmark": "gpu_e2e",
         "smoke": SMOKE,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": benchlib.command_line(),
         "machine": benchlib.machine_info(None),
         "rows": rows,
         "runs": runs,
@@ -193,12 +181,10 @@ def e2e(out: Path, logs: Path, cases_wanted: list[str] | None, extra: list[str])
 
 # ----------------------------------------------------------------------------- mpi
 def mpi_compare(out: Path, logs: Path, steps: int) -> int:
-    """``mpirun -np 2`` with ``dist.backend=mpi`` (two ranks sharing the one GPU) against one
-    process with the xla backend and ``train.grad_accum_steps=2``: the same two halves of every
-    global batch, each normalised by its own BatchNorm statistics (the rank's rows there, the
-    micro-batch here), gradients averaged over the two; so per-step losses must agree (relative
-    1e-4). Both run with float32 matmul precision ``highest`` (TF32 rounding would otherwise mask
-    or fake a difference) and the MPI tests' config (``cases.py``'s ``mpi-tiny``)."""
+    """``mpirun -np 2`` with ``dist.backend=mpi`` (two ranks sharing the GPU) against one xla
+    process with ``train.grad_accum_steps=2`` (the same halves, each with its own BatchNorm
+    statistics): losses must agree to 1e-4 (matmul precision ``highest``: TF32 would mask or fake
+    a difference)."""
     platform = "cpu" if SMOKE else "gpu"
     common = {"JAX_DEFAULT_MATMUL_PRECISION": "highest"}
     env_x = trainer_env(platform, extra=common)
@@ -264,7 +250,7 @@ def main() -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="e2e: an override for every case (repeatable), e.g. data.workers=8",
+        help="e2e: an override for every case (repeatable)",
     )
     ap.add_argument("--steps", type=int, default=20, help="mpi: train steps")
     args = ap.parse_args()

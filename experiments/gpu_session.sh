@@ -1,30 +1,15 @@
 #!/usr/bin/env bash
-# A lent GPU machine's session, one part per device call (experiments/README.md, "On a lent
-# GPU"). Run ON the GPU machine from the repo root, after `bash scripts/gpu_wheels.sh` here and
-# with ".whl" carried:
+# A lent GPU machine's session, one part per device call; what each part does, what it writes
+# and the variables (OUT, JDDP_GPU_DEADLINE_S, JDDP_GPU_SMOKE_INSTALL, JDDP_GPU_SITE, PY) are in
+# experiments/README.md, "On a lent GPU". Run ON the GPU machine from the repo root, with the
+# ".whl" of `bash scripts/gpu_wheels.sh` carried:
 #   bash experiments/gpu_session.sh PART [PART ...]    PART: suite|mpi|bench|torch|e2e|bench2|all
-#   bash experiments/gpu_session.sh --smoke PART ...   (or JDDP_GPU_SMOKE=1) the same code paths
-#                                                      on a CPU, tiny sizes, the repo's .venv
-# suite : builds mpi4jax (CUDA bridge) from the carried sdist, then the test suite under
-#         pytest-xdist (time-boxed to the call's deadline; junit.xml, suite.log)
-# mpi   : mpirun -np 2 dist.backend=mpi (two ranks on the one GPU) vs the xla backend (mpi.json)
-# bench : (a) experiments/bench.py ResNet-50 bf16 jddp vs torch eager vs torch.compile and
-#         (c) end-to-end trainer throughput vs the input targets (bench-rn50.json, e2e.json)
-#         (torch: (a) alone; e2e: (c) alone, for when one call cannot hold both)
-# bench2: (b) bench_xla.py --platform gpu: XLA:GPU flag sets, cold/warm cache (xla-gpu.json)
-# all   : every part in turn (a smoke run; on a GPU it does not fit one 10-minute call)
-# Everything lands in $OUT (default experiments/results/gpu-out): env.json, the parts' JSON,
-# and one <part>-logs.tar.gz of run logs per part (the tool brings back 8 files at most).
-# JDDP_GPU_DEADLINE_S (default 540): seconds after start by which the call must be done; the
-# suite and the benchmarks are cut (SIGINT, partial results kept) to stay inside it.
-# JDDP_GPU_SMOKE_INSTALL=1 (with --smoke): rehearse the GPU prologue (wheels into
-# JDDP_GPU_SITE, default /tmp/site; MPICH into python3's prefix; mpi4jax built) with the
-# python3 on PATH, e.g. a Python 3.12 venv holding the image's jax.
+#   bash experiments/gpu_session.sh --smoke PART ...   (or JDDP_GPU_SMOKE=1) on a CPU, tiny sizes
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SMOKE=${JDDP_GPU_SMOKE:-0}
 if [ "${1:-}" = --smoke ]; then SMOKE=1; shift; fi
-[ $# -ge 1 ] || { sed -n '2,23p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,7p' "$0"; exit 2; }
 PARTS=("$@")
 [ "${PARTS[0]}" = all ] && PARTS=(mpi suite bench bench2)
 for p in "${PARTS[@]}"; do
@@ -52,9 +37,8 @@ probe_trainer() {  # $1: label. One tiny training step on the CPU; its log kept 
 }
 
 # ---------------------------------------------------------------- prologue: interpreter, wheels
-# On the GPU: python3 (the image's), the carried wheels installed into $SITE. In smoke mode: the
-# repo's venv, nothing installed, unless JDDP_GPU_SMOKE_INSTALL=1: then the GPU prologue itself
-# is rehearsed with the python3 on PATH (a Python 3.12 venv standing in for the image).
+# On the GPU: the image's python3, the carried wheels installed into $SITE. Smoke: the repo's
+# venv, nothing installed (JDDP_GPU_SMOKE_INSTALL=1: the prologue rehearsed with python3).
 SITE=${JDDP_GPU_SITE:-/tmp/site}
 INSTALL=1
 [ "$SMOKE" = 1 ] && [ "${JDDP_GPU_SMOKE_INSTALL:-0}" != 1 ] && INSTALL=0
@@ -70,11 +54,9 @@ else
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" $(ls .whl/*.whl | grep -v '/mpich-') || { note "wheel install failed"; exit 1; }
   export PYTHONPATH=$SITE:$PWD
-  # The lock's flax/optax/orbax were tested with the lock's jax (0.10.2), not the image's, and
-  # an import alone does not show a mismatch (flax 0.12.8 fails only when a model is built on
-  # jax 0.11.2: jax.experimental.hijax.HiPrimitive). So: one tiny training step on the CPU
-  # (model, optimizer, eval, orbax checkpoint); if it fails, drop the lock's flax for the
-  # image's, then optax and orbax too (env.json records which versions ran).
+  # An import does not show a flax/optax/orbax mismatch with the image's jax (flax 0.12.8 fails
+  # only when a model is built on jax 0.11.2): one tiny training step on the CPU; if it fails,
+  # drop the lock's flax for the image's, then optax and orbax too (env.json records which ran).
   if ! probe_trainer lock; then
     note "jddp does not train with the lock's flax on this jax: trying the image's flax"
     rm -rf "$SITE"/flax "$SITE"/flax-* "$SITE"/flaxlib_src

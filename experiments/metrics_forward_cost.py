@@ -2,23 +2,16 @@
 
     .venv/bin/python experiments/metrics_forward_cost.py [--machine NAME] [--out PATH]
 
-For each example model (``examples/two_inputs.py``'s CNN, ``examples/regression_diabetes.py``'s
-MLP, ``examples/lm_stdlib.py``'s GPT at a small size), the step as the trainer builds it
-(:func:`jddp.make_train_step` with a :class:`~jddp.tasks.custom.CustomTask`, one device) is
-compiled with (a) the loss alone, (b) the loss and a separate ``metrics(model, batch)`` function
-that runs the model again, and (c) a loss that returns the same metrics from its own forward
-pass; the table gives each step's FLOPs (``compiled.cost_analysis()``, XLA:CPU) and the ratio to
-(a). (b) is 1.00x where XLA merges the metrics' forward pass with the loss's; differentiation
-can rewrite the loss's operations (LayerNorm under ``jax.grad``), and then it pays a second
-forward pass. Counts are deterministic; no timing. Writes ``results/metrics-forward-<date>-
-<machine>.json``.
+Per example model, the trainer's step (one device, a ``CustomTask``) compiled with (a) the loss
+alone, (b) the loss and a separate ``metrics(model, batch)`` and (c) a loss returning the same
+metrics from its own forward pass; XLA:CPU's ``cost_analysis()`` FLOPs and the ratio to (a).
+Deterministic counts, no timing. Writes ``results/metrics-forward-<date>-<machine>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import benchlib
 
@@ -37,8 +30,7 @@ def step_flops(model, task, data) -> float:
     model_def, state = create_train_state(model, tx, mesh)
     step = make_train_step(model_def, tx, mesh, XlaComm(), task=task)
     batch = place_batch({"data": data}, mesh, batch_layout(mesh, BATCH))
-    cost = step.lower(state, batch).compile().cost_analysis()
-    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+    return float(benchlib.xla_cost(step.lower(state, batch).compile())["flops"])
 
 
 def cases():
@@ -100,25 +92,16 @@ def cases():
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--machine", help="name in the output file (default: host)")
-    ap.add_argument("--out", help="JSON path (default experiments/results/...)")
+    benchlib.output_args(ap)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(benchlib.REPO))  # the examples package
     from jddp.tasks.custom import CustomTask
 
     rows = []
     for name, make, data, loss, metrics, loss_and_metrics in cases():
-        alone = step_flops(make(), CustomTask(loss), data)
-        separate = step_flops(make(), CustomTask(loss, metrics), data)
-        returned = step_flops(make(), CustomTask(loss_and_metrics), data)
-        rows.append(
-            {
-                "model": name,
-                "loss_only": alone,
-                "separate_metrics": separate,
-                "metrics_from_loss": returned,
-            }
-        )
+        tasks = {"loss_only": CustomTask(loss), "separate_metrics": CustomTask(loss, metrics),
+                 "metrics_from_loss": CustomTask(loss_and_metrics)}  # fmt: skip
+        rows.append({"model": name, **{k: step_flops(make(), t, data) for k, t in tasks.items()}})
     print("| model | loss alone (MFLOP) | + metrics(model, batch) | metrics returned by the loss |")
     print("|---|---:|---:|---:|")
     for r in rows:
@@ -129,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     machine = benchlib.machine_info(args.machine)
     result = {"machine": machine, "batch": BATCH, "rows": rows}
-    if args.out:
-        benchlib.write_json(Path(args.out), result)
-    else:
-        benchlib.save_result("metrics-forward", machine["name"], result)
+    benchlib.save_result("metrics-forward", machine["name"], result, args.out)
     return 0
 
 

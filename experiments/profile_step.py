@@ -1,20 +1,11 @@
 """Where one CPU training step's time goes: jddp's trainer against the PyTorch peer, one core each.
 
-    .venv/bin/python experiments/profile_step.py [--batch 64] [--warmup 3] [--steps 2]
-        [--cpu 0] [--machine NAME] [--out PATH] [--quick]
+    .venv/bin/python experiments/profile_step.py [--batch 64] [--cpu 0] [--quick]
 
-Both run ResNet-18 (CIFAR stem, width 64) in float32 on ``--batch`` synthetic images, pinned to
-one core (``--cpu``; each process of a 2-process run on 2 cores holds one). jddp: ``python -m
-jddp.train`` with ``log.profile_steps`` (one process, one device, no communication), its
-``jax.profiler`` trace read back. PyTorch: ``experiments/peers/torch_ddp.py``'s step (DDP over a
-one-process gloo group, so no communication either) under ``torch.profiler``. Every op's
-time (XLA:CPU's op spans, which do not nest; PyTorch's self time) is put in a category; the
-table and ``results/profile-<date>-<machine>.json`` give ms per step. The "1.2× budget" row
-is PyTorch's step over 1.2: what jddp's whole step would have to fit in to be 1.2× PyTorch
-(issue 22's goal). A second table puts the convolutions' rate (the model's convolution FLOPs,
-:func:`benchlib.train_step_flops`, over their time) beside what the same core reaches on a large
-float32 matmul in each framework: how much faster any convolution kernel could still be (the
-nominal clock's vector peak is no ceiling: turbo clocks let PyTorch's matmul pass it).
+ResNet-18 (CIFAR stem) float32 on one core: ``python -m jddp.train`` with ``log.profile_steps``
+(its ``jax.profiler`` trace) and ``peers/torch_ddp.py``'s step under ``torch.profiler``; ms per
+step by op category, and the convolutions' GFLOP/s beside a large matmul's. What the tables
+mean: ``experiments/README.md``. Writes ``results/profile-<date>-<machine>.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +16,6 @@ import gzip
 import json
 import os
 import re
-import socket
 import statistics
 import sys
 import tempfile
@@ -115,9 +105,9 @@ def profile_torch(args) -> dict:
     import torch_ddp
     from torch.profiler import ProfilerActivity, profile
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    from jddp.launch import find_free_port
+
+    port = find_free_port()
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     torch_ddp.set_threads(1)
     torch_ddp.init_process_group("cpu")
@@ -135,25 +125,17 @@ def profile_torch(args) -> dict:
 def matmul_gflops(size: int = 2048, repeats: int = 5) -> dict[str, float]:
     """GFLOP/s of a ``size``-square float32 matmul on this process's core, best of ``repeats``,
     in JAX (XLA:CPU) and in PyTorch (one thread): a practical ceiling for dense float32 work."""
-    import time
-
     import numpy as np
     import torch
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    flop = 2 * size**3
     a, b = np.random.default_rng(0).standard_normal((2, size, size), dtype=np.float32)
 
     def best(call) -> float:
         call()  # compiles / warms
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        return flop / min(times) / 1e9
+        return 2 * size**3 / min(benchlib.call_times(call, repeats)) / 1e9
 
     dot = jax.jit(jax.numpy.dot)
     ja, jb = jax.device_put(a), jax.device_put(b)
@@ -170,9 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untraced steps first (>= 2)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--cpu", type=int, default=0)
-    parser.add_argument("--machine", default=None)
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/...)")
     parser.add_argument("--quick", action="store_true", help="batch 8, smoke run")
+    benchlib.output_args(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.warmup, args.steps = 8, 2, 1
@@ -189,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     budget_ms = sum(peer["ms"].values()) / 1.2
 
     print(f"ms per step, ResNet-18 CIFAR float32, batch {args.batch}, one core (CPU {args.cpu})")
-    print("| category | jddp | PyTorch |\n|---|---:|---:|")
+    benchlib.md_table("category | jddp | PyTorch", "lr")
     for cat in CATEGORIES:
         print(f"| {cat} | {jddp['ms'].get(cat, 0):,.0f} | {peer['ms'].get(cat, 0):,.0f} |")
     print(f"| **sum** | {sum(jddp['ms'].values()):,.0f} | {sum(peer['ms'].values()):,.0f} |")
@@ -210,18 +191,14 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "machine": machine,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": benchlib.command_line(),
         "batch": args.batch, "cpu": args.cpu, "warmup": args.warmup, "steps": args.steps,
         "jddp": jddp, "torch": peer, "budget_1_2x_ms": budget_ms, "jddp_conv_ms": conv_ms,
         "conv_gflop_per_step": conv_gflop,
         "conv_gflops": {"jddp": conv_rate[0], "torch": conv_rate[1]},
         "matmul_2048_gflops": matmul,
     }  # fmt: skip
-    name = machine["name"] + ("-quick" if args.quick else "")
-    if args.out:
-        benchlib.write_json(args.out, result)
-    else:
-        benchlib.save_result("profile", name, result)
+    benchlib.save_result("profile", machine["name"] + "-quick" * args.quick, result, args.out)
     return 0
 
 

@@ -2,14 +2,10 @@
 
     .venv/bin/python experiments/same_step_program.py --before PATH [--width 16] [--batch 16]
 
-``PATH``: another checkout (e.g. ``git worktree add /tmp/before COMMIT``). In each checkout the
-train step is built as the trainer builds it (``jddp.build_steps`` of the default config, a
-``resnet18`` of ``--width``, SGD with momentum, one device) and compiled for a uint8 batch. The
-optimized HLO text is made canonical: the source-location tables, op metadata and stack-frame
-ids are dropped, every instruction and computation name becomes ``%X`` (or ``N``), and the
-instruction lines are sorted (XLA may print computations in another order), then hashed. Equal
-hashes mean the same instructions, so the same program: its speed cannot differ. Prints both
-hashes and instruction counts and exits 0 when they are equal, 1 when not.
+``PATH``: another checkout (``git worktree add /tmp/before COMMIT``). In each, the trainer's step
+for a ``resnet18`` is compiled for a uint8 batch and its optimised HLO made canonical (metadata
+dropped, names replaced, lines sorted) and hashed: equal hashes, the same program. Exit 0 when
+equal, 1 when not.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
-"""Soak of the whole fault story: random kills and stop signals during a 2-process run, then the
-same command.
+"""Soak of the whole fault story: faults during a 2-process run, then the same command again.
 
-An uninterrupted run of ``python -m jddp.launch --nproc 2`` (input worker processes:
-``data.worker_kind=process data.workers=2`` unless ``--worker-kind thread``) gives the reference
-per-step losses. The same command is then started again and again in a fresh workdir; each time,
-after a random delay, one fault hits it, in turn: ``kill -9`` of a random rank (the trainer, as
-the OOM killer would), ``kill -9`` of the launcher, ``SIGUSR1`` to the launcher (SLURM's
-``--signal=USR1``: it must forward it, every rank saves and the job exits 75), ``SIGSTOP`` of a
-random rank (a rank hung while alive: after ``dist.step_timeout_s``, 20 s here, the job must end
-with exit 124 and nothing left). After every fault
-the script checks that no process the job started is left within 15 s -- launcher, ranks, their
-input workers and multiprocessing's resource tracker, found by an environment variable they all
-inherit -- then reruns the same command, which resumes from the newest checkpoint. After
-``--kills`` faults the last rerun goes to the end. Then a disk that fills up: a fresh run
-whose checkpoints folder is a 1.5 MB tmpfs (root only; skipped where mount is refused) must stop
-with exit 1 and one line, leave no half-written save, and, the tmpfs grown in place, its rerun
-goes to the end. Pass: every step's loss of both runs is bitwise the reference's, every step
-logged once, every SIGUSR1 exit 75, every SIGSTOP exit 124, the full disk exit 1 then a clean
-resume, no leftover process.
+    .venv/bin/python experiments/soak_faults.py [--kills 12] [--steps 200]
 
-Usage (repo root): ``.venv/bin/python experiments/soak_faults.py [--kills 12] [--steps 200]``.
-Prints each fault and a verdict; writes ``experiments/results/soak-<date>-<machine>.json``.
+In turn: ``kill -9`` of a rank, ``kill -9`` of the launcher, ``SIGUSR1`` to the launcher (exit
+75), ``SIGSTOP`` of a rank (exit 124 after ``dist.step_timeout_s``), then a full disk (exit 1);
+after each, no process of the job may be left and the rerun resumes; every loss must be bitwise
+the uninterrupted run's. The method and the pass rule: ``experiments/README.md``. Writes
+``results/soak-<date>-<machine>.json``.
 """
 
 from __future__ import annotations
@@ -58,11 +44,13 @@ def command(workdir: Path, steps: int, worker_kind: str) -> list[str]:
 
 
 def losses(workdir: Path) -> dict[int, float]:
-    path = workdir / "metrics.jsonl"
-    if not path.exists():
+    """Every logged step's ``train/loss`` (none yet: empty)."""
+    from jddp.plot import MetricsError, load_metrics
+
+    try:
+        return {r["step"]: r["train/loss"] for r in load_metrics(workdir) if "train/loss" in r}
+    except MetricsError:
         return {}
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 def job_pids(tag: str) -> list[int]:
@@ -80,15 +68,14 @@ def job_pids(tag: str) -> list[int]:
 
 def job_and_ranks(tag: str, launcher: int) -> tuple[list[int], list[int]]:
     """The job's live processes and, among them, its ranks (``jddp.train``, not the launcher)."""
-    pids = job_pids(tag)
-    return pids, [p for p in pids if p != launcher and _is_rank(p)]
-
-
-def _is_rank(pid: int) -> bool:
-    try:
-        return b"jddp.train" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+    pids, ranks = job_pids(tag), []
+    for pid in pids:
+        try:
+            if pid != launcher and b"jddp.train" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                ranks.append(pid)
+        except OSError:
+            pass
+    return pids, ranks
 
 
 def wait_gone(tag: str, timeout_s: float) -> bool:
@@ -146,7 +133,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker-kind", choices=("process", "thread"), default="process")
-    parser.add_argument("--machine", default="vm")
+    benchlib.output_args(parser, machine="vm")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     tag = uuid.uuid4().hex
@@ -222,7 +209,7 @@ def main() -> int:
     )
     result = {
         "benchmark": "soak_faults",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": benchlib.command_line(),
         "machine": benchlib.machine_info(args.machine),
         "steps": args.steps,
         "worker_kind": args.worker_kind,
@@ -235,7 +222,7 @@ def main() -> int:
         "every_sigstop_exit_124": stalled,
         "verdict": verdict,
     }
-    benchlib.save_result("soak", args.machine, result)
+    benchlib.save_result("soak", args.machine, result, args.out)
     return 0 if verdict == "PASS" else 1
 
 
