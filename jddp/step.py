@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jddp import weighted
 from jddp.comm import Comm
 from jddp.mesh import DATA_AXIS
-from jddp.run.stop import STOP_KEY
+from jddp.proc.signals import STOP_KEY
 from jddp.sharded_update import ShardLayout
 from jddp.state import MODEL_STATE, ModelDef, TrainState
 from jddp.tasks import Task

@@ -14,7 +14,7 @@ import sys
 from jddp import config as config_lib
 from jddp.cli import OneLineParser, Session, run
 from jddp.proc.lifeline import watch_launcher
-from jddp.run.stop import StopRequest
+from jddp.proc.signals import StopRequest
 
 USAGE = (
     "python -m jddp.train --config FILE.yaml [key.sub=value ...] [--print-config] "

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from jddp.errors import NonFiniteLoss
+from jddp.proc.signals import STOP_KEY
 from jddp.run.hooks import CheckpointHook, EvalHook, Every, StepReporter, ThroughputMeter
-from jddp.run.stop import STOP_KEY
 from jddp.step import NONFINITE_KEY
 from tests.helpers import TINY, fake_devices, run_python
 
@@ -115,7 +115,7 @@ import jax
 from jddp import config as config_lib
 from jddp.comm import XlaComm
 from jddp.errors import ReplicasDiverged
-from jddp.run.stop import StopRequest
+from jddp.proc.signals import StopRequest
 from jddp.run.loop import train_loop
 from jddp.run.setup import Parts, build_run
 from jddp.workdir import RunFolder
@@ -161,7 +161,7 @@ def test_the_stop_step_is_logged_once_and_the_resumed_run_logs_the_rest(tmp_path
 
     from jddp.api import load_config
     from jddp.errors import Preempted
-    from jddp.run.stop import StopRequest
+    from jddp.proc.signals import StopRequest
     from jddp.run.trainer import train_and_evaluate
     from tests.helpers import read_metrics, steps_saved
 

@@ -25,7 +25,7 @@ from jddp.errors import (
     Preempted,
     WorkdirLost,
 )
-from jddp.run.stop import StopRequest
+from jddp.proc.signals import StopRequest
 from tests.helpers import (
     TINY,
     data,

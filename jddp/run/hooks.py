@@ -2,7 +2,7 @@
 
 The loop (:mod:`jddp.run.loop`) calls ``hook(step, state)`` for every hook after every step; a hook
 does its work when :meth:`Every.due`. The throughput meter and the one-step-late metrics
-reader live here too (the stop-signal flag in :mod:`jddp.run.stop`), so the loop itself is a
+reader live here too (the stop-signal flag in :mod:`jddp.proc.signals`), so the loop itself is a
 dozen lines.
 """
 
@@ -23,7 +23,7 @@ from jddp.comm import Comm
 from jddp.errors import DataError, NonFiniteLoss, ReplicasDiverged
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, MetricsLog
-from jddp.run.stop import STOP_KEY
+from jddp.proc.signals import STOP_KEY
 from jddp.state import TrainState
 from jddp.step import LOSS_WEIGHT_KEY, NEGATIVE_WEIGHT_KEY, NONFINITE_KEY
 

@@ -40,6 +40,7 @@ from jddp.mesh import to_host
 from jddp.metrics import Console, MetricsLog, Progress
 from jddp.optimizer import make_optimizer
 from jddp.preflight import check_model_output, check_profile_steps, check_task
+from jddp.proc.signals import StopRequest
 from jddp.run.hooks import (
     CheckpointHook,
     EvalHook,
@@ -48,7 +49,6 @@ from jddp.run.hooks import (
     SyncCheck,
     ThroughputMeter,
 )
-from jddp.run.stop import StopRequest
 from jddp.run.trackers import Trackers
 from jddp.run.watchdog import StallWatchdog
 from jddp.state import ModelDef, TrainState, create_train_state

@@ -1,0 +1,10 @@
+"""What a jddp process sets up about itself before any training code runs, one job per module
+(low in the package: it imports nothing of jddp above :mod:`jddp.errors`):
+
+* :mod:`~jddp.proc.versions`: installed jax/flax pairs known not to work, refused in one line;
+* :mod:`~jddp.proc.cores`: the cores this process owns (as its launcher says) and its pinning;
+* :mod:`~jddp.proc.xla`: XLA flags jddp chooses, the persistent compilation cache;
+* :mod:`~jddp.proc.lifeline`: dying with the parent (a launcher's ranks, a rank's input workers);
+* :mod:`~jddp.proc.signals`: stop signals (SIGTERM, SIGUSR1, SIGINT, SIGHUP) turned into a
+  per-batch flag every process sees.
+"""
