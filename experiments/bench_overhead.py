@@ -40,7 +40,9 @@ def build_steps(width: int, batch: int, image_size: int, lr: float) -> dict[str,
     from jddp import XlaComm, build_steps, create_train_state, load_config, make_mesh
     from jddp.data.loader import batch_layout, place_batch  # jddp-internal: the trainer's
     from jddp.models import resnet18
-    from jddp.run.stop import StopRequest  # placement and its per-step stop flag, as it adds them
+    from jddp.proc.signals import (
+        StopRequest,  # placement and its per-step stop flag, as it adds them
+    )
 
     dtype = jnp.float32
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jddp.tasks import Named
+# {name: (value_B, weight_B or None)}: what a task returns per example (jddp.tasks)
+Named = dict[str, tuple[Any, Any]]
 
 WEIGHT_SUFFIX = "~w"
 

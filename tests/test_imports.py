@@ -88,6 +88,40 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` with each module collapsed to its top-level unit of jddp (``jddp.run.hooks`` is
+    ``jddp.run``, ``jddp.step`` stays), imports within a unit dropped; the ``jddp`` facade (its
+    lazy exports name everything) left out."""
+
+    def unit(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        if name == "jddp":
+            continue
+        out.setdefault(unit(name), set()).update(
+            unit(d) for d in deps if unit(d) != unit(name) and d != "jddp"
+        )
+    for deps in list(out.values()):
+        for d in deps:
+            out.setdefault(d, set())
+    return out
+
+
+def test_no_import_climbs_between_packages():
+    """Packages and top-level modules form a layered graph too: no package imports one that
+    imports it back (``jddp.step -> jddp.run -> jddp.step`` was one), so the folder listing reads
+    bottom-up as the data flow."""
+    cycle = find_cycle(package_graph(import_graph()))
+    assert cycle is None, "packages import each other: " + " -> ".join(cycle)
+
+
+def test_package_graph_collapses_modules():
+    graph = {"jddp.step": {"jddp.run.stop"}, "jddp.run.loop": {"jddp.step"}, "jddp.run.stop": set()}
+    assert find_cycle(package_graph(graph)) == ["jddp.run", "jddp.step", "jddp.run"]
+
+
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -16,11 +16,10 @@ global batch, the optimizer, the collectives). Two tasks are built in:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-# {name: (value_B, weight_B or None)}: what a task returns, per example (no JAX import here:
-# the plot CLI reads RESERVED_METRICS).
-Named = dict[str, tuple[Any, Any]]
+if TYPE_CHECKING:  # no JAX import here at run time: the plot CLI reads RESERVED_METRICS
+    from jddp.weighted import Named  # {name: (value_B, weight_B or None)}
 
 # What jddp itself logs under train/ and eval/: a task's metric may not take these names.
 RESERVED_METRICS = frozenset(

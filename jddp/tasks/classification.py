@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jddp.errors import DataConfigError
-from jddp.tasks import Named
+from jddp.weighted import Named
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 MetricsFn = Callable[[jax.Array, jax.Array], dict[str, jax.Array]]

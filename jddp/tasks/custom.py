@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from jddp.errors import TaskError
-from jddp.tasks import RESERVED_METRICS, Named
-from jddp.weighted import WEIGHT_SUFFIX
+from jddp.tasks import RESERVED_METRICS
+from jddp.weighted import WEIGHT_SUFFIX, Named
 
 LossFn = Callable[[Any, Any], Any]
 MetricsFn = Callable[[Any, Any], Mapping[str, Any]]
