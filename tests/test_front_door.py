@@ -128,3 +128,18 @@ def test_each_config_says_how_to_run_it_and_what_it_gives(config):
     text = "\n".join(header)
     assert f"--config configs/{config}" in text, f"configs/{config}: no command in its header"
     assert re.search(r"Expected", text), f"configs/{config}: no expected result in its header"
+
+
+def test_every_config_key_is_in_the_config_reference():
+    """docs/config.md holds the generated table of every key (what --help lists), up to date."""
+    import subprocess
+    import sys
+
+    from jddp.config.parse import iter_keys
+
+    check = [sys.executable, str(ROOT / "scripts" / "config_reference.py"), "--check"]
+    out = subprocess.run(check, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    page = (ROOT / "docs" / "config.md").read_text()
+    missing = [key for key, *_ in iter_keys() if f"`{key}`" not in page]
+    assert not missing, f"docs/config.md lacks {missing}"
