@@ -23,11 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import benchlib
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported (gpu_session.py)
-import benchlib  # noqa: E402
-from benchlib import REPO, load1, machine_info, run_trainer  # noqa: E402
+from benchlib import REPO, load1, machine_info, run_trainer
 
 WARM_STEPS = 15  # trainer windows up to here: compilation, and the batches built meanwhile
 

@@ -54,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.steps, args.skip = 20, 5
 
-    sys.path.insert(0, str(benchlib.REPO))  # examples.lm_stdlib, as the trainer imports it
     from examples import lm_stdlib
     from jddp import config as config_lib
 

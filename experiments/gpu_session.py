@@ -18,11 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: benchlib, bench_*
-import benchlib  # noqa: E402
-from bench_xla import run_case  # noqa: E402
-from benchlib import trainer_env  # noqa: E402
-from cases import case, value, with_overrides  # noqa: E402
+import benchlib
+from bench_xla import run_case
+from benchlib import trainer_env
+from cases import case, value, with_overrides
 
 SMOKE = os.environ.get("JDDP_GPU_SMOKE") == "1"
 # Distributions the record names, beyond benchlib.VERSIONED.
@@ -171,9 +170,9 @@ def e2e(out: Path, logs: Path, cases_wanted: list[str] | None, extra: list[str])
             f"{r['compile_s']:>10.1f}"
         )
     if any("vs_in_memory" in r for r in rows):
-        jpeg = next(r for r in rows if "vs_in_memory" in r)
-        workers = value(runs["rn50-jpeg"]["workload"], "data.workers")
-        print(f"JPEG folder (data.workers={workers}) / in-memory img/s: {jpeg['vs_in_memory']:.2f}")
+        jpeg = next(r for r in rows if "vs_in_memory" in r)  # the folder's, else the pack's
+        workers, ratio = value(runs[jpeg["case"]]["workload"], "data.workers"), jpeg["vs_in_memory"]
+        print(f"{jpeg['case']} (data.workers={workers}) / in-memory img/s: {ratio:.2f}")
     if SMOKE:
         print("(smoke: tiny sizes on the CPU; the numbers mean nothing)")
     return 1 if any("error" in r for r in rows) else 0

@@ -94,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     benchlib.output_args(ap)
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(benchlib.REPO))  # the examples package
     from jddp.tasks.custom import CustomTask
 
     rows = []
