@@ -174,41 +174,14 @@ def evaluate_model(
             f"{model_or_workdir}: this run trained a custom task; pass its loss= (and metrics=) "
             "as given to jddp.fit"
         )
-    if data is not None:
-        source = (
-            as_tree_source(data, "eval", label="data")
-            if custom
-            else as_source(data, None, "eval", label="data", check_labels=False)
-        )
-    elif cfg is not None:
-        source = load_data(cfg, custom).eval
-    else:
-        raise TypeError("evaluate: pass data= to evaluate a model (a run has its eval split)")
-    if not len(source):
-        raise DataConfigError(f"data: no examples to evaluate ({source!r})")
+    source = _eval_source(data, cfg, custom)
     comm = make_comm(current_job(config_lib.DistConfig()), "xla")
     mesh = make_mesh()
     devices = mesh.devices.size
     global_batch = -(-batch_size // devices) * devices
     layout = batch_layout(mesh, global_batch, comm.process_index, comm.process_count)
     run_cfg = cfg or config_lib.from_dict({})
-    if custom:
-        task, pipeline, labels_of = build_task(run_cfg, parts), None, None
-    else:
-        # Raw arrays or records of a run are fed as the run was trained (its recorded
-        # normalisation); a Source (or the run's own eval split) brings its own.
-        pixel_norm = (
-            run.pixel_norm
-            if run.pixel_norm is not None and data is not None and not hasattr(data, "get_batch")
-            else PixelNorm.of(source)
-        )
-        pixel_norm.check_channels((len(source), *source.image_shape), "data")
-        if cfg is not None and data is None:
-            pipeline = pipeline_options(cfg)
-        else:  # user data of a run get its eval transform (imagenet: the centre crop)
-            pipeline = {"augment": run.augment}
-        task = build_task(run_cfg, parts, pixel_norm)
-        labels_of = "data" if data is not None else None
+    task, pipeline, labels_of = _eval_task(run, data, cfg, run_cfg, parts, custom, source)
     evaluate, state = build_eval_run(
         run.model,
         source,
@@ -222,6 +195,52 @@ def evaluate_model(
         weight_unit=run_cfg.log.weight_unit,
     )
     return evaluate(state)
+
+
+def _eval_source(data: Any, cfg: Config | None, custom: bool) -> Any:
+    """The examples to evaluate: ``data``, else the run's configured eval split."""
+    if data is not None:
+        source = (
+            as_tree_source(data, "eval", label="data")
+            if custom
+            else as_source(data, None, "eval", label="data", check_labels=False)
+        )
+    elif cfg is not None:
+        source = load_data(cfg, custom).eval
+    else:
+        raise TypeError("evaluate: pass data= to evaluate a model (a run has its eval split)")
+    if not len(source):
+        raise DataConfigError(f"data: no examples to evaluate ({source!r})")
+    return source
+
+
+def _eval_task(
+    run: Any,
+    data: Any,
+    cfg: Config | None,
+    run_cfg: Config,
+    parts: Parts,
+    custom: bool,
+    source: Any,
+) -> tuple[Task, Any, str | None]:
+    """The task to evaluate with, the pipeline options of the eval batches and where the
+    labels come from (``"data"``: checked against the model's outputs)."""
+    if custom:
+        return build_task(run_cfg, parts), None, None
+    # Raw arrays or records of a run are fed as the run was trained (its recorded
+    # normalisation); a Source (or the run's own eval split) brings its own.
+    pixel_norm = (
+        run.pixel_norm
+        if run.pixel_norm is not None and data is not None and not hasattr(data, "get_batch")
+        else PixelNorm.of(source)
+    )
+    pixel_norm.check_channels((len(source), *source.image_shape), "data")
+    if cfg is not None and data is None:
+        pipeline = pipeline_options(cfg)
+    else:  # user data of a run get its eval transform (imagenet: the centre crop)
+        pipeline = {"augment": run.augment}
+    task = build_task(run_cfg, parts, pixel_norm)
+    return task, pipeline, "data" if data is not None else None
 
 
 def num_logits(model_def: Any, state: TrainState, source: Any) -> int:

@@ -223,6 +223,32 @@ def task_terms(
     return named, model
 
 
+def _local_grads_fn(model_def: ModelDef, comm: Comm, task: Task) -> Callable:
+    """``(params, model_state, data) -> (grads, new model state, weighted means)`` of one
+    micro-batch on one device (inside the step's ``shard_map``)."""
+
+    def local_grads(params, model_state, data):
+        device = comm.device_index()
+
+        def objective(p):
+            def model_of() -> nnx.Module:
+                model = model_def.merge(p, model_state, device)
+                model.train()
+                return model
+
+            named, model = task_terms(task, model_of, data, training=True)
+            terms = weighted.means({f"train/{k}": v for k, v in named.items()})
+            _, weight_B = named["loss"]
+            if weight_B is not None:
+                terms[NEGATIVE_WEIGHT_KEY] = jnp.any(weight_B < 0).astype(jnp.float32)
+            return terms["train/loss"], (nnx.state(model, MODEL_STATE), terms)
+
+        grads, (new_stats, terms) = jax.grad(objective, has_aux=True)(_to_varying(params))
+        return grads, new_stats, terms
+
+    return local_grads
+
+
 def make_train_step(
     model_def: ModelDef,
     tx: optax.GradientTransformation,
@@ -266,25 +292,7 @@ def make_train_step(
     all-gathered (:mod:`jddp.sharded_update`); the steps are the same.
     """
     task = _classification(task, loss_fn, metrics_fn, compute_dtype, pixel_norm)
-
-    def local_grads(params, model_state, data):
-        device = comm.device_index()
-
-        def objective(p):
-            def model_of() -> nnx.Module:
-                model = model_def.merge(p, model_state, device)
-                model.train()
-                return model
-
-            named, model = task_terms(task, model_of, data, training=True)
-            terms = weighted.means({f"train/{k}": v for k, v in named.items()})
-            _, weight_B = named["loss"]
-            if weight_B is not None:
-                terms[NEGATIVE_WEIGHT_KEY] = jnp.any(weight_B < 0).astype(jnp.float32)
-            return terms["train/loss"], (nnx.state(model, MODEL_STATE), terms)
-
-        grads, (new_stats, terms) = jax.grad(objective, has_aux=True)(_to_varying(params))
-        return grads, new_stats, terms
+    local_grads = _local_grads_fn(model_def, comm, task)
 
     def per_device(state: TrainState, data):
         grads, stats, metrics = _accumulate(

@@ -82,6 +82,17 @@ def _check_numbers(cfg: Config) -> None:
 def validate(cfg: Config) -> Config:
     """Check value ranges that the types alone cannot express."""
     _check_numbers(cfg)
+    _check_positive(cfg)
+    _check_non_negative(cfg)
+    _check_fractions(cfg)
+    _check_formats(cfg)
+    _check_user_code(cfg)
+    _check_combinations(cfg)
+    return cfg
+
+
+def _check_positive(cfg: Config) -> None:
+    """Sizes, counts and timeouts (the optional ones when set) are > 0."""
     positive = {
         "data.global_batch_size": cfg.data.global_batch_size,
         "model.num_classes": cfg.model.num_classes,
@@ -110,6 +121,10 @@ def validate(cfg: Config) -> Config:
     for key, v in positive.items():
         if v <= 0:
             raise ConfigError(f"{key}: must be > 0, got {v}")
+
+
+def _check_non_negative(cfg: Config) -> None:
+    """Rates, periods (0: never), indices and the seed are >= 0."""
     non_negative = {
         "optim.lr": cfg.optim.lr,
         "optim.weight_decay": cfg.optim.weight_decay,
@@ -125,6 +140,10 @@ def validate(cfg: Config) -> Config:
     for key, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{key}: must be >= 0, got {v}")
+
+
+def _check_fractions(cfg: Config) -> None:
+    """Fractions and momenta lie in [0, 1] or [0, 1)."""
     if not 0.0 <= cfg.train.max_skipped_fraction <= 1.0:
         raise ConfigError(
             f"train.max_skipped_fraction: must be in [0, 1], got {cfg.train.max_skipped_fraction}"
@@ -141,6 +160,10 @@ def validate(cfg: Config) -> Config:
     }.items():
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"{key}: must be in [0, 1), got {v}")
+
+
+def _check_formats(cfg: Config) -> None:
+    """``workdir`` is not blank; ``log.profile_steps`` reads ``a:b``."""
     if cfg.workdir is not None and not cfg.workdir.strip():
         raise ConfigError("workdir: must not be empty; give a folder or leave it unset")
     if cfg.log.profile_steps is not None:
@@ -156,7 +179,10 @@ def validate(cfg: Config) -> Config:
                 f"numbered from 1), got "
                 f"{cfg.log.profile_steps!r}"
             )
-    _check_user_code(cfg)
+
+
+def _check_combinations(cfg: Config) -> None:
+    """Settings that are each valid but not together."""
     twice = {t for t in cfg.log.trackers if cfg.log.trackers.count(t) > 1}
     if twice:
         raise ConfigError(f"log.trackers: {', '.join(sorted(twice))} given twice; name each once")
@@ -184,7 +210,6 @@ def validate(cfg: Config) -> Config:
             f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by "
             f"train.grad_accum_steps={cfg.train.grad_accum_steps}"
         )
-    return cfg
 
 
 def _check_user_code(cfg: Config) -> None:

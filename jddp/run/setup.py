@@ -141,91 +141,24 @@ def build_run(
     console = Console(writer)
     mesh, layout = build_mesh(cfg, comm)
     custom = is_custom_task(cfg, parts)
-    splits = parts.splits or load_data(cfg, custom)
-    try:
-        batches = TrainBatches(
-            splits.train,
-            cfg.data.global_batch_size,
-            cfg.train.seed,
-            mesh,
-            layout,
-            **pipeline_options(cfg),
-        )
-    except ValueError as e:  # the batch is larger than the data set
-        raise ConfigError(str(e)) from None
-    steps = total_steps(cfg, batches.steps_per_epoch)
-    check_profile_steps(cfg.log.profile_steps, steps)
-
-    images = is_image_source(splits.train)
-    model = parts.model or build_model(
-        cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1] if images else 3
+    splits, batches, steps = _data(cfg, parts, custom, mesh, layout)
+    model_def, state, tx, schedule, shard_update = _model_and_state(
+        cfg, comm, parts, splits, steps, mesh
     )
-    if parts.optimizer is not None:
-        tx, schedule = parts.optimizer, None
-    else:
-        tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
-    model_def, state = create_train_state(model, tx, mesh)
-    del model
-    shard_update = build_layout(cfg, mesh, comm, parts)  # None: the optimizer state replicated
-    pixel_norm = PixelNorm.of(splits.train) if images else None
-    task = build_task(cfg, parts, pixel_norm)
-    if custom:  # the loss and metrics fit the batches, or one line naming them
-        rows = per_device_rows(cfg, mesh, comm) // cfg.train.grad_accum_steps
-        check_task(task, model_def, state, splits, rows)
-        num_outputs = None
-    else:
-        num_outputs = check_model_output(cfg, model_def, state, splits, parts.model is not None)
-    ckpts = Checkpoints.of(
-        folder,
-        task=task.kind,
-        pixel_norm=None if pixel_norm is None else pixel_norm.to_json(),
-        every_steps=cfg.checkpoint.every_steps,
-        keep=cfg.checkpoint.keep,
-        async_save=cfg.checkpoint.async_save,
-        writes=comm.writes_checkpoints,
-        primary=writer,
+    task, pixel_norm, num_outputs = _checked_task(
+        cfg, comm, parts, custom, splits, model_def, state, mesh
     )
-    if shard_update is not None:  # laid out before restoring: orbax reads each device's slice
-        state = shard_update.place(state)
-    state, start_step = restore(cfg, ckpts, state, comm, console, steps)
-    if start_step == 0 and cfg.checkpoint.init_from:  # a fresh run; a resume keeps its own
-        state = warm_start(cfg.checkpoint.init_from, state, tx, mesh, console, num_outputs)
-        if shard_update is not None:
-            state = shard_update.place(state)
-    state = comm.broadcast_state(state, mesh)
-    if writer:
-        folder.config_yaml.write_text(config_lib.dump(cfg))
-    trackers = Trackers.of(
-        cfg.log.trackers, folder, start_step, cfg.log.experiment, writer
-    )  # started by the trainer, with the loop
-    log = MetricsLog(folder, resume_step=start_step, writer=writer, sink=trackers)
+    ckpts = _checkpoints(cfg, comm, folder, task, pixel_norm)
+    state, start_step = _restored_state(
+        cfg, comm, ckpts, state, tx, mesh, console, steps, num_outputs, shard_update
+    )
+    trackers, log = _outputs(cfg, folder, start_step, writer)
 
     train_step, eval_step = build_steps(
         cfg, model_def, tx, mesh, comm, task=task, schedule=schedule
     )
-    progress = Progress(
-        cfg.log.progress,
-        steps,
-        start_step,
-        writer,
-        batches.steps_per_epoch,
-        console,
-        task.example_unit,
-        cfg.log.weight_unit,
-    )
-    meter = ThroughputMeter(
-        cfg.data.global_batch_size, start_step, task.example_unit, cfg.log.weight_unit
-    )
-    reporter = StepReporter(
-        cfg.log.every_steps,
-        steps,
-        cfg.train.on_nonfinite == "halt",
-        log,
-        meter,
-        progress,
-        ckpts,
-        cfg.log.baseline_img_per_s,
-        len(mesh.local_devices) * comm.process_count,
+    progress, meter, reporter = _reporting(
+        cfg, comm, mesh, steps, start_step, batches, console, task, log, ckpts
     )
     evaluate = EvalRun(
         eval_step,
@@ -263,15 +196,7 @@ def build_run(
         meter=meter,
         stop=stop,
         reporter=reporter,
-        # One trace per process: jax.profiler names its files after the host only, so the
-        # processes of one machine would write the same files.
-        profiler=Profiler(
-            cfg.log.profile_steps,
-            folder.profile / f"process_{comm.process_index}"
-            if comm.process_count > 1
-            else folder.profile,
-            console,
-        ),
+        profiler=_profiler(cfg, comm, folder, console),
         hooks=[
             EvalHook(cfg.train.eval_every_steps, steps, evaluate, log, meter, progress, watchdog),
             CheckpointHook(ckpts, config_lib.to_dict(cfg), watchdog),
@@ -279,3 +204,171 @@ def build_run(
         ],
         watchdog=watchdog,
     )
+
+
+def _data(
+    cfg: Config, parts: Parts, custom: bool, mesh: Mesh, layout: BatchLayout
+) -> tuple[Splits, TrainBatches, int]:
+    """The data, its training batches and the run's total steps."""
+    splits = parts.splits or load_data(cfg, custom)
+    try:
+        batches = TrainBatches(
+            splits.train,
+            cfg.data.global_batch_size,
+            cfg.train.seed,
+            mesh,
+            layout,
+            **pipeline_options(cfg),
+        )
+    except ValueError as e:  # the batch is larger than the data set
+        raise ConfigError(str(e)) from None
+    steps = total_steps(cfg, batches.steps_per_epoch)
+    check_profile_steps(cfg.log.profile_steps, steps)
+    return splits, batches, steps
+
+
+def _model_and_state(
+    cfg: Config, comm: Comm, parts: Parts, splits: Splits, steps: int, mesh: Mesh
+) -> tuple[ModelDef, TrainState, Any, Any, Any]:
+    """The model split into its definition and train state, the optimizer and its schedule
+    (None for one given to jddp.fit), and the sharded update's layout (None: replicated)."""
+    images = is_image_source(splits.train)
+    model = parts.model or build_model(
+        cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1] if images else 3
+    )
+    if parts.optimizer is not None:
+        tx, schedule = parts.optimizer, None
+    else:
+        tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
+    model_def, state = create_train_state(model, tx, mesh)
+    del model
+    shard_update = build_layout(cfg, mesh, comm, parts)  # None: the optimizer state replicated
+    return model_def, state, tx, schedule, shard_update
+
+
+def _checked_task(
+    cfg: Config,
+    comm: Comm,
+    parts: Parts,
+    custom: bool,
+    splits: Splits,
+    model_def: ModelDef,
+    state: TrainState,
+    mesh: Mesh,
+) -> tuple[Any, PixelNorm | None, int | None]:
+    """The task, its pixel normalisation and the model's number of outputs (None for a custom
+    task), checked against the model and the batches."""
+    pixel_norm = PixelNorm.of(splits.train) if is_image_source(splits.train) else None
+    task = build_task(cfg, parts, pixel_norm)
+    if custom:  # the loss and metrics fit the batches, or one line naming them
+        rows = per_device_rows(cfg, mesh, comm) // cfg.train.grad_accum_steps
+        check_task(task, model_def, state, splits, rows)
+        num_outputs = None
+    else:
+        num_outputs = check_model_output(cfg, model_def, state, splits, parts.model is not None)
+    return task, pixel_norm, num_outputs
+
+
+def _checkpoints(
+    cfg: Config, comm: Comm, folder: RunFolder, task: Any, pixel_norm: PixelNorm | None
+) -> Checkpoints:
+    """The run's checkpoints, saved with what an export or an eval of them needs."""
+    return Checkpoints.of(
+        folder,
+        task=task.kind,
+        pixel_norm=None if pixel_norm is None else pixel_norm.to_json(),
+        every_steps=cfg.checkpoint.every_steps,
+        keep=cfg.checkpoint.keep,
+        async_save=cfg.checkpoint.async_save,
+        writes=comm.writes_checkpoints,
+        primary=comm.process_index == 0,
+    )
+
+
+def _restored_state(
+    cfg: Config,
+    comm: Comm,
+    ckpts: Checkpoints,
+    state: TrainState,
+    tx: Any,
+    mesh: Mesh,
+    console: Console,
+    steps: int,
+    num_outputs: int | None,
+    shard_update: Any,
+) -> tuple[TrainState, int]:
+    """The state to start from (the newest good checkpoint, a warm start, or ``state``) and its
+    step, laid out for the sharded update and the same on every process."""
+    if shard_update is not None:  # laid out before restoring: orbax reads each device's slice
+        state = shard_update.place(state)
+    state, start_step = restore(cfg, ckpts, state, comm, console, steps)
+    if start_step == 0 and cfg.checkpoint.init_from:  # a fresh run; a resume keeps its own
+        state = warm_start(cfg.checkpoint.init_from, state, tx, mesh, console, num_outputs)
+        if shard_update is not None:
+            state = shard_update.place(state)
+    return comm.broadcast_state(state, mesh), start_step
+
+
+def _outputs(
+    cfg: Config, folder: RunFolder, start_step: int, writer: bool
+) -> tuple[Trackers, MetricsLog]:
+    """Write ``config.yaml`` (the writer only) and open the trackers and the metrics log."""
+    if writer:
+        folder.config_yaml.write_text(config_lib.dump(cfg))
+    trackers = Trackers.of(
+        cfg.log.trackers, folder, start_step, cfg.log.experiment, writer
+    )  # started by the trainer, with the loop
+    log = MetricsLog(folder, resume_step=start_step, writer=writer, sink=trackers)
+    return trackers, log
+
+
+def _reporting(
+    cfg: Config,
+    comm: Comm,
+    mesh: Mesh,
+    steps: int,
+    start_step: int,
+    batches: TrainBatches,
+    console: Console,
+    task: Any,
+    log: MetricsLog,
+    ckpts: Checkpoints,
+) -> tuple[Any, ThroughputMeter, StepReporter]:
+    """The progress bar, the throughput meter and the per-step reporter."""
+    writer = comm.process_index == 0
+    progress = Progress(
+        cfg.log.progress,
+        steps,
+        start_step,
+        writer,
+        batches.steps_per_epoch,
+        console,
+        task.example_unit,
+        cfg.log.weight_unit,
+    )
+    meter = ThroughputMeter(
+        cfg.data.global_batch_size, start_step, task.example_unit, cfg.log.weight_unit
+    )
+    reporter = StepReporter(
+        cfg.log.every_steps,
+        steps,
+        cfg.train.on_nonfinite == "halt",
+        log,
+        meter,
+        progress,
+        ckpts,
+        cfg.log.baseline_img_per_s,
+        len(mesh.local_devices) * comm.process_count,
+    )
+    return progress, meter, reporter
+
+
+def _profiler(cfg: Config, comm: Comm, folder: RunFolder, console: Console) -> Profiler:
+    """One trace per process: jax.profiler names its files after the host only, so the
+    processes of one machine would write the same files."""
+    directory = (
+        folder.profile / f"process_{comm.process_index}"
+        if comm.process_count > 1
+        else folder.profile
+    )
+    return Profiler(cfg.log.profile_steps, directory, console)
