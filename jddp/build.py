@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jddp import config as config_lib
 from jddp.comm import Comm
 from jddp.config import Config
-from jddp.data.loader import BatchLayout, batch_layout
+from jddp.data.loader import BatchLayout, PipelineOptions, batch_layout
 from jddp.data.registry import load_splits
 from jddp.data.source import Splits, as_source
 from jddp.data.trees import as_tree_source
@@ -225,10 +225,10 @@ def user_splits(train: Any, evals: Any, custom: bool, who: str = "") -> Splits:
     return Splits(train=train_source, eval=eval_source)
 
 
-def pipeline_options(cfg: Config) -> dict[str, Any]:
-    """The input pipeline's keys of ``cfg.data`` (augmentation, host workers), as
+def pipeline_options(cfg: Config) -> PipelineOptions:
+    """The input pipeline's options of ``cfg.data`` (augmentation, host workers), as
     :class:`~jddp.data.loader.TrainBatches` and ``eval_batches`` take them."""
-    return {k: getattr(cfg.data, k) for k in ("augment", "workers", "worker_kind")}
+    return PipelineOptions(cfg.data.augment, cfg.data.workers, cfg.data.worker_kind)
 
 
 def per_device_rows(cfg: Config, mesh: Mesh, comm: Comm) -> int:

@@ -34,7 +34,7 @@ from jddp.build import (
 from jddp.checkpoint.find import find_checkpoint, reader, sorted_steps
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
-from jddp.data.loader import BatchLayout, batch_layout, eval_batches
+from jddp.data.loader import BatchLayout, PipelineOptions, batch_layout, eval_batches
 from jddp.data.source import as_source, check_label_range, is_image_source
 from jddp.data.trees import as_tree_source
 from jddp.distributed import Job, current_job
@@ -62,7 +62,7 @@ from jddp.workdir import RunFolder
 class EvalRun:
     """An eval pass, ready to run on any state of its model: the eval step, the eval source,
     the global batch and where it runs. ``pipeline``: the input pipeline's options
-    (``augment`` picks the eval transform, e.g. imagenet's centre crop; ``workers``).
+    (its ``augment`` picks the eval transform, e.g. imagenet's centre crop; ``workers``).
     ``weight_unit``: what a weighted loss's weights count (``log.weight_unit``), reported as
     ``eval/<unit>``."""
 
@@ -72,7 +72,7 @@ class EvalRun:
     mesh: Mesh
     layout: BatchLayout
     comm: Comm
-    pipeline: dict[str, Any] | None = None
+    pipeline: PipelineOptions | None = None
     weight_unit: str | None = None
     on_batch: Callable[[], None] | None = None  # called after each batch (the run's watchdog)
 
@@ -84,7 +84,11 @@ class EvalRun:
         ``eval/<weight_unit>``, the loss weights' sum, when a unit is set."""
         totals: dict[str, float] = {}
         batches = eval_batches(
-            self.source, self.global_batch_size, self.mesh, self.layout, **(self.pipeline or {})
+            self.source,
+            self.global_batch_size,
+            self.mesh,
+            self.layout,
+            pipeline=self.pipeline or PipelineOptions(),
         )
         for batch in batches:
             sums = to_host(self.eval_step(state, batch))
@@ -114,7 +118,7 @@ def build_eval_run(
     comm: Comm,
     *,
     task: Task,
-    pipeline: dict[str, Any] | None = None,
+    pipeline: PipelineOptions | None = None,
     labels_of: str | None = None,
     weight_unit: str | None = None,
 ) -> tuple[EvalRun, TrainState]:
@@ -222,7 +226,7 @@ def _eval_task(
     parts: Parts,
     custom: bool,
     source: Any,
-) -> tuple[Task, Any, str | None]:
+) -> tuple[Task, PipelineOptions | None, str | None]:
     """The task to evaluate with, the pipeline options of the eval batches and where the
     labels come from (``"data"``: checked against the model's outputs)."""
     if custom:
@@ -238,7 +242,7 @@ def _eval_task(
     if cfg is not None and data is None:
         pipeline = pipeline_options(cfg)
     else:  # user data of a run get its eval transform (imagenet: the centre crop)
-        pipeline = {"augment": run.augment}
+        pipeline = PipelineOptions(augment=run.augment)
     task = build_task(run_cfg, parts, pixel_norm)
     return task, pipeline, "data" if data is not None else None
 

@@ -87,13 +87,25 @@ def place_batch(local: Any, mesh: Mesh, layout: BatchLayout) -> Any:
     )
 
 
-class TrainBatches:
-    """Global train batches of ``source`` for steps ``k = 0, 1, ...``, placed on ``mesh``.
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How the host builds batches (``data.augment``, ``data.workers``, ``data.worker_kind``).
 
-    ``augment``: ``none|cifar|imagenet`` (:mod:`jddp.data.augment`). ``workers``: host workers
-    building batches ahead (0: the placement thread builds them; None: the cores available,
-    see :func:`~jddp.proc.cores.cores_per_process`); ``worker_kind``: ``thread|process``.
-    Batch *k* is the same pixels whatever the workers, processes or devices.
+    ``augment``: ``none|cifar|imagenet`` (:mod:`jddp.data.augment`; an eval pass takes its eval
+    transform, e.g. imagenet's centre crop). ``workers``: host workers building batches ahead
+    (0: the placement thread builds them; None: the cores available, see
+    :func:`~jddp.proc.cores.cores_per_process`); ``worker_kind``: ``thread|process``.
+    """
+
+    augment: str = "none"
+    workers: int | None = 0
+    worker_kind: str = "thread"
+
+
+class TrainBatches:
+    """Global train batches of ``source`` for steps ``k = 0, 1, ...``, placed on ``mesh``,
+    built on the host as ``pipeline`` says (:class:`PipelineOptions`). Batch *k* is the same
+    pixels whatever the workers, processes or devices.
     """
 
     def __init__(
@@ -104,10 +116,9 @@ class TrainBatches:
         mesh: Mesh,
         layout: BatchLayout | None = None,
         *,
-        augment: str = "none",
-        workers: int | None = 0,
-        worker_kind: str = "thread",
+        pipeline: PipelineOptions = PipelineOptions(),
     ):
+        workers = pipeline.workers
         self.layout = layout or batch_layout(mesh, global_batch_size)
         self.source = source
         self.global_batch_size = global_batch_size
@@ -116,13 +127,13 @@ class TrainBatches:
         if workers is not None and workers < 0:
             raise ValueError(f"data.workers={workers} must be >= 0 (null: one per core)")
         self.workers = cores_per_process() if workers is None else workers
-        self.worker_kind = worker_kind
+        self.worker_kind = pipeline.worker_kind
         if len(source) // global_batch_size == 0:
             raise ValueError(
                 f"data.global_batch_size={global_batch_size} is larger than the "
                 f"{len(source)} train examples of {source!r}"
             )
-        self.host = HostBatches(source, global_batch_size, seed, self.layout.rows, augment)
+        self.host = HostBatches(source, global_batch_size, seed, self.layout.rows, pipeline.augment)
         self.steps_per_epoch = self.host.steps_per_epoch
 
     def global_indices(self, step: int) -> np.ndarray:
@@ -169,21 +180,20 @@ def eval_batches(
     mesh: Mesh,
     layout: BatchLayout | None = None,
     *,
-    augment: str = "none",
-    workers: int | None = 0,
-    worker_kind: str = "thread",
+    pipeline: PipelineOptions = PipelineOptions(),
 ) -> Iterator[Batch]:
     """Every example of ``source`` exactly once, in order; the last batch is padded and masked.
 
     Each batch has ``data`` (the task's pytree: ``{"images", "labels"}`` of an image source) and
     ``mask`` (1.0 for real rows, 0.0 for padding, which repeats example 0).
-    ``augment="imagenet"`` evaluates the centre crop (:func:`~jddp.data.pipeline.eval_rows`).
+    ``pipeline.augment="imagenet"`` evaluates the centre crop
+    (:func:`~jddp.data.pipeline.eval_rows`).
     """
     layout = layout or batch_layout(mesh, global_batch_size)
     starts = range(0, len(source), global_batch_size)
-    workers = cores_per_process() if workers is None else workers
-    fn = functools.partial(_eval_rows, source, global_batch_size, layout.rows, augment)
-    host = host_iterator(fn, starts, workers, worker_kind)
+    workers = cores_per_process() if pipeline.workers is None else pipeline.workers
+    fn = functools.partial(_eval_rows, source, global_batch_size, layout.rows, pipeline.augment)
+    host = host_iterator(fn, starts, workers, pipeline.worker_kind)
     return _placed(host, functools.partial(place_batch, mesh=mesh, layout=layout), 1)
 
 

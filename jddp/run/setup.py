@@ -218,7 +218,7 @@ def _data(
             cfg.train.seed,
             mesh,
             layout,
-            **pipeline_options(cfg),
+            pipeline=pipeline_options(cfg),
         )
     except ValueError as e:  # the batch is larger than the data set
         raise ConfigError(str(e)) from None
