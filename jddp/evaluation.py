@@ -315,7 +315,7 @@ def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> d
             f"{metrics['eval/count']} eval examples (NaN/Inf in the eval images or the "
             "weights); nothing was appended to metrics.jsonl"
         )
-    Console(comm.process_index == 0).say(
+    Console(comm.is_writer).say(
         f"jddp: evaluated checkpoint {directory / str(step)} on {cfg.data.name} "
         f"({len(splits.eval)} eval examples): {describe_eval(metrics, cfg.log.weight_unit)}\n"
         f"jddp: eval step={step} "
@@ -323,7 +323,7 @@ def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> d
             f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
         )
     )
-    if comm.process_index == 0:
+    if comm.is_writer:
         folder = RunFolder(cfg.workdir)
         try:
             append_metrics(folder, step, {**metrics, "eval/data": cfg.data.name})

@@ -101,6 +101,11 @@ class Comm(ABC):
         """Processes in the job."""
         return self.job.process_count
 
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process prints and writes the run's outputs (process 0 alone)."""
+        return self.job.is_writer
+
     # -- inside the step --------------------------------------------------------------------
     def average(self, tree: PyTree) -> PyTree:
         """``pmean`` over the ``data`` mesh axis (one collective per dtype where fused)."""

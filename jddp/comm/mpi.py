@@ -47,7 +47,7 @@ class MpiComm(Comm):
     def writes_checkpoints(self) -> bool:
         """Rank 0 alone: without a shared JAX runtime every rank would act as orbax's primary
         host; the others only restore (the directory must be shared)."""
-        return self.process_index == 0
+        return self.is_writer
 
     def device_index(self) -> jax.Array:
         """Rank-major index over every rank's local devices (inside the local step)."""

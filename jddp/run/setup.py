@@ -137,7 +137,7 @@ def build_run(
     write ``config.yaml``, open the metrics log, and make the loop's hooks (``watchdog``: told
     of the progress of evals and checkpoints)."""
     watchdog = watchdog or StallWatchdog(None, None)
-    writer = comm.process_index == 0
+    writer = comm.is_writer
     console = Console(writer)
     mesh, layout = build_mesh(cfg, comm)
     custom = is_custom_task(cfg, parts)
@@ -281,7 +281,7 @@ def _checkpoints(
         keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_save,
         writes=comm.writes_checkpoints,
-        primary=comm.process_index == 0,
+        primary=comm.is_writer,
     )
 
 
@@ -335,7 +335,7 @@ def _reporting(
     ckpts: Checkpoints,
 ) -> tuple[Any, ThroughputMeter, StepReporter]:
     """The progress bar, the throughput meter and the per-step reporter."""
-    writer = comm.process_index == 0
+    writer = comm.is_writer
     progress = Progress(
         cfg.log.progress,
         steps,

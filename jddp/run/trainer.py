@@ -97,7 +97,7 @@ def train_and_evaluate(
     lock = WorkdirLock(folder.lock_file)
     problem: ConfigError | None = None
     continues = False
-    if comm.process_index == 0:
+    if comm.is_writer:
         try:
             check_installed(cfg.log.trackers)  # process 0 sends to them
             folder.prepare()
@@ -163,7 +163,7 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
             ckpts.save(step, state, run.config_dict)
             ckpts.close()
             comm.barrier()
-            if comm.process_index == 0:
+            if comm.is_writer:
                 run.folder.mark_preempted(step, run.config_dict)
             run.log.close()
             run.trackers.finish(checkpoint=str(ckpts.directory / str(step)), status="preempted")
@@ -179,7 +179,7 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         ckpts.save(step, state, run.config_dict)
         ckpts.close()
         comm.barrier()  # nobody leaves before rank 0's checkpoint is complete
-        if comm.process_index == 0:
+        if comm.is_writer:
             run.folder.clear_preempted()
     except NonFiniteLoss:
         ckpts.close()  # every process raised at the same step: finish the saves in flight
