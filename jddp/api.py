@@ -37,9 +37,7 @@ def load_config(config: ConfigLike = None, overrides: Iterable[str] = ()) -> Con
     else:
         base = {}
     data = copy.deepcopy(base)  # overrides must not write into the caller's dicts
-    for text in overrides:
-        key, value = config_lib.parse_override(text)
-        config_lib.set_dotted(data, key, value)
+    config_lib.apply_overrides(data, overrides, once=False)  # here the last one wins
     cfg = config_lib.from_dict(data)
     if cfg.workdir is None:
         cfg.workdir = "runs/default"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "TrainConfig",
+    "apply_overrides",
     "dump",
     "from_dict",
     "help_text",
@@ -262,16 +264,7 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     data: dict[str, Any] = {}
     if path is not None:
         data = read_file(path)
-    given: dict[str, str] = {}
-    for text in overrides:
-        key, value = parse_override(text)
-        if key in given:
-            raise ConfigError(
-                f"{key}: set twice on the command line ({given[key]!r} and "
-                f"{text.split('=', 1)[1]!r}); give each key once"
-            )
-        given[key] = text.split("=", 1)[1]
-        set_dotted(data, key, value)
+    given = apply_overrides(data, overrides)
     # The run's length on the command line replaces the file's, in either unit.
     for key, other in (("train.steps", "train.epochs"), ("train.epochs", "train.steps")):
         section = data.get("train")
@@ -281,6 +274,25 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
     if cfg.workdir is None:
         cfg.workdir = str(Path("runs") / (Path(path).stem if path is not None else "default"))
     return cfg
+
+
+def apply_overrides(
+    data: dict[str, Any], overrides: Iterable[str], *, once: bool = True
+) -> dict[str, str]:
+    """Set each dotted ``key=value`` of ``overrides`` in the nested dict ``data`` (in place);
+    returns the keys set and their value texts. ``once``: a key given twice is a
+    :class:`ConfigError` (the command line); otherwise the last one wins."""
+    given: dict[str, str] = {}
+    for text in overrides:
+        key, value = parse_override(text)
+        if once and key in given:
+            raise ConfigError(
+                f"{key}: set twice on the command line ({given[key]!r} and "
+                f"{text.split('=', 1)[1]!r}); give each key once"
+            )
+        given[key] = text.split("=", 1)[1]
+        set_dotted(data, key, value)
+    return given
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
