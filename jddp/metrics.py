@@ -8,6 +8,7 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 from tqdm import tqdm
@@ -27,6 +28,27 @@ def _plain(v: Any) -> Any:
 def _row(step: int, values: dict[str, Any]) -> dict[str, Any]:
     """One ``metrics.jsonl`` line: the step, then the values as plain JSON numbers."""
     return {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
+
+
+def metrics_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(line, row)`` for each line of a ``metrics.jsonl`` that holds a JSON object, in file
+    order; any other line (a torn last line, bad JSON, a non-object) is skipped. Raises
+    ``OSError`` when the file cannot be read."""
+    with Path(path).open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                yield line, row
+
+
+def read_metrics(workdir: str | Path) -> list[dict[str, Any]]:
+    """The lines of ``workdir/metrics.jsonl`` as dicts, in file order (see
+    :func:`metrics_rows`: a torn or foreign line is skipped)."""
+    return [row for _, row in metrics_rows(RunFolder(workdir).metrics_jsonl)]
 
 
 class MetricsSink(Protocol):
@@ -59,11 +81,7 @@ class MetricsLog:
         kept = []
         try:
             if self.path.exists():
-                for line in self.path.read_text().splitlines():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
+                for line, row in metrics_rows(self.path):
                     if row.get("step", 0) <= resume_step:
                         kept.append(line)
                         self._keys_at.setdefault(row.get("step", 0), set()).update(row)

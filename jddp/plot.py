@@ -18,7 +18,6 @@ process-wide backend is left alone).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections import Counter
@@ -30,6 +29,7 @@ import yaml
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from jddp.metrics import metrics_rows
 from jddp.tasks import RESERVED_METRICS
 from jddp.workdir import RunFolder
 
@@ -97,15 +97,7 @@ def load_metrics(workdir: str | Path) -> list[dict]:
     path = RunFolder(workdir).metrics_jsonl
     if not path.is_file():
         raise MetricsError(f"{path}: no such file")
-    rows = []
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and _number(row.get("step")) is not None:
-                rows.append(row)
+    rows = [row for _, row in metrics_rows(path) if _number(row.get("step")) is not None]
     if not rows:
         raise MetricsError(f"{path}: no valid metrics line")
     return rows

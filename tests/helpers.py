@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jddp.launch import merge_xla_flags
+from jddp.metrics import read_metrics
 
 # A tiny run: ResNet-18 of width 4 on 8x8 synthetic images, constant lr, a line every step.
 TINY = [
@@ -80,12 +81,6 @@ def assert_resumed_bitwise(out, workdir, straight, resumed: int, last_step: int)
     got, want = read_losses(workdir), read_losses(straight)
     assert sorted(got) == list(range(1, last_step + 1))
     assert_losses_match(got, want, range(resumed + 1, last_step + 1), rel=0)
-
-
-def read_metrics(workdir) -> list[dict]:
-    """Every line of ``workdir/metrics.jsonl``."""
-    text = (Path(workdir) / "metrics.jsonl").read_text()
-    return [json.loads(line) for line in text.splitlines()]
 
 
 def read_losses(workdir) -> dict[int, float]:

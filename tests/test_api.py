@@ -2,7 +2,6 @@
 from the CLI; the runnable examples (also under jddp.launch)."""
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jddp
-from tests.helpers import data, run, run_python
+from tests.helpers import data, read_metrics, run, run_python
 from tests.user_models import TinyMLP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +42,7 @@ def test_fit_with_arrays_custom_loss_and_metric(tmp_path):
     assert calls and result.step == 60
     assert result.eval["eval/count"] == 40  # every eval example once
     assert result.eval["eval/accuracy"] > 0.7
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "run")
     assert any("train/mean_logit" in r for r in rows)
     assert (tmp_path / "run" / "checkpoints" / "60").is_dir()
 

@@ -1,6 +1,5 @@
 """Unit tests of the run's outputs: the run folder and its lock, the metrics log, checkpoints."""
 
-import json
 import os
 
 import jax
@@ -12,7 +11,7 @@ from flax import nnx
 from jddp.checkpoint import Checkpoints
 from jddp.errors import CheckpointError, ConfigError
 from jddp.mesh import make_mesh, to_host
-from jddp.metrics import Console, MetricsLog
+from jddp.metrics import Console, MetricsLog, read_metrics
 from jddp.run.trackers import Trackers
 from jddp.state import create_train_state
 from jddp.workdir import RunFolder, WorkdirLock
@@ -70,7 +69,7 @@ def test_metrics_log_drops_lines_after_the_resumed_step(tmp_path):
     log.write(3, {"train/loss": 30.0})
     log.close()
     trackers.finish()
-    rows = [json.loads(line) for line in folder.metrics_jsonl.read_text().splitlines()]
+    rows = read_metrics(folder.root)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["train/loss"] == 30.0 and rows[0]["eval/loss"] == "nan"
     assert any(folder.tensorboard.iterdir())

@@ -6,7 +6,6 @@ custom task's numeric columns, and both accepted by ``python -m jddp.pack``."""
 from __future__ import annotations
 
 import io
-import json
 import shutil
 import signal
 import tarfile
@@ -34,6 +33,7 @@ from tests.helpers import (
     fake_devices,
     launch_cmd,
     read_losses,
+    read_metrics,
     run,
     start,
     steps_saved,
@@ -169,8 +169,7 @@ def test_a_custom_task_trains_on_the_numeric_columns(tmp_path):
         outs[name] = out
     assert_losses_match(read_losses(tmp_path / "parquet"), read_losses(tmp_path / "factory"),
                         range(1, 7), rel=0)  # fmt: skip
-    final = [json.loads(x) for x in (tmp_path / "parquet" / "metrics.jsonl").read_text().split("\n")
-             if x.strip()][-1]  # fmt: skip
+    final = read_metrics(tmp_path / "parquet")[-1]
     assert final["eval/count"] == user_tasks.EVAL
 
 

@@ -2,7 +2,6 @@
 run, changed configs on resume, every step skipped, Ctrl-C."""
 
 import importlib
-import json
 import os
 import re
 import signal
@@ -61,7 +60,7 @@ def fit(workdir, *overrides, model=None, seed=0):
 
 
 def rows(workdir):
-    return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(workdir)
 
 
 def test_resume_false_moves_the_earlier_run_aside(tmp_path):

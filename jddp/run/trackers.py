@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from jddp.errors import ConfigError
+from jddp.metrics import metrics_rows
 from jddp.run.tracker_kinds import (
     PACKAGES,
     THREAD_PREFIX,
@@ -286,15 +287,11 @@ class Trackers:
         if self.folder is None or self.resume_step <= 0:
             return
         try:
-            lines = self.folder.metrics_jsonl.read_text().splitlines()
+            rows = [row for _, row in metrics_rows(self.folder.metrics_jsonl)]
         except OSError:
             return
-        for line in lines:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            step = row.get("step") if isinstance(row, dict) else None
+        for row in rows:
+            step = row.get("step")
             if isinstance(step, int) and 0 < step <= self.resume_step:
                 values = scalars(row)
                 if values:
