@@ -6,7 +6,8 @@ having every device apply the same update to every parameter, the one jitted ste
 
 1. reduce-scatters the gradients: device *i* receives the global mean of its 1/N slice of each
    parameter (:meth:`ShardLayout.mean_scatter`: one ``psum_scatter`` per dtype over a buffer
-   packing every slice);
+   packing every slice; on CPUs through gloo an all-reduce, each device keeping its slice:
+   see :class:`ShardLayout`);
 2. updates that slice with its 1/N of the optimizer state, which lives split the same way
    (``P(..., "data", ...)``: about 1/N of the optimizer's bytes per device);
 3. all-gathers the new parameters (one all-gather per dtype), which stay replicated for the
@@ -25,7 +26,7 @@ device's slice), so a run resumes on another device count or with the key switch
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -42,14 +43,32 @@ from jddp.state import TrainState
 PyTree = Any
 
 
+def cpu_gloo() -> bool:
+    """Whether XLA:CPU runs this process's collectives through gloo (CPUs under
+    ``jax.distributed``, even between the devices of one process)."""
+    return (
+        jax.default_backend() == "cpu"
+        and jax.distributed.is_initialized()
+        and jax.config.jax_cpu_collectives_implementation == "gloo"
+    )
+
+
 @dataclass(frozen=True)
 class ShardLayout:
     """Where each array of the train state lives when the weight update is split over the
     ``data`` axis of ``mesh``: parameters, model state and counters whole on every device;
     each optimizer-state array split along :meth:`axis` (its shape alone decides, so a
-    parameter, its gradient and its optimizer moments are split alike)."""
+    parameter, its gradient and its optimizer moments are split alike).
+
+    ``reduce_scatter``: reduce-scatter the gradients (default), or all-reduce them and keep
+    the slice (the default through gloo: XLA:CPU's gloo reduce-scatter in jaxlib 0.10 returns
+    wrong values on rank 0 now and then once a device's share reaches a few MiB, jax issue
+    40830; measured here: off by up to 8.1 in 1 of 20 calls of 2 x 6M floats, while
+    ``psum`` never was). The all-reduce adds in the replicated step's order, so the gradients
+    are bitwise the replicated step's."""
 
     mesh: Mesh
+    reduce_scatter: bool = field(default_factory=lambda: not cpu_gloo())
 
     @property
     def num_shards(self) -> int:
@@ -103,8 +122,9 @@ class ShardLayout:
 
     def mean_scatter(self, grads: PyTree, comm: Comm) -> PyTree:
         """Per-device gradients -> their global mean, each device keeping its slice of the
-        split arrays (one ``psum_scatter`` per dtype, sent in ``comm.grad_dtype`` like the
-        all-reduce) and the whole of the others (``comm.average_grads``)."""
+        split arrays (one ``psum_scatter`` per dtype, or ``psum`` and a slice, see the class;
+        sent in ``comm.grad_dtype`` like the all-reduce) and the whole of the others
+        (``comm.average_grads``)."""
         leaves, treedef = jax.tree.flatten(grads)
         groups = self._groups(leaves)
         split = {i for idx in groups.values() for i in idx}
@@ -117,9 +137,14 @@ class ShardLayout:
             send = dtype if comm.grad_dtype == "float32" else wire
             axes = [self.axis(leaves[i].shape) for i in idx]
             rows = [self._rows(leaves[i].astype(send), k) for i, k in zip(idx, axes, strict=True)]
-            mine = jax.lax.psum_scatter(
-                jnp.concatenate(rows, axis=1), DATA_AXIS, scatter_dimension=0, tiled=False
-            )
+            packed = jnp.concatenate(rows, axis=1)  # [N, M]
+            if self.reduce_scatter:
+                mine = jax.lax.psum_scatter(packed, DATA_AXIS, scatter_dimension=0, tiled=False)
+            else:
+                total = jax.lax.psum(packed, DATA_AXIS)
+                mine = jax.lax.dynamic_index_in_dim(
+                    total, jax.lax.axis_index(DATA_AXIS), keepdims=False
+                )
             mine = mine / self.num_shards  # as pmean divides its sum
             offsets = np.cumsum([r.shape[1] for r in rows])[:-1]
             for i, k, part in zip(idx, axes, jnp.split(mine, offsets), strict=True):

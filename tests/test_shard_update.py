@@ -96,10 +96,10 @@ def test_trust_ratios_of_slices_are_caught(four_devices):
 @pytest.mark.serial
 def test_resume_switching_the_key_and_the_topology(tmp_path, two_by_two):
     """The shared replicated 2 x 2 run's checkpoint 12 resumed with the key on (orbax reads
-    each device's slice of the full-shape optimizer state) takes its steps to 1e-5 (gloo's
-    reduce-scatter adds in another order than its all-reduce: measured 1e-7); that run's
-    sharded checkpoint 16 resumed with the key off on 1 x 4 too, to 1e-4 (another topology, as
-    tests/test_multiprocess.py allows)."""
+    each device's slice of the full-shape optimizer state): its losses to 1e-5 (measured: 1
+    ulp at some steps; gloo's all-reduce of the packed buffer may add 4 devices' values in
+    another order); that run's sharded checkpoint 16 resumed with the key off on 1 x 4: to 1e-4
+    (another topology adds in another order, as tests/test_multiprocess.py allows)."""
     reference, _ = two_by_two
     want = read_losses(reference)
     wd = tmp_path / "run"
