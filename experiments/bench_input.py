@@ -62,11 +62,9 @@ def pack(folder: Path, out: Path, max_side: int = 256) -> Path:
 # --------------------------------------------------------------------------- the decoders
 def decoders() -> dict:
     """Library -> ``fn(data, box_of, size) -> uint8 [size,size,3]`` (crop, then resize)."""
-    import cv2
-    import simplejpeg
     from PIL import Image
 
-    from jddp.data.decode import decode_crop, draft_factor, resize_crop
+    from jddp.data.decode import decode_crop
 
     def scaled(box, arr, height, width):
         sx, sy = arr.shape[1] / width, arr.shape[0] / height
@@ -82,32 +80,8 @@ def decoders() -> dict:
             img = img.convert("RGB")
             return np.asarray(img.resize((size, size), Image.Resampling.BILINEAR, box=arr_box))
 
-    def simplejpeg_pillow(data, box_of, size):
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-        box = box_of(height, width)
-        f = draft_factor(box, size)
-        arr = simplejpeg.decode_jpeg(
-            data, "RGB", min_height=-(-height // f), min_width=-(-width // f)
-        )
-        img_box = scaled(box, arr, height, width)
-        return np.asarray(
-            Image.fromarray(arr).resize((size, size), Image.Resampling.BILINEAR, box=img_box)
-        )
-
-    reduced = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4}
-    reduced[8] = cv2.IMREAD_REDUCED_COLOR_8
-
-    def opencv(data, box_of, size):
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)  # the header only
-        box = box_of(height, width)
-        arr = cv2.imdecode(np.frombuffer(data, np.uint8), reduced[draft_factor(box, size)])
-        arr = cv2.cvtColor(arr, cv2.COLOR_BGR2RGB)
-        return resize_crop(arr, scaled(box, arr, height, width), size)
-
     return {
         "pillow (jddp before)": pillow,
-        "simplejpeg + pillow resize": simplejpeg_pillow,
-        "opencv imdecode + opencv resize": opencv,
         "simplejpeg + opencv resize (jddp now)": lambda d, b, s: decode_crop(d, b, s, "bench"),
     }
 

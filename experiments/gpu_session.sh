@@ -3,7 +3,7 @@
 # and the variables (OUT, JDDP_GPU_DEADLINE_S, JDDP_GPU_SMOKE_INSTALL, JDDP_GPU_SITE, PY) are in
 # experiments/README.md, "On a lent GPU". Run ON the GPU machine from the repo root, with the
 # ".whl" of `bash scripts/gpu_wheels.sh` carried:
-#   bash experiments/gpu_session.sh PART [PART ...]    PART: suite|mpi|bench|torch|e2e|bench2|all
+#   bash experiments/gpu_session.sh PART [PART ...]    PART: suite|mpi|bench|torch|e2e|bench2|tune|lm|all
 #   bash experiments/gpu_session.sh --smoke PART ...   (or JDDP_GPU_SMOKE=1) on a CPU, tiny sizes
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ if [ "${1:-}" = --smoke ]; then SMOKE=1; shift; fi
 PARTS=("$@")
 [ "${PARTS[0]}" = all ] && PARTS=(mpi suite bench bench2)
 for p in "${PARTS[@]}"; do
-  case $p in suite | mpi | bench | torch | e2e | bench2) ;; *) echo "gpu_session: unknown part '$p'" >&2; exit 2 ;; esac
+  case $p in suite | mpi | bench | torch | e2e | bench2 | tune | lm) ;; *) echo "gpu_session: unknown part '$p'" >&2; exit 2 ;; esac
 done
 OUT=${OUT:-experiments/results/gpu-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -230,6 +230,23 @@ part_bench2() {
     --out "$OUT/xla-gpu.json" --logs "$WORK/bench2" 2>&1 | tee "$WORK/bench2/bench_xla.log"
   RC[bench2]=${PIPESTATUS[0]}
   bundle bench2
+}
+
+part_tune() {  # issue 39's matrix at batch $JDDP_TUNE_BATCH (256; a second call: 384)
+  mkdir -p "$WORK/tune"
+  local b=${JDDP_TUNE_BATCH:-256} smoke=()
+  [ "$SMOKE" = 1 ] && smoke=(--smoke --steps 6) && b=16,24
+  $PY experiments/bench_xla.py --platform gpu --matrix tune --batches "$b" "${smoke[@]}" \
+    --machine "$MACHINE" --out "$OUT/tune-$b.json" --logs "$WORK/tune" 2>&1 | tee "$WORK/tune/xla.log"
+  RC[tune]=${PIPESTATUS[0]}
+  bundle tune
+}
+
+part_lm() {  # the any-task GPT's tokens/s and MFU
+  local lm=(--platform gpu --peak-tflops "${JDDP_GPU_PEAK_TFLOPS:-989}")
+  [ "$SMOKE" = 1 ] && lm=(--quick)
+  $PY experiments/bench_lm.py "${lm[@]}" --machine "$MACHINE" --out "$OUT/lm.json"
+  RC[lm]=$?
 }
 
 # ---------------------------------------------------------------- run
