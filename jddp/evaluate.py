@@ -16,22 +16,10 @@ damaged checkpoint: the line names it and the newest intact one).
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 from pathlib import Path
 
-from jddp.errors import INTERRUPTED
-
-
-def _interrupted(signum: int, frame: object) -> None:
-    """Ctrl-C at any moment: one line, exit 130. An evaluation has nothing to save, and a
-    KeyboardInterrupt raised inside ``import jax`` printed a 40-line traceback, or inside one of
-    XLA's garbage-collection callbacks was swallowed ("Exception ignored in _xla_gc_callback",
-    the evaluation going on to exit 0)."""
-    os.write(2, b"jddp: interrupted\n")
-    os._exit(INTERRUPTED)
-
+from jddp.proc.signals import interrupts_exit
 
 USAGE = "python -m jddp.evaluate --workdir W [--step N] [key.sub=value ...]"
 
@@ -54,8 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
-    previous = signal.signal(signal.SIGINT, _interrupted)  # before JAX and the rest load
-    try:
+    with interrupts_exit():  # before JAX and the rest load
         argv = sys.argv[1:] if argv is None else argv
         from jddp.checkpoint.find import find_checkpoint
         from jddp.cli import Session, run
@@ -69,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
 
         return run(body)
-    finally:
-        signal.signal(signal.SIGINT, previous)  # called in-process (tests): give Ctrl-C back
 
 
 if __name__ == "__main__":

@@ -17,24 +17,15 @@ export whose outputs differ from the model's).
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 from pathlib import Path
 
-from jddp.errors import INTERRUPTED
+from jddp.proc.signals import interrupts_exit
 
 USAGE = (
     "python -m jddp.export --workdir W [--step N] --format stablehlo|onnx "
     "[--batch-size B|dynamic] [--input-shape SHAPE] OUT"
 )
-
-
-def _interrupted(signum: int, frame: object) -> None:
-    """Ctrl-C at any moment: one line, exit 130 (nothing half-written: OUT is renamed into
-    place whole)."""
-    os.write(2, b"jddp: interrupted\n")
-    os._exit(INTERRUPTED)
 
 
 def _batch_size(text: str) -> int | None:
@@ -91,8 +82,7 @@ def _check_out(out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
-    previous = signal.signal(signal.SIGINT, _interrupted)  # before JAX and the rest load
-    try:
+    with interrupts_exit():  # before JAX and the rest load
         argv = sys.argv[1:] if argv is None else argv
         from jddp.cli import run
 
@@ -117,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
 
         return run(body)
-    finally:
-        signal.signal(signal.SIGINT, previous)  # called in-process (tests): give Ctrl-C back
 
 
 if __name__ == "__main__":

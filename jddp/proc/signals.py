@@ -5,13 +5,16 @@ thing, so a signal that arrives while JAX starts or the job assembles is kept, n
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from jddp.errors import STOP_SIGNALS
+from jddp.errors import INTERRUPTED, STOP_SIGNALS
 
 STOP_KEY = "sys/stop"  # per-row stop request in a batch; > 0 in the metrics if any process asked
 
@@ -51,3 +54,22 @@ class StopRequest:
     def flags(self, rows: int) -> dict[str, np.ndarray]:
         """This process's rows of the batch's stop flags."""
         return {STOP_KEY: np.full(rows, self.signal_name is not None, np.float32)}
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    os.write(2, b"jddp: interrupted\n")
+    os._exit(INTERRUPTED)
+
+
+@contextmanager
+def interrupts_exit() -> Iterator[None]:
+    """Inside this block Ctrl-C, at any moment, is one line ``jddp: interrupted`` and exit 130
+    (the commands that save nothing: evaluate, export). Installed before JAX loads: a
+    ``KeyboardInterrupt`` raised inside ``import jax`` printed a 40-line traceback, and inside
+    one of XLA's garbage-collection callbacks it was swallowed (the command went on to exit 0).
+    The previous handler is restored after (a command called in-process, as the tests do)."""
+    previous = signal.signal(signal.SIGINT, _interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
