@@ -60,12 +60,12 @@ class ShardLayout:
     each optimizer-state array split along :meth:`axis` (its shape alone decides, so a
     parameter, its gradient and its optimizer moments are split alike).
 
-    ``reduce_scatter``: reduce-scatter the gradients (default), or all-reduce them and keep
-    the slice (the default through gloo: XLA:CPU's gloo reduce-scatter in jaxlib 0.10 returns
-    wrong values on rank 0 now and then once a device's share reaches a few MiB, jax issue
-    40830; measured here: off by up to 8.1 in 1 of 20 calls of 2 x 6M floats, while
-    ``psum`` never was). The all-reduce adds in the replicated step's order, so the gradients
-    are bitwise the replicated step's."""
+    ``reduce_scatter``: reduce-scatter the gradients (default), or all-reduce them as the
+    replicated step does and keep the slice (the default through gloo: XLA:CPU's gloo
+    reduce-scatter in jaxlib 0.10 returns wrong values on rank 0 now and then once a device's
+    share reaches a few MiB, jax issue 40830; measured here: off by up to 8.1 in 1 of 20 calls
+    of 2 x 6M floats, while ``psum`` never was). The gradients are then bitwise the
+    replicated step's."""
 
     mesh: Mesh
     reduce_scatter: bool = field(default_factory=lambda: not cpu_gloo())
@@ -122,9 +122,12 @@ class ShardLayout:
 
     def mean_scatter(self, grads: PyTree, comm: Comm) -> PyTree:
         """Per-device gradients -> their global mean, each device keeping its slice of the
-        split arrays (one ``psum_scatter`` per dtype, or ``psum`` and a slice, see the class;
-        sent in ``comm.grad_dtype`` like the all-reduce) and the whole of the others
-        (``comm.average_grads``)."""
+        split arrays and the whole of the others. With ``reduce_scatter``: one
+        ``psum_scatter`` per dtype over the slices packed as ``[N, size/N]`` rows, sent in
+        ``comm.grad_dtype`` like the all-reduce; without: ``comm.average_grads`` (the
+        replicated step's all-reduce, bitwise), then each device's slice."""
+        if not self.reduce_scatter:
+            return self.local_slices(comm.average_grads(grads))
         leaves, treedef = jax.tree.flatten(grads)
         groups = self._groups(leaves)
         split = {i for idx in groups.values() for i in idx}
@@ -137,18 +140,27 @@ class ShardLayout:
             send = dtype if comm.grad_dtype == "float32" else wire
             axes = [self.axis(leaves[i].shape) for i in idx]
             rows = [self._rows(leaves[i].astype(send), k) for i, k in zip(idx, axes, strict=True)]
-            packed = jnp.concatenate(rows, axis=1)  # [N, M]
-            if self.reduce_scatter:
-                mine = jax.lax.psum_scatter(packed, DATA_AXIS, scatter_dimension=0, tiled=False)
-            else:
-                total = jax.lax.psum(packed, DATA_AXIS)
-                mine = jax.lax.dynamic_index_in_dim(
-                    total, jax.lax.axis_index(DATA_AXIS), keepdims=False
-                )
+            mine = jax.lax.psum_scatter(
+                jnp.concatenate(rows, axis=1), DATA_AXIS, scatter_dimension=0, tiled=False
+            )
             mine = mine / self.num_shards  # as pmean divides its sum
             offsets = np.cumsum([r.shape[1] for r in rows])[:-1]
             for i, k, part in zip(idx, axes, jnp.split(mine, offsets), strict=True):
                 out[i] = part.reshape(self._local_shape(leaves[i].shape, k)).astype(dtype)
+        return jax.tree.unflatten(treedef, out)
+
+    def local_slices(self, tree: PyTree) -> PyTree:
+        """This device's slice of every split array of ``tree`` (whole arrays as they are)."""
+        leaves, treedef = jax.tree.flatten(tree)
+        split = {i for idx in self._groups(leaves).values() for i in idx}
+        device = jax.lax.axis_index(DATA_AXIS)
+
+        def mine(x: jax.Array) -> jax.Array:
+            k = self.axis(x.shape)
+            size = x.shape[k] // self.num_shards
+            return jax.lax.dynamic_slice_in_dim(x, device * size, size, axis=k)
+
+        out = [mine(x) if i in split else x for i, x in enumerate(leaves)]
         return jax.tree.unflatten(treedef, out)
 
     def pack(self, params: PyTree, like: PyTree) -> tuple[dict[str, jax.Array], list[jax.Array]]:

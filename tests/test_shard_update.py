@@ -96,10 +96,11 @@ def test_trust_ratios_of_slices_are_caught(four_devices):
 @pytest.mark.serial
 def test_resume_switching_the_key_and_the_topology(tmp_path, two_by_two):
     """The shared replicated 2 x 2 run's checkpoint 12 resumed with the key on (orbax reads
-    each device's slice of the full-shape optimizer state): its losses to 1e-5 (measured: 1
-    ulp at some steps; gloo's all-reduce of the packed buffer may add 4 devices' values in
-    another order); that run's sharded checkpoint 16 resumed with the key off on 1 x 4: to 1e-4
-    (another topology adds in another order, as tests/test_multiprocess.py allows)."""
+    each device's slice of the full-shape optimizer state): bitwise its losses (through gloo
+    the gradients take the replicated step's all-reduce, then each device its slice: a
+    reduce-scatter there would differ in the last bits, and corrupts large shares, jax issue
+    40830); that run's sharded checkpoint 16 resumed with the key off on 1 x 4: to 1e-4
+    (another topology may add in another order, as tests/test_multiprocess.py allows)."""
     reference, _ = two_by_two
     want = read_losses(reference)
     wd = tmp_path / "run"
@@ -109,7 +110,7 @@ def test_resume_switching_the_key_and_the_topology(tmp_path, two_by_two):
     out = run(launch_cmd(2, 2, wd, *TWO_BY_TWO, "dist.shard_weight_update=true"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "at step 12" in out.stdout
-    assert_losses_match(read_losses(wd), want, range(13, 21), rel=1e-5)
+    assert_losses_match(read_losses(wd), want, range(13, 21), rel=0)
 
     shutil.rmtree(wd / "checkpoints" / "20")
     out = run(launch_cmd(1, 4, wd, *TWO_BY_TWO, "dist.shard_weight_update=false"))
