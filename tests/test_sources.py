@@ -39,7 +39,10 @@ def _normalized(source, indices):
 
 
 def test_data_names_and_unknown_name():
-    assert DATA_NAMES == ("synthetic", "digits", "cifar10", "mnist", "npz", "imagefolder", "packed")
+    assert DATA_NAMES == (
+        "synthetic", "digits", "cifar10", "mnist", "npz", "imagefolder", "packed", "parquet",
+        "webdataset",
+    )  # fmt: skip
     with pytest.raises(DataError) as err:
         load_splits("imagenet21k", None, None)
     msg = str(err.value)
