@@ -8,12 +8,13 @@ the building blocks :func:`make_mesh`, :func:`create_train_state`, :func:`make_t
 :func:`make_eval_step`; the models in :mod:`jddp.models`; :class:`Config` and
 :func:`load_config`. Imports are lazy so ``python -m jddp.train --help`` stays fast;
 ``_EXPORTS`` maps a name to ``"module"`` (the same name there) or ``"module:attribute"``.
+This module imports nothing that takes time (not even ``typing``): ``python -m jddp.evaluate``
+runs it before the command's own first statement, which installs the Ctrl-C handler.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+import importlib  # already loaded by Python's start-up: nothing here may take time (see below)
 
 __version__ = "0.1.0"
 
@@ -47,7 +48,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str):  # no "-> Any": that would import typing
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jddp' has no attribute {name!r}")
     module_name, _, attribute = _EXPORTS[name].partition(":")

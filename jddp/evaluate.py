@@ -10,16 +10,25 @@ bind ``jddp.evaluate`` to the module instead of that function).
 Exit codes are those of train: 0 once the result is printed (a metrics.jsonl that cannot be
 written is a warning), 2 for bad input (no checkpoint in the workdir, a ``--step`` that does not
 exist or was deleted by a live run's rotation, a bad override), 1 for any other failure (a
-damaged checkpoint: the line names it and the newest intact one).
+damaged checkpoint: the line names it and the newest intact one), 130 for Ctrl-C: one line
+``jddp: interrupted`` at any moment from this module's first statements on (while numpy, the
+rest of jddp and JAX import, JAX starts, the checkpoint is read or evaluated). Not covered: the
+milliseconds before them, Python's own start-up and ``jddp/__init__.py`` (which imports nothing
+that takes time), where Ctrl-C is Python's default ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
+from jddp.proc.interrupt import interrupts_exit
 
-from jddp.proc.signals import interrupts_exit
+# The command's first statements: from here on Ctrl-C at any moment is one line and exit 130,
+# before argparse, numpy and JAX load (a handler installed after numpy left a window in which
+# SIGINT was a traceback). main() restores the previous handler (runs in-process, as in tests).
+_CTRL_C = interrupts_exit().install() if __name__ == "__main__" else interrupts_exit()
+
+import argparse  # noqa: E402 (after the handler, on purpose)
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 USAGE = "python -m jddp.evaluate --workdir W [--step N] [key.sub=value ...]"
 
@@ -42,7 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
-    with interrupts_exit():  # before JAX and the rest load
+    with _CTRL_C:  # installed already when run as a command; also when main() is called
         argv = sys.argv[1:] if argv is None else argv
         from jddp.checkpoint.find import find_checkpoint
         from jddp.cli import Session, run

@@ -11,16 +11,22 @@ Exit codes are those of train: 0 once written; 2 for bad input (no checkpoint in
 ``--step`` that does not exist, an unknown format, a bad batch size, OUT's folder missing,
 inputs that cannot be told from the run: pass ``--input-shape``); 1 for any other failure (a
 damaged checkpoint, a model the converter cannot express — the line names the operation —, an
-export whose outputs differ from the model's).
+export whose outputs differ from the model's); 130 for Ctrl-C: one line ``jddp: interrupted``
+at any moment from this module's first statement on (as ``python -m jddp.evaluate``).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
+from jddp.proc.interrupt import interrupts_exit
 
-from jddp.proc.signals import interrupts_exit
+# The command's first statements: from here on Ctrl-C at any moment is one line and exit 130,
+# before argparse, numpy and JAX load (a handler installed after numpy left a window in which
+# SIGINT was a traceback). main() restores the previous handler (runs in-process, as in tests).
+_CTRL_C = interrupts_exit().install() if __name__ == "__main__" else interrupts_exit()
+
+import argparse  # noqa: E402 (after the handler, on purpose)
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 USAGE = (
     "python -m jddp.export --workdir W [--step N] --format stablehlo|onnx "
@@ -82,7 +88,7 @@ def _check_out(out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
-    with interrupts_exit():  # before JAX and the rest load
+    with _CTRL_C:  # installed already when run as a command; also when main() is called
         argv = sys.argv[1:] if argv is None else argv
         from jddp.cli import run
 

@@ -7,6 +7,7 @@ import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -170,12 +171,29 @@ def test_a_cut_save_is_cleaned_by_the_next_writer_only(run_copy):
     assert not cut.exists() and writer.all_steps() == [2, 4]
 
 
-@pytest.mark.parametrize("after_s", [0.3, 1.2])
-def test_ctrl_c_stops_evaluate_at_any_moment_in_one_line(finished, after_s):
-    """While jddp and JAX are imported (0.3 s) or JAX starts (1.2 s): exit 130 and one line
-    (it printed a 40-line traceback from ``import jax``, or was swallowed and exited 0)."""
+def wait_until_mapped(job, library: str, timeout_s: float = 120) -> None:
+    """Return as soon as process ``job`` has mapped a shared object whose path holds ``library``
+    (it is importing that extension now), polled every millisecond: a real moment, not a guess of
+    how long start-up takes (0.3 s fell before jddp's first statement on a loaded machine)."""
+    maps = Path(f"/proc/{job.pid}/maps")
+    deadline = time.monotonic() + timeout_s
+    while library not in maps.read_text():
+        assert job.poll() is None, f"exited {job.returncode} first: {job.communicate()[1][-2000:]}"
+        assert time.monotonic() < deadline, f"{library} not mapped in {timeout_s} s"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize(
+    "library",
+    ["numpy/_core/_multiarray_umath", "jaxlib/_jax."],  # numpy imports; JAX starts (jaxlib)
+    ids=["numpy-imports", "jax-starts"],
+)
+def test_ctrl_c_stops_evaluate_at_any_moment_in_one_line(finished, library):
+    """While numpy and jddp import, or JAX starts (jaxlib's extension loads): exit 130 and one
+    line (it printed a 40-line traceback from ``import jax``, was swallowed and exited 0, and
+    under load a traceback from an import before the handler, which came after numpy)."""
     job = start([sys.executable, "-m", "jddp.evaluate", "--workdir", str(finished)])
-    time.sleep(after_s)
+    wait_until_mapped(job, library)
     job.send_signal(signal.SIGINT)
     _, err = job.communicate(timeout=120)
     assert job.returncode == 130, err[-2000:]

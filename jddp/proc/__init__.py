@@ -6,5 +6,7 @@
 * :mod:`~jddp.proc.xla`: XLA flags jddp chooses, the persistent compilation cache;
 * :mod:`~jddp.proc.lifeline`: dying with the parent (a launcher's ranks, a rank's input workers);
 * :mod:`~jddp.proc.signals`: stop signals (SIGTERM, SIGUSR1, SIGINT, SIGHUP) turned into a
-  per-batch flag every process sees.
+  per-batch flag every process sees;
+* :mod:`~jddp.proc.interrupt`: Ctrl-C as one line and exit 130 for the commands that save
+  nothing (imports only ``os`` and ``signal``: installed in their first statement).
 """

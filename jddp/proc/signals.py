@@ -1,20 +1,19 @@
 """Stop signals to a stop every process agrees on: :class:`StopRequest` records SIGTERM, SIGUSR1,
 SIGINT and SIGHUP; each batch carries the flag (:data:`STOP_KEY`), so all processes stop and
 save at the same step. Light on purpose (no JAX): ``python -m jddp.train`` installs it first
-thing, so a signal that arrives while JAX starts or the job assembles is kept, not fatal."""
+thing, so a signal that arrives while JAX starts or the job assembles is kept, not fatal. The
+commands that save nothing (evaluate, export) turn Ctrl-C into exit 130 instead:
+:mod:`jddp.proc.interrupt`, free of numpy so they install it in their first statement."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from jddp.errors import INTERRUPTED, STOP_SIGNALS
+from jddp.errors import STOP_SIGNALS
 
 STOP_KEY = "sys/stop"  # per-row stop request in a batch; > 0 in the metrics if any process asked
 
@@ -54,22 +53,3 @@ class StopRequest:
     def flags(self, rows: int) -> dict[str, np.ndarray]:
         """This process's rows of the batch's stop flags."""
         return {STOP_KEY: np.full(rows, self.signal_name is not None, np.float32)}
-
-
-def _interrupted(signum: int, frame: object) -> None:
-    os.write(2, b"jddp: interrupted\n")
-    os._exit(INTERRUPTED)
-
-
-@contextmanager
-def interrupts_exit() -> Iterator[None]:
-    """Inside this block Ctrl-C, at any moment, is one line ``jddp: interrupted`` and exit 130
-    (the commands that save nothing: evaluate, export). Installed before JAX loads: a
-    ``KeyboardInterrupt`` raised inside ``import jax`` printed a 40-line traceback, and inside
-    one of XLA's garbage-collection callbacks it was swallowed (the command went on to exit 0).
-    The previous handler is restored after (a command called in-process, as the tests do)."""
-    previous = signal.signal(signal.SIGINT, _interrupted)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
