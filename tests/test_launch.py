@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -85,6 +86,22 @@ def wait_files(tmp_path: Path, names: list[str], timeout: float = 20.0) -> None:
     while not all((tmp_path / n).exists() for n in names):
         assert time.monotonic() < deadline, f"timed out waiting for {names}"
         time.sleep(0.02)
+
+
+def read_stderr_until(job: subprocess.Popen[str], text: str, timeout: float = 30.0) -> str:
+    """Read ``job``'s stderr until it holds ``text``: what was read (``communicate()`` returns
+    the rest). Raw reads under ``select``, so a line that never comes fails, never hangs."""
+    assert job.stderr is not None
+    fd, seen = job.stderr.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while text.encode() not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {text!r} on stderr in {timeout} s: {seen.decode()[-2000:]}"
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 65536)
+            assert chunk, f"stderr closed before {text!r}: {seen.decode()[-2000:]}"
+            seen += chunk
+    return seen.decode()
 
 
 def test_env_wiring_and_prefixed_output(tmp_path: Path) -> None:
@@ -367,10 +384,11 @@ def test_forwarding_holds_usr1_for_a_starting_rank_and_signals_only_the_groups_n
 def test_a_preemption_signal_waits_for_a_rank_that_is_still_starting(tmp_path: Path) -> None:
     """A rank in its first moments (Python starting, ``jddp.train`` not yet running) has no
     handler for SIGUSR1, whose default kills it with nothing saved (the launcher then exited
-    138). The launcher holds the signal until the rank catches it: both save, exit 75."""
+    138). The launcher holds the signal until the rank catches it: both save, exit 75. The ranks
+    install their handler only once the launcher has the signal (not after a guessed 1.5 s)."""
     body = """
     mark(f"ready{RANK}")
-    time.sleep(1.5)  # still "importing": no handler yet
+    wait_for(["go"])  # still "importing": no handler yet
     def handler(signum, frame):
         print("got", signal.Signals(signum).name, flush=True)
         sys.exit(75)
@@ -379,7 +397,10 @@ def test_a_preemption_signal_waits_for_a_rank_that_is_still_starting(tmp_path: P
     """
     launcher = _start_and_wait_ready(tmp_path, body, nproc=2)
     launcher.send_signal(signal.SIGUSR1)
+    seen = read_stderr_until(launcher, "jddp.launch: received SIGUSR1; forwarding")
+    (tmp_path / "go").touch()
     out, err = launcher.communicate(timeout=30)
+    err = seen + err
     assert launcher.returncode == 75, err
     assert "[rank 0] got SIGUSR1" in out and "[rank 1] got SIGUSR1" in out
 
@@ -393,10 +414,13 @@ def test_second_signal_escalates_to_sigkill(tmp_path: Path) -> None:
     launcher = _start_and_wait_ready(tmp_path, body, nproc=2)
     t0 = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    # The second signal only once the launcher has taken the first (two pending SIGTERMs are
+    # one): its line says so, where a guessed 0.3 s might not have.
+    seen = read_stderr_until(launcher, "jddp.launch: received SIGTERM; forwarding")
     assert launcher.poll() is None  # children ignore SIGTERM; kill-timeout is 5 s
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=30)
+    err = seen + err
     assert time.monotonic() - t0 < 4
     assert launcher.returncode == 128 + signal.SIGTERM
     assert "killing all" in err

@@ -160,20 +160,17 @@ def test_the_stop_signals_are_those_a_scheduler_or_terminal_sends():
 @pytest.mark.parametrize("sig", STOP_SIGNALS)
 def test_every_stop_signal_is_recorded(sig):
     with StopRequest() as stop:
-        os.kill(os.getpid(), sig)
-        time.sleep(0.01)  # the handler runs in this thread between bytecodes
+        signal.raise_signal(sig)  # returns after the handler ran (os.kill + a 10 ms guess did)
         assert stop.signal_name == signal.Signals(sig).name
         assert stop.flags(2)["sys/stop"].tolist() == [1.0, 1.0]
 
 
 def test_a_second_ctrl_c_interrupts_at_once():
     with StopRequest() as stop:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)  # the handler runs in this thread between bytecodes
+        signal.raise_signal(signal.SIGINT)  # returns after the handler ran
         assert stop.signal_name == "SIGINT"
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.01)
+            signal.raise_signal(signal.SIGINT)
 
 
 @pytest.fixture
