@@ -24,7 +24,9 @@ from jddp.data.registry import load_splits
 from jddp.data.source import Splits, as_source
 from jddp.data.trees import as_tree_source
 from jddp.errors import ConfigError, TaskError
+from jddp.fully_sharded import FullShardLayout
 from jddp.imports import import_callable
+from jddp.layout import ReplicatedLayout
 from jddp.mesh import DTYPES, make_mesh, select_devices
 from jddp.models import get_model_factory
 from jddp.sharded_update import ShardLayout
@@ -257,23 +259,24 @@ def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
 
 def build_layout(
     cfg: Config, mesh: Mesh, comm: Comm, parts: Parts | None = None
-) -> ShardLayout | None:
-    """Where the optimizer state lives: split over ``mesh`` under ``dist.shard_weight_update``
-    (:mod:`jddp.sharded_update`), else None (replicated). Refused (``ConfigError``) for an
-    optimizer given to ``jddp.fit`` (it may take norms per array, which a slice gets wrong)
-    and on a backend other than ``xla``."""
-    if not cfg.dist.shard_weight_update:
-        return None
+) -> ReplicatedLayout | ShardLayout:
+    """The layout of the train state over ``mesh`` that ``dist.shard`` names
+    (:mod:`jddp.layout`). Split layouts are refused (``ConfigError``) for an optimizer given
+    to ``jddp.fit`` (it may take norms per array, which a slice gets wrong) and on a backend
+    other than ``xla``."""
+    kind = cfg.dist.shard
+    if kind == "none":
+        return ReplicatedLayout(mesh)
     if parts is not None and parts.optimizer is not None:
         raise ConfigError(
-            "dist.shard_weight_update=true needs the optim section's optimizer: one given to "
+            f"dist.shard={kind} needs the optim section's optimizer: one given to "
             "jddp.fit(optimizer=...) may compute norms per array (clipping, trust ratios), "
             "which each device's slice would get wrong; leave optimizer out (optim.name=...) "
-            "or set dist.shard_weight_update=false"
+            "or set dist.shard=none"
         )
     if comm.name != "xla":
-        raise ConfigError(f"dist.shard_weight_update=true needs dist.backend=xla, not {comm.name}")
-    return ShardLayout(mesh)
+        raise ConfigError(f"dist.shard={kind} needs dist.backend=xla, not {comm.name}")
+    return FullShardLayout(mesh) if kind == "full" else ShardLayout(mesh)
 
 
 def build_steps(
@@ -286,11 +289,11 @@ def build_steps(
     schedule: optax.Schedule | None = None,
     pixel_norm: PixelNorm | None = None,
     task: Task | None = None,
+    layout: ReplicatedLayout | ShardLayout | None = None,
 ) -> tuple[TrainStep, Any]:
     """The trainer's train and eval steps for ``cfg`` and its task (default
-    :func:`build_task` of ``cfg``, ``parts`` and ``pixel_norm``). Under
-    ``dist.shard_weight_update`` the train step takes the state as :func:`build_layout`'s
-    ``place`` lays it out."""
+    :func:`build_task` of ``cfg``, ``parts`` and ``pixel_norm``). The train step takes the
+    state as ``layout`` (default :func:`build_layout` of ``cfg``) ``place`` lays it out."""
     task = task or build_task(cfg, parts, pixel_norm)
     train_step = make_train_step(
         model_def,
@@ -300,6 +303,6 @@ def build_steps(
         task=task,
         grad_accum_steps=cfg.train.grad_accum_steps,
         schedule=schedule,
-        shard_update=build_layout(cfg, mesh, comm, parts),
+        layout=layout or build_layout(cfg, mesh, comm, parts),
     )
     return train_step, make_eval_step(model_def, mesh, task=task)

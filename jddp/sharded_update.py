@@ -1,4 +1,4 @@
-"""``dist.shard_weight_update``: the optimizer update split over the devices (ZeRO-1).
+"""``dist.shard=optimizer``: the optimizer update split over the devices (ZeRO-1).
 
 As in Xu et al. 2020, "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel
 Training" (MaxText's ``shard_optimizer_over_data``): instead of all-reducing the gradients and
@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp.comm import Comm
+from jddp.layout import GradsIO, replicated_grads, split_share_of
 from jddp.mesh import DATA_AXIS, DTYPES
 from jddp.optimizer import layer_sq_norms, split_over_data
 from jddp.state import TrainState
@@ -69,6 +70,7 @@ class ShardLayout:
 
     mesh: Mesh
     reduce_scatter: bool = field(default_factory=lambda: not cpu_gloo())
+    kind = "optimizer"
 
     @property
     def num_shards(self) -> int:
@@ -93,6 +95,10 @@ class ShardLayout:
         """The train state's layout between steps: the optimizer state split, the rest whole."""
         whole = jax.tree.map(lambda _: P(), state)
         return whole.replace(opt_state=self.specs(state.opt_state))
+
+    def split_share(self, state: TrainState) -> float:
+        """The share of the state's bytes split over the devices (the rest stays whole)."""
+        return split_share_of(state, self.state_specs(state))
 
     def place(self, state: TrainState) -> TrainState:
         """``state`` (replicated, or laid out otherwise) moved to :meth:`state_specs`' layout:
@@ -211,14 +217,19 @@ class ShardLayout:
         return jax.tree.unflatten(treedef, out)
 
     # -- the step's two stages ----------------------------------------------------------------
-    def grads_stage(self, per_device_batch: Callable) -> Callable:
-        """``per_device_batch`` (which ends in :meth:`mean_scatter`) under ``shard_map``: the
-        state in its layout, the batch split; out come the gradients as the global arrays
-        of their slices, the model state and metrics whole."""
+    def grads_io(self, params: PyTree, comm: Comm) -> GradsIO:
+        """Whole parameters (replicated); the gradients reduce-scattered (:meth:`mean_scatter`)."""
+        return GradsIO(replicated_grads, self.mean_scatter)
+
+    def grads_stage(self, per_device_batch: Callable, comm: Comm) -> Callable:
+        """``per_device_batch(state, batch, io)`` (which ends in ``io.mean``) under
+        ``shard_map``: the state in its layout, the batch split; out come the gradients as the
+        global arrays of their slices, the model state and metrics whole."""
 
         def stage(state: TrainState, batch: PyTree) -> tuple[PyTree, PyTree, PyTree]:
+            io = self.grads_io(state.params, comm)
             return jax.shard_map(
-                per_device_batch,
+                lambda s, b: per_device_batch(s, b, io),
                 mesh=self.mesh,
                 in_specs=(self.state_specs(state), P(DATA_AXIS)),
                 out_specs=(self.specs(state.params), P(), P()),
@@ -226,10 +237,11 @@ class ShardLayout:
 
         return stage
 
-    def update_stage(self, update_slices: Callable) -> Callable:
-        """``update_slices(state, grads, model_state, metrics) -> (state, metrics)``, the
-        optimizer stage, run by every device on its slices (the parameters' split like the
-        gradients'), then the parameters all-gathered."""
+    def update_stage(self, make_update: Callable) -> Callable:
+        """``make_update(tree_norm, all_finite)``: the optimizer stage ``(state, grads,
+        model_state, metrics) -> (state, metrics)``, run by every device on its slices (the
+        parameters' split like the gradients'), then the parameters all-gathered."""
+        update_slices = make_update(self.tree_norm, self.all_finite)
 
         def stage(state: TrainState, grads, stats, terms) -> tuple[TrainState, PyTree]:
             full = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)

@@ -1,12 +1,13 @@
 """Pure train and eval steps: ``(state, batch) -> (state, metrics)`` under ``jax.shard_map``.
 
-Parameters and optimizer state are replicated (``P()``); the batch is split over the mesh axis
-``data``. Each device runs forward and backward on its slice; gradients are averaged in one
-place, ``comm.average_grads`` inside :func:`make_train_step`'s ``grads_stage`` (with
-``dist.shard_weight_update``, reduce-scattered instead and the optimizer state split:
-:mod:`jddp.sharded_update`). What the model and the batch mean is the task's business
-(:mod:`jddp.tasks`): it returns per-example losses and metrics, with optional weights; the
-step turns them into exact weighted means over the global batch (:mod:`jddp.weighted`).
+The batch is split over the mesh axis ``data``; where the parameters and optimizer state live
+is the layout's business (``dist.shard``, :mod:`jddp.layout`: whole on every device, the
+optimizer state split, or everything split). Each device runs forward and backward on its
+slice; gradients become the mean each device keeps in one place, ``io.mean`` inside
+:func:`make_train_step`'s ``grads_stage`` (an all-reduce, or a reduce-scatter). What the
+model and the batch mean is the task's business (:mod:`jddp.tasks`): it returns per-example
+losses and metrics, with optional weights; the step turns them into exact weighted means over
+the global batch (:mod:`jddp.weighted`).
 
 Why the parameters are cast to *varying* before ``grad``: inside ``shard_map`` the gradient of
 a replicated (``P()``) input is already summed over devices by autodiff, so a ``pmean`` after
@@ -33,9 +34,9 @@ from jax.sharding import PartitionSpec as P
 
 from jddp import weighted
 from jddp.comm import Comm
+from jddp.layout import GradsIO, ReplicatedLayout, to_varying
 from jddp.mesh import DATA_AXIS
 from jddp.proc.signals import STOP_KEY
-from jddp.sharded_update import ShardLayout
 from jddp.state import MODEL_STATE, ModelDef, TrainState
 from jddp.tasks import Task
 from jddp.tasks.classification import (  # noqa: F401 - PixelNorm, cross_entropy_loss: public here
@@ -65,12 +66,7 @@ def batch_data(batch: Batch) -> Any:
 NONFINITE_KEY = "train/nonfinite"  # 1.0 when this step's update was dropped
 
 
-def _all_finite(tree: Any) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def _to_varying(tree: Any) -> Any:
-    return jax.lax.pcast(tree, DATA_AXIS, to="varying")
+_to_varying = to_varying
 
 
 def _sync_model_state(comm: Comm, model_state: Any) -> Any:
@@ -119,14 +115,14 @@ def _accumulate(local_grads: Callable, params, model_state, data, k: int):
 def _make_update_stage(
     tx: optax.GradientTransformation,
     schedule: optax.Schedule | None,
-    tree_norm: Callable[[Any], jax.Array] = optax.tree.norm,
-    all_finite: Callable[[Any], jax.Array] = _all_finite,
+    tree_norm: Callable[[Any], jax.Array],
+    all_finite: Callable[[Any], jax.Array],
 ):
     """The optimizer stage: ``(state, grads, model_state, metrics) -> (state, metrics)``.
 
     ``tree_norm`` and ``all_finite`` see the gradients and parameters this stage updates: a
-    device's slices of them under ``dist.shard_weight_update``, whose versions add the
-    slices' results (:class:`~jddp.sharded_update.ShardLayout`)."""
+    device's slices of them under ``dist.shard`` optimizer or full, whose versions add the
+    slices' results (:mod:`jddp.layout`)."""
 
     def update_stage(state: TrainState, grads, stats, terms):
         # The averaged terms divided once: exact weighted means over the global batch. A
@@ -223,9 +219,10 @@ def task_terms(
     return named, model
 
 
-def _local_grads_fn(model_def: ModelDef, comm: Comm, task: Task) -> Callable:
+def _local_grads_fn(model_def: ModelDef, comm: Comm, task: Task, io: GradsIO) -> Callable:
     """``(params, model_state, data) -> (grads, new model state, weighted means)`` of one
-    micro-batch on one device (inside the step's ``shard_map``)."""
+    micro-batch on one device (inside the step's ``shard_map``); ``io`` says how the device's
+    parameters (whole or its slices) reach the model."""
 
     def local_grads(params, model_state, data):
         device = comm.device_index()
@@ -243,7 +240,7 @@ def _local_grads_fn(model_def: ModelDef, comm: Comm, task: Task) -> Callable:
                 terms[NEGATIVE_WEIGHT_KEY] = jnp.any(weight_B < 0).astype(jnp.float32)
             return terms["train/loss"], (nnx.state(model, MODEL_STATE), terms)
 
-        grads, (new_stats, terms) = jax.grad(objective, has_aux=True)(_to_varying(params))
+        grads, (new_stats, terms) = io.grads(objective, params)
         return grads, new_stats, terms
 
     return local_grads
@@ -262,7 +259,8 @@ def make_train_step(
     compute_dtype: Any = jnp.float32,
     schedule: optax.Schedule | None = None,
     pixel_norm: PixelNorm | None = None,
-    shard_update: ShardLayout | None = None,
+    layout: Any = None,
+    shard_update: Any = None,
 ) -> TrainStep:
     """Build the data-parallel train step ``(state, batch) -> (state, metrics)``.
 
@@ -286,42 +284,38 @@ def make_train_step(
     own random numbers. The state argument is donated. Returns a :class:`TrainStep`: call it,
     or reach its stages.
 
-    ``shard_update`` (``dist.shard_weight_update``; the ``xla`` backend): gradients are
-    reduce-scattered, each device updates its slice of the parameters with its slice of the
-    optimizer state (the state laid out by ``shard_update.place``) and the parameters are
-    all-gathered (:mod:`jddp.sharded_update`); the steps are the same.
+    ``layout`` (``dist.shard``, :mod:`jddp.layout`; default: everything whole on every
+    device) says where the state lives (laid out by ``layout.place``) and how gradients become
+    updates: all-reduced and applied whole (``none``); reduce-scattered, each device updating
+    its slice with its slice of the optimizer state, the parameters all-gathered after
+    (``optimizer``); or each parameter gathered where it is used, its gradient
+    reduce-scattered, and every array updated and kept as slices (``full``); the steps are the
+    same. ``shard_update``: the older name of ``layout``.
     """
     task = _classification(task, loss_fn, metrics_fn, compute_dtype, pixel_norm)
-    local_grads = _local_grads_fn(model_def, comm, task)
+    layout = layout or shard_update or ReplicatedLayout(mesh)
 
-    def per_device(state: TrainState, data):
+    def per_device(state: TrainState, data, io: GradsIO):
+        local_grads = _local_grads_fn(model_def, comm, task, io)
         grads, stats, metrics = _accumulate(
             local_grads, state.params, state.model_state, data, grad_accum_steps
         )
-        # The one place where gradients are averaged across devices (and processes).
-        if shard_update is None:
-            grads = comm.average_grads(grads)
-        else:  # each device keeps the mean of its slice of every split array
-            grads = shard_update.mean_scatter(grads, comm)
+        # The one place where gradients become the mean each device keeps (whole arrays or
+        # its slices), across devices and processes.
+        grads = io.mean(grads, comm)
         stats = _sync_model_state(comm, stats)
         return grads, stats, metrics
 
-    def per_device_batch(state: TrainState, batch: Batch):
-        grads, stats, metrics = per_device(state, batch_data(batch))
+    def per_device_batch(state: TrainState, batch: Batch, io: GradsIO):
+        grads, stats, metrics = per_device(state, batch_data(batch), io)
         if STOP_KEY in batch:  # any process asking to stop: the mean over devices is > 0
             metrics[STOP_KEY] = jnp.max(batch[STOP_KEY]).astype(jnp.float32)
         return grads, stats, comm.average(metrics)
 
-    if shard_update is None:
-        grads_stage = jax.shard_map(
-            per_device_batch, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P()
-        )
-        update_stage = _make_update_stage(tx, schedule)
-    else:
-        grads_stage = shard_update.grads_stage(per_device_batch)
-        update_stage = shard_update.update_stage(
-            _make_update_stage(tx, schedule, shard_update.tree_norm, shard_update.all_finite)
-        )
+    grads_stage = layout.grads_stage(per_device_batch, comm)
+    update_stage = layout.update_stage(
+        lambda tree_norm, all_finite: _make_update_stage(tx, schedule, tree_norm, all_finite)
+    )
     return TrainStep(grads_stage, update_stage, comm.compose(grads_stage, update_stage))
 
 
@@ -359,6 +353,7 @@ def make_eval_step(
         return jax.lax.psum(sums, DATA_AXIS)
 
     per_batch = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P())
-    # The optimizer state stays out: unused here, and split over devices under
-    # dist.shard_weight_update (P() would gather it).
+    # The optimizer state stays out: unused here, and split over devices under dist.shard
+    # optimizer or full (P() would gather it). Split parameters (full) are gathered whole
+    # for the eval by the P() in_spec: an eval holds no gradients or optimizer state.
     return jax.jit(lambda state, batch: per_batch(state.replace(opt_state=None), batch))

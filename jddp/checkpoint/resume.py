@@ -37,7 +37,7 @@ FREE_KEYS = (
     "dist.num_processes",
     "dist.process_id",
     "dist.check_sync_every",
-    "dist.shard_weight_update",
+    "dist.shard",
     "dist.init_timeout_s",
     "dist.heartbeat_timeout_s",
     "dist.step_timeout_s",

@@ -201,11 +201,11 @@ def _check_combinations(cfg: Config) -> None:
             "share no JAX runtime, so BatchNorm statistics could only be averaged within each "
             "process (a different model); set model.sync_batchnorm=false or dist.backend=xla"
         )
-    if cfg.dist.shard_weight_update and cfg.dist.backend == "mpi":
+    if cfg.dist.shard != "none" and cfg.dist.backend == "mpi":
         raise ConfigError(
-            "dist.shard_weight_update=true needs dist.backend=xla: mpi4jax has no "
-            "reduce-scatter and the MPI stage updates on one device per process; set "
-            "dist.backend=xla or dist.shard_weight_update=false"
+            f"dist.shard={cfg.dist.shard} needs dist.backend=xla: mpi4jax has no "
+            "reduce-scatter or all-gather inside the step and the MPI stage updates on one "
+            "device per process; set dist.backend=xla or dist.shard=none"
         )
     if cfg.data.global_batch_size % cfg.train.grad_accum_steps:
         raise ConfigError(
@@ -251,9 +251,28 @@ def _expand_workdir(cfg: Config) -> Config:
     return cfg
 
 
+def translate_old_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """Older spellings in a config mapping (a saved ``config.yaml``, a file, overrides) put in
+    today's words, in place. ``dist.shard_weight_update: true`` (before ``dist.shard``) is
+    ``dist.shard: optimizer``, ``false`` is the default; where both are given, ``dist.shard``
+    wins (a run of an old workdir switched with ``dist.shard=...``)."""
+    dist = data.get("dist") if isinstance(data, dict) else None
+    if isinstance(dist, dict) and "shard_weight_update" in dist:
+        old = dist.pop("shard_weight_update")
+        if not isinstance(old, bool):
+            raise ConfigError(
+                f"dist.shard_weight_update: expected true or false, got {old!r} (the older "
+                "spelling of dist.shard: none|optimizer|full)"
+            )
+        if old and "shard" not in dist:
+            dist["shard"] = "optimizer"
+    return data
+
+
 def from_dict(data: dict[str, Any]) -> Config:
-    """Build and validate a :class:`Config` from a nested mapping (as read from YAML)."""
-    return _expand_workdir(validate(_build(Config, data or {}, "")))
+    """Build and validate a :class:`Config` from a nested mapping (as read from YAML, older
+    spellings translated: :func:`translate_old_keys`)."""
+    return _expand_workdir(validate(_build(Config, translate_old_keys(data or {}), "")))
 
 
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

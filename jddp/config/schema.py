@@ -194,12 +194,13 @@ class DistConfig:
         "dtype instead of one per tensor; null: on for CPUs (and mpi's MPI stage), off for "
         "GPUs, whose XLA combines all-reduces itself",
     )
-    shard_weight_update: bool = _f(
-        False,
-        "reduce-scatter the gradients, update each device's 1/N slice of the parameters with "
-        "its 1/N of the optimizer state (stored split over the devices), all-gather the "
-        "parameters (ZeRO-1; changes no result; dist.backend=xla, the optim section's "
-        "optimizer)",
+    shard: Literal["none", "optimizer", "full"] = _f(
+        "none",
+        "how the train state is laid out over the devices: none (everything whole on every "
+        "device); optimizer (the optimizer state split 1/N, ZeRO-1); full (parameters, "
+        "gradients and optimizer state split 1/N, each parameter gathered where it is used, "
+        "ZeRO-3/FSDP); the same losses either way (dist.backend=xla, the optim section's "
+        "optimizer; dist.shard_weight_update=true, the older spelling, means optimizer)",
     )
     check_sync_every: int = _f(
         0, "every k steps verify (checksum) that all replicas hold the same parameters (0: off)"

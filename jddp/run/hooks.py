@@ -285,15 +285,20 @@ class SyncCheck(Every):
 def check_replicas_in_sync(comm: Comm, state: TrainState, step: int) -> None:
     """Raise :class:`ReplicasDiverged` unless every device of every process holds the same
     parameters. Cheap: one float32 checksum per local device copy, compared across processes.
+    Under ``dist.shard=full`` a split parameter has no replicas (each device holds its own
+    slice): the arrays kept whole are compared.
     """
-    leaves = jax.tree.leaves(state.params)
-    local = set()
-    for shard_index in range(len(leaves[0].addressable_shards)):
+    leaves = [x for x in jax.tree.leaves(state.params) if x.is_fully_replicated]
+    copies = len(leaves[0].addressable_shards) if leaves else 1
+
+    def checksum(copy: int) -> float:
         total = 0.0
         for leaf in leaves:
-            data = leaf.addressable_shards[shard_index].data
+            data = leaf.addressable_shards[copy].data
             total += float(jnp.sum(data.astype(jnp.float32), dtype=jnp.float32))
-        local.add(total)
+        return total
+
+    local = {checksum(copy) for copy in range(copies)}
     mine = int(np.float64(max(local)).view(np.int64)) if len(local) == 1 else -1
     everyone = comm.allgather_int(mine)
     if len(local) != 1 or len(set(everyone)) != 1:

@@ -60,8 +60,14 @@ __all__ = ["Parts", "Run", "build_run", "build_steps"]  # Parts, build_steps: se
 
 
 def _first_copy(x: Any) -> Any:
-    """This process's first copy of a replicated array (one device, no cross-device copy)."""
-    return x.addressable_data(0) if isinstance(x, jax.Array) else x
+    """This process's first copy of a replicated array (one device, no cross-device copy); an
+    array split over the devices (``dist.shard=full``) assembled whole on that device (every
+    process calls this, as for a collective)."""
+    if not isinstance(x, jax.Array):
+        return x
+    if x.is_fully_replicated:
+        return x.addressable_data(0)
+    return jax.device_put(to_host(x), x.addressable_data(0).devices().pop())
 
 
 @dataclass(kw_only=True)
@@ -85,6 +91,7 @@ class Run:
     user_model: nnx.Module | None = None  # the module jddp.fit was given: trained in place
     # How: the steps, and the eval pass (``run.evaluate(state)``: metrics over every example).
     train_step: TrainStep
+    state_layout: Any  # dist.shard: where the state's arrays live (jddp.layout)
     eval_step: Any
     evaluate: EvalRun
     # What it writes: the run folder, console lines, checkpoints, metrics.jsonl, progress.
@@ -142,7 +149,7 @@ def build_run(
     mesh, layout = build_mesh(cfg, comm)
     custom = is_custom_task(cfg, parts)
     splits, batches, steps = _data(cfg, parts, custom, mesh, layout)
-    model_def, state, tx, schedule, shard_update = _model_and_state(
+    model_def, state, tx, schedule, state_layout = _model_and_state(
         cfg, comm, parts, splits, steps, mesh
     )
     task, pixel_norm, num_outputs = _checked_task(
@@ -150,12 +157,12 @@ def build_run(
     )
     ckpts = _checkpoints(cfg, comm, folder, task, pixel_norm)
     state, start_step = _restored_state(
-        cfg, comm, ckpts, state, tx, mesh, console, steps, num_outputs, shard_update
+        cfg, comm, ckpts, state, tx, mesh, console, steps, num_outputs, state_layout
     )
     trackers, log = _outputs(cfg, folder, start_step, writer)
 
     train_step, eval_step = build_steps(
-        cfg, model_def, tx, mesh, comm, task=task, schedule=schedule
+        cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=state_layout
     )
     progress, meter, reporter = _reporting(
         cfg, comm, mesh, steps, start_step, batches, console, task, log, ckpts
@@ -185,6 +192,7 @@ def build_run(
         start_skipped_steps=int(to_host(state.skipped_steps)),
         user_model=parts.model,
         train_step=train_step,
+        state_layout=state_layout,
         eval_step=eval_step,
         evaluate=evaluate,
         folder=folder,
@@ -231,7 +239,8 @@ def _model_and_state(
     cfg: Config, comm: Comm, parts: Parts, splits: Splits, steps: int, mesh: Mesh
 ) -> tuple[ModelDef, TrainState, Any, Any, Any]:
     """The model split into its definition and train state, the optimizer and its schedule
-    (None for one given to jddp.fit), and the sharded update's layout (None: replicated)."""
+    (None for one given to jddp.fit), and the state's layout over the devices (``dist.shard``,
+    built once here and kept on the run)."""
     images = is_image_source(splits.train)
     model = parts.model or build_model(
         cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1] if images else 3
@@ -242,8 +251,8 @@ def _model_and_state(
         tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
     model_def, state = create_train_state(model, tx, mesh)
     del model
-    shard_update = build_layout(cfg, mesh, comm, parts)  # None: the optimizer state replicated
-    return model_def, state, tx, schedule, shard_update
+    state_layout = build_layout(cfg, mesh, comm, parts)
+    return model_def, state, tx, schedule, state_layout
 
 
 def _checked_task(
@@ -295,17 +304,15 @@ def _restored_state(
     console: Console,
     steps: int,
     num_outputs: int | None,
-    shard_update: Any,
+    state_layout: Any,
 ) -> tuple[TrainState, int]:
     """The state to start from (the newest good checkpoint, a warm start, or ``state``) and its
-    step, laid out for the sharded update and the same on every process."""
-    if shard_update is not None:  # laid out before restoring: orbax reads each device's slice
-        state = shard_update.place(state)
+    step, laid out as ``dist.shard`` says and the same on every process."""
+    state = state_layout.place(state)  # before restoring: orbax reads each device's slice
     state, start_step = restore(cfg, ckpts, state, comm, console, steps)
     if start_step == 0 and cfg.checkpoint.init_from:  # a fresh run; a resume keeps its own
         state = warm_start(cfg.checkpoint.init_from, state, tx, mesh, console, num_outputs)
-        if shard_update is not None:
-            state = shard_update.place(state)
+        state = state_layout.place(state)
     return comm.broadcast_state(state, mesh), start_step
 
 
