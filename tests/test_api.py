@@ -1,7 +1,10 @@
 """The library API: jddp.fit with custom models, losses, metrics and data; user model factories
 from the CLI; the runnable examples (also under jddp.launch)."""
 
+import contextlib
 import importlib.util
+import itertools
+import signal
 import sys
 from pathlib import Path
 
@@ -10,6 +13,7 @@ import pytest
 from flax import nnx
 
 import jddp
+from jddp.errors import DataConfigError
 from tests.helpers import data, read_metrics, run, run_python
 from tests.user_models import TinyMLP
 
@@ -63,6 +67,73 @@ def test_fit_with_grain_source_record_list_and_iterable(tmp_path):
             overrides=["train.steps=3", "data.global_batch_size=16", "log.progress=off"],
         )
         assert result.step == 3 and result.eval["eval/count"] == 64
+
+
+@contextlib.contextmanager
+def at_most(seconds: int):
+    """Fail the block (never hang it) once it has run ``seconds``: SIGALRM raises in between
+    two bytecodes, as in a loop reading an endless iterator."""
+
+    def too_long(signum, frame):
+        raise AssertionError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_an_endless_cycle_of_batches_is_refused_at_once_in_one_line(tmp_path):
+    """``itertools.cycle(loader)``, as PyTorch users write it, hung ``fit`` with memory growing
+    (jddp reads an iterator whole): now one line, before anything of it is read."""
+    x, y = data()
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    for train, evals in [(itertools.cycle(batches), None), (batches, itertools.cycle(batches))]:
+        with at_most(20), pytest.raises(DataConfigError) as refused:
+            jddp.fit(
+                TinyMLP(192, 2, nnx.Rngs(0)),
+                optax.sgd(0.1),
+                train_data=train,
+                eval_data=evals,
+                config={"workdir": str(tmp_path / "run")},
+                overrides=["train.steps=3", "data.global_batch_size=16", "log.progress=off"],
+            )
+        (line,) = str(refused.value).splitlines()
+        who = "train_data" if evals is None else "eval_data"
+        assert line.startswith(f"{who}: itertools.cycle never ends; jddp reads an iterator")
+        assert "pass one pass over the data (the loader itself)" in line
+    assert not (tmp_path / "run").exists()  # refused before the run began
+
+
+@pytest.mark.parametrize("task", ["classification", "custom"])
+def test_an_endless_generator_is_refused_after_the_iterator_limit(tmp_path, monkeypatch, task):
+    """A generator with ``while True`` cannot say it never ends: the read stops at
+    ``ITERATOR_LIMIT_BYTES`` (2 GiB; 1 MiB here) and refuses the data, naming the limit."""
+    from jddp.data import source
+
+    monkeypatch.setattr(source, "ITERATOR_LIMIT_BYTES", 2**20)
+    x, y = data(16)  # 16 x 768 B images + 64 B labels: 12,352 B a batch
+
+    def forever():
+        for _ in range(10_000):  # a bound for the test only: 120 MiB, far past the limit
+            yield (x, y) if task == "classification" else {"x": x, "y": y}
+        raise AssertionError("read 10,000 batches without refusing them")
+
+    custom = {"loss": lambda model, batch: model(batch["x"]).sum(-1)} if task == "custom" else {}
+    with at_most(60), pytest.raises(DataConfigError) as refused:
+        jddp.fit(
+            TinyMLP(192, 2, nnx.Rngs(0)),
+            optax.sgd(0.1),
+            forever(),
+            config={"workdir": str(tmp_path / "run")},
+            **custom,
+        )
+    (line,) = str(refused.value).splitlines()
+    assert line.startswith("train_data: the iterator gave more than 1 MiB (85 batches) without ")
+    assert "endless? a generator with while True" in line
 
 
 @pytest.mark.slow

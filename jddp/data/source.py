@@ -9,6 +9,8 @@ record sources such as grain's, iterables of batches).
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -17,7 +19,7 @@ import numpy as np
 
 from jddp.errors import ConfigError, DataConfigError
 
-__all__ = ["ArraySource", "RecordSource", "Source", "Splits", "as_source"]
+__all__ = ["ArraySource", "RecordSource", "Source", "Splits", "as_source", "read_batches"]
 
 
 @runtime_checkable
@@ -203,6 +205,65 @@ class RecordSource:
         return f"RecordSource(name={self.name!r}, n={len(self)}, image_shape={self.image_shape})"
 
 
+# An iterable of batches is read whole into memory (batch k is sampled from all of it, the same on
+# every topology and after a resume), so one that never ends would grow until the machine runs
+# out: past this many bytes the read stops and the data is refused in one line.
+ITERATOR_LIMIT_BYTES = 2 * 1024**3
+
+
+def _nbytes(batch: Any) -> int:
+    """Bytes held by the arrays of ``batch`` (a pytree of dicts, lists, tuples, arrays)."""
+    if isinstance(batch, dict):
+        return sum(_nbytes(v) for v in batch.values())
+    if isinstance(batch, list | tuple):
+        return sum(_nbytes(v) for v in batch)
+    return int(getattr(batch, "nbytes", 0))
+
+
+def _never_ends(data: Any) -> bool:
+    """An iterator that says it never ends: ``itertools.cycle`` (how ``cycle(loader)`` is
+    written) or an ``itertools.repeat`` without ``times``."""
+    if isinstance(data, itertools.cycle):
+        return True
+    if isinstance(data, itertools.repeat):
+        try:
+            operator.length_hint(data)
+        except TypeError:  # "len() of unsized object": repeat() without times
+            return True
+    return False
+
+
+def read_batches(data: Iterable[Any], who: str, convert: Callable[[int, Any], Any]) -> list[Any]:
+    """Every batch of ``data``, ``convert(i, batch)`` each, read into memory at once. An iterator
+    that never ends is refused in one line (``DataConfigError`` naming ``who``): an
+    ``itertools.cycle`` at once, any other after :data:`ITERATOR_LIMIT_BYTES` without an end."""
+    limit = ITERATOR_LIMIT_BYTES
+    limit_text = f"{limit / 1024**3:g} GiB" if limit >= 1024**3 else f"{limit / 1024**2:g} MiB"
+    advice = (
+        "jddp reads an iterator of batches once, whole, into memory, and draws every step's batch "
+        "from all of it itself (train.steps sets how long it trains); pass one pass over the "
+        "data (the loader itself), a list or arrays, or a random-access source (len + [i])"
+    )
+    if _never_ends(data):
+        raise DataConfigError(f"{who}: itertools.{type(data).__name__} never ends; {advice}")
+    batches, size = [], 0
+    for i, batch in enumerate(data):
+        batches.append(convert(i, batch))
+        size += _nbytes(batches[-1])
+        if size > limit:
+            raise DataConfigError(
+                f"{who}: the iterator gave more than {limit_text} ({i + 1} batches) without "
+                f"ending (endless? a generator with while True, itertools.cycle); {advice}"
+            )
+    return batches
+
+
+def _image_batch(i: int, batch: Any) -> tuple[np.ndarray, np.ndarray]:
+    """One ``(images, labels)`` batch of an iterable as arrays."""
+    images, labels = batch
+    return np.asarray(images), np.asarray(labels)
+
+
 def _is_batch_list(data: Any) -> bool:
     """A list/tuple of ``(images, labels)`` batches (labels ``[n]``), not of records."""
     if not isinstance(data, list | tuple) or not data:
@@ -284,7 +345,8 @@ def as_source(
     Accepts ``(images, labels)`` numpy arrays (uint8 images are scaled to [0, 1], nothing
     else is changed), a ``Source`` (anything with ``get_batch``), a random-access record source
     (``len`` + ``[i]``, e.g. grain's), or an iterable (a list, a tuple, a generator) of
-    ``(images, labels)`` batches, which is read once into memory and then sampled like arrays.
+    ``(images, labels)`` batches, which is read once into memory and then sampled like arrays
+    (an endless one is refused: :func:`read_batches`).
     Labels are class indices; float labels must be whole numbers. Errors name ``label``
     (default ``name``), e.g. ``train_data``. ``check_labels=False`` leaves the range of array
     labels to the caller (``jddp.evaluate`` checks them against the model's outputs).
@@ -308,7 +370,7 @@ def as_source(
         )
         return RecordSource(data, classes, name)
     elif isinstance(data, Iterable):
-        batches = [(np.asarray(x), np.asarray(y)) for x, y in data]
+        batches = read_batches(data, who, _image_batch)
         images = np.concatenate([x for x, _ in batches])
         labels = class_labels(np.concatenate([y for _, y in batches]), who)
     else:

@@ -8,7 +8,8 @@ holds it, one of:
 * a list, or any random-access source (``len`` + ``[i]``, e.g. a grain ``MapDataset``), whose
   items are such pytrees *without* the leading axis: :class:`RecordTreeSource` (items stacked
   into batches);
-* an iterator of batch pytrees, read once and concatenated;
+* an iterator of batch pytrees, read once and concatenated (one that never ends is refused:
+  :func:`~jddp.data.source.read_batches`);
 * any object with ``get_batch(indices) -> batch pytree``, used as it is.
 
 Every leaf must be a numeric array (bool, integer, float); 64-bit values become 32-bit, as JAX
@@ -26,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jddp.data.source import as_index_array
+from jddp.data.source import as_index_array, read_batches
 from jddp.errors import DataConfigError, DataError
 
 __all__ = ["ArrayTreeSource", "RecordTreeSource", "as_tree_source", "example_spec"]
@@ -198,7 +199,9 @@ def as_tree_source(
     if isinstance(data, list) or (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         return RecordTreeSource(data, name, who)
     if isinstance(data, Iterator):
-        batches = [ArrayTreeSource(b, name, f"{who} batch {i}").tree for i, b in enumerate(data)]
+        batches = read_batches(
+            data, who, lambda i, b: ArrayTreeSource(b, name, f"{who} batch {i}").tree
+        )
         if not batches:
             raise DataConfigError(f"{who}: no examples (the iterator gave no batch)")
         structures = {jax.tree.structure(b) for b in batches}
