@@ -14,7 +14,7 @@ from flax import nnx
 
 import jddp
 from jddp.errors import DataConfigError
-from tests.helpers import data, read_metrics, run, run_python
+from tests.helpers import data, read_metrics, run, run_python, start_training
 from tests.user_models import TinyMLP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,6 +134,61 @@ def test_an_endless_generator_is_refused_after_the_iterator_limit(tmp_path, monk
     (line,) = str(refused.value).splitlines()
     assert line.startswith("train_data: the iterator gave more than 1 MiB (85 batches) without ")
     assert "endless? a generator with while True" in line
+
+
+FIT_SCRIPT = """
+import sys
+
+import optax
+from flax import nnx
+
+import jddp
+from tests.helpers import data
+from tests.user_models import TinyMLP
+
+jddp.fit(
+    TinyMLP(192, 2, nnx.Rngs(0)),
+    optax.sgd(0.1),
+    train_data=data(64),
+    config={"workdir": sys.argv[1]},
+    overrides=["train.steps=100000", "data.global_batch_size=16", "log.progress=off"],
+)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_fit_script_exits_75_in_one_line_as_the_cli(tmp_path):
+    """A scheduler requeues on 75: the script's SIGTERM saved and ended in a Preempted
+    traceback and exit 1. Now the trainer's line is the last word and the exit is 75."""
+    workdir = tmp_path / "run"
+    cmd = [sys.executable, "-c", FIT_SCRIPT, str(workdir)]
+    job = start_training(cmd, workdir, steps=2, cwd=ROOT)
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 75, err[-3000:]
+    assert "Traceback" not in err and "Preempted" not in err, err[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("jddp: preempted at step ") and " (SIGTERM); checkpoint " in last
+    assert last.endswith(" saved; rerun the same command to continue")
+    stopped = int(last.split("preempted at step ")[1].split()[0])
+    assert (workdir / "checkpoints" / str(stopped)).is_dir()
+
+
+def test_only_an_uncaught_preemption_exits_75(monkeypatch):
+    """The hook ``fit`` installs: Preempted at the top level is exit 75; any other exception
+    goes to the hook before it; installing twice chains once."""
+    from jddp.api import exit_75_on_uncaught_preemption
+    from jddp.errors import Preempted
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(kind))
+    exit_75_on_uncaught_preemption()
+    exit_75_on_uncaught_preemption()
+    with pytest.raises(SystemExit) as stop:
+        sys.excepthook(Preempted, Preempted(3), None)
+    assert stop.value.code == 75 and seen == []
+    sys.excepthook(KeyError, KeyError("x"), None)
+    assert seen == [KeyError]
 
 
 @pytest.mark.slow
