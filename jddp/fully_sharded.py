@@ -151,4 +151,3 @@ class FullShardLayout(ShardLayout):
             )(state, grads, stats, terms)
 
         return stage
-

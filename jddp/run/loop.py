@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jddp.data.loader import place_batch
+from jddp.run.memory import memory_fields, memory_line
 from jddp.run.setup import Run
 from jddp.state import TrainState
 
@@ -26,11 +27,16 @@ def _steps(run: Run) -> tuple[TrainState, int, bool]:
         run.watchdog.waiting("step", step + 1)
         with run.profiler.step(step + 1, state):
             flags = place_batch(run.stop.flags(rows), run.mesh, run.layout)
-            state, metrics = run.train_step(state, {**batch, **flags})
+            batch = {**batch, **flags}
+            state, metrics = run.train_step(state, batch)
         step += 1
         run.profiler.after(step, metrics)
         if step == run.start_step + 1:  # the first step compiles: timed apart
-            run.log.write(step, {"train/compile_s": run.meter.compiled(metrics)})
+            compile_s = run.meter.compiled(metrics)
+            memory = memory_fields(run.train_step, state, batch)
+            run.log.write(step, {"train/compile_s": compile_s, **memory})
+            share = run.state_layout.split_share(state)
+            run.console.say(memory_line(memory, run.state_layout.kind, share, run.num_devices))
             run.watchdog.progress(step_done=True)
         if pending is not None and _report(run, *pending):
             # Every process saw the same flag at the same step. This step already ran and is
