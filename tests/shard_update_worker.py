@@ -1,14 +1,15 @@
-"""Train steps of a small CNN on N fake CPU devices, replicated and with
-``dist.shard_weight_update``, for each case; save what test_shard_update.py compares.
+"""Train steps of a small CNN on N fake CPU devices under each ``dist.shard`` (none,
+optimizer, full), for each case; save what test_shard_update.py compares.
 
 ``python shard_update_worker.py N OUT.json CASE [CASE ...]``, in a subprocess
 with N fake devices (``tests.helpers.fake_devices``). A case is ``name:override,override``
 (config overrides). Each case runs 5 steps from the same start on the same batches, the 4th
-batch holding a NaN (the update must be dropped), in both modes; steps are built by
+batch holding a NaN (the update must be dropped), in the three layouts (results under
+``replicated``, ``sharded`` and ``full``); steps are built by
 ``jddp.build.build_steps``, the state laid out by ``build_layout(...).place``, as the trainer
 does. A case named ``broken-...`` runs only sharded, with LARS/LAMB trust ratios from each
 slice's own norms (the psum over devices dropped: the bug the tests must catch). The first
-case's final states also go through a checkpoint, each restored in the other's layout.
+case's final states also go through a checkpoint, each restored in another's layout.
 """
 
 import json
@@ -27,6 +28,7 @@ from jddp.build import build_layout, build_steps
 from jddp.checkpoint import Checkpoints
 from jddp.comm import XlaComm
 from jddp.data.loader import batch_layout, place_batch
+from jddp.layout import state_bytes_per_device
 from jddp.mesh import make_mesh, to_host
 from jddp.optimizer import make_optimizer
 from jddp.sharded_update import optimizer_state_bytes
@@ -61,14 +63,17 @@ def batches(global_rows: int) -> list[dict]:
     return out
 
 
-def run(overrides: list[str], num_devices: int, sharded: bool) -> tuple[dict, TrainState]:
+KINDS = {"replicated": "none", "sharded": "optimizer", "full": "full"}
+
+
+def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainState]:
     mesh = make_mesh(jax.devices()[:num_devices])
     rows = ROWS_PER_DEVICE * num_devices
     cfg = load_config(
         overrides=[
             f"data.global_batch_size={rows}",
             "optim.schedule=constant",
-            f"dist.shard_weight_update={str(sharded).lower()}",
+            f"dist.shard={kind}",
             *overrides,
         ]
     )
@@ -76,9 +81,8 @@ def run(overrides: list[str], num_devices: int, sharded: bool) -> tuple[dict, Tr
     tx, schedule = make_optimizer(cfg.optim, rows, STEPS)
     model_def, state = create_train_state(SmallCnn(nnx.Rngs(0)), tx, mesh)
     layout = build_layout(cfg, mesh, comm)
-    if layout is not None:
-        state = layout.place(state)
-    step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule)
+    state = layout.place(state)
+    step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
     where = batch_layout(mesh, rows)
     out: dict = {"loss": [], "grad_norm": [], "param_norm": [], "nonfinite": []}
     for batch in batches(rows):
@@ -93,6 +97,9 @@ def run(overrides: list[str], num_devices: int, sharded: bool) -> tuple[dict, Tr
     out["opt_bytes_total"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(opt))
     out["opt_specs"] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(state.opt_state)})
     out["params_replicated"] = all(x.is_fully_replicated for x in jax.tree.leaves(state.params))
+    out["param_specs"] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(state.params)})
+    out["state_bytes_per_device"] = state_bytes_per_device(state)
+    out["state_bytes_total"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(to_host(state)))
     return out, state
 
 
@@ -124,18 +131,20 @@ def main() -> None:
         overrides = [o for o in text.split(",") if o]
         if name.startswith("broken-"):  # the trust ratios' psum dropped; sharded only
             correct, jddp.optimizer.layer_sq_norms = jddp.optimizer.layer_sq_norms, slice_sq_norms
-            results[name] = {"sharded": run(overrides, num_devices, True)[0]}
+            results[name] = {"sharded": run(overrides, num_devices, "optimizer")[0]}
             jddp.optimizer.layer_sq_norms = correct
             continue
-        (replicated, one), (sharded, other) = (
-            run(overrides, num_devices, mode) for mode in (False, True)
-        )
-        results[name] = {"replicated": replicated, "sharded": sharded}
-        if len(results) == 1:  # checkpoints of either layout restore in the other
+        outs, states = {}, {}
+        for label, kind in KINDS.items():
+            outs[label], states[label] = run(overrides, num_devices, kind)
+        results[name] = outs
+        if len(results) == 1:  # checkpoints of any layout restore in any other
             with tempfile.TemporaryDirectory() as tmp:
                 results["round_trip"] = {
-                    "sharded->replicated": round_trip(other, one, Path(tmp) / "a"),
-                    "replicated->sharded": round_trip(one, other, Path(tmp) / "b"),
+                    f"{a}->{b}": round_trip(states[a], states[b], Path(tmp) / f"{a}-{b}")
+                    for a in KINDS
+                    for b in KINDS
+                    if a != b
                 }
     with open(path, "w") as f:
         json.dump(results, f)

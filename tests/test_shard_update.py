@@ -1,8 +1,9 @@
-"""``dist.shard_weight_update``: the sharded update takes the replicated update's steps.
+"""``dist.shard`` optimizer and full: the split layouts take the replicated update's steps.
 
 In one process on 4 fake devices (``shard_update_worker.py``): SGD with gradient accumulation,
-LAMB with a bfloat16 gradient reduction and LARS with per-layer trust ratios, each replicated
-and sharded from the same start on the same batches, one batch holding a NaN; a LARS whose
+LAMB with a bfloat16 gradient reduction and LARS with per-layer trust ratios, each replicated,
+with the optimizer state split and fully sharded, from the same start on the same batches, one
+batch holding a NaN; a LARS whose
 trust ratios use each slice's own norms must fail the same comparison. Across real processes:
 the shared 2 x 2 run's replicated checkpoint resumed sharded, and that run's sharded checkpoint
 resumed replicated on 1 x 4. Checkpoints restore bitwise in either layout.
@@ -80,10 +81,34 @@ def test_sharded_update_takes_the_replicated_steps(four_devices, case):
     assert sharded["params_replicated"]  # all-gathered for the next forward pass
 
 
-def test_checkpoints_restore_in_either_layout(four_devices):
-    """Checkpoints hold full-shape arrays: a sharded run's restores replicated and a
-    replicated run's sharded, bitwise, in the layout asked for."""
-    assert four_devices["round_trip"] == {"sharded->replicated": True, "replicated->sharded": True}
+@pytest.mark.parametrize("case", list(CASES))
+def test_fully_sharded_takes_the_replicated_steps(four_devices, case):
+    """dist.shard=full: each parameter gathered where used, its gradient reduce-scattered, the
+    update on slices: the replicated run's losses, norms and final state; parameters and
+    optimizer state at rest about a quarter per device."""
+    replicated, full = four_devices[case]["replicated"], four_devices[case]["full"]
+    assert full["nonfinite"] == replicated["nonfinite"] == [0, 0, 0, 1, 0]
+    assert rel(full["loss"], replicated["loss"]) <= 1e-5
+    for key in ("grad_norm", "param_norm"):
+        assert rel(full[key], replicated[key]) <= 1e-5, key
+    assert rel_l2(full["params"], replicated["params"]) <= 1e-6
+    assert rel_l2(full["opt_state"], replicated["opt_state"]) <= 1e-6
+    assert not full["params_replicated"]
+    assert "P(None, None, None, 'data')" in full["param_specs"]  # conv1's kernel, split
+    assert replicated["state_bytes_per_device"] == replicated["state_bytes_total"]
+    # a quarter, plus the whole 10-class bias, BatchNorm statistics and counters
+    assert full["state_bytes_per_device"] < replicated["state_bytes_total"] / 4 + 400
+
+
+def test_checkpoints_restore_in_every_layout(four_devices):
+    """Checkpoints hold full-shape arrays: a checkpoint of any dist.shard layout restores in
+    any other, bitwise, in the layout asked for."""
+    assert four_devices["round_trip"] == {
+        f"{a}->{b}": True
+        for a in ("replicated", "sharded", "full")
+        for b in ("replicated", "sharded", "full")
+        if a != b
+    }
 
 
 def test_trust_ratios_of_slices_are_caught(four_devices):
@@ -94,52 +119,70 @@ def test_trust_ratios_of_slices_are_caught(four_devices):
 
 
 @pytest.mark.serial
-def test_resume_switching_the_key_and_the_topology(tmp_path, two_by_two):
-    """The shared replicated 2 x 2 run's checkpoint 12 resumed with the key on (orbax reads
-    each device's slice of the full-shape optimizer state): bitwise its losses (through gloo
-    the gradients take the replicated step's all-reduce, then each device its slice: a
-    reduce-scatter there would differ in the last bits, and corrupts large shares, jax issue
-    40830); that run's sharded checkpoint 16 resumed with the key off on 1 x 4: to 1e-4
-    (another topology may add in another order, as tests/test_multiprocess.py allows)."""
+def test_resume_switching_the_layout_and_the_topology(tmp_path, two_by_two):
+    """The shared replicated 2 x 2 run's checkpoint 12 resumed fully sharded (orbax reads each
+    device's slice of the full-shape arrays): its losses to 1e-5 (through gloo each gathered
+    parameter's gradient is all-reduced, then sliced: a reduce-scatter there corrupts large
+    shares, jax issue 40830); that run's checkpoint 16 resumed with the optimizer state split
+    (the older spelling, dist.shard_weight_update=true) on 4 x 1: to 1e-4 (another topology may
+    add in another order, as tests/test_multiprocess.py allows). Each switch said once."""
     reference, _ = two_by_two
     want = read_losses(reference)
     wd = tmp_path / "run"
     shutil.copytree(reference, wd, ignore=shutil.ignore_patterns("profile"))
     for step in (16, 20):
         shutil.rmtree(wd / "checkpoints" / str(step))
-    out = run(launch_cmd(2, 2, wd, *TWO_BY_TWO, "dist.shard_weight_update=true"))
+    out = run(launch_cmd(2, 2, wd, *TWO_BY_TWO, "dist.shard=full"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "at step 12" in out.stdout
-    assert_losses_match(read_losses(wd), want, range(13, 21), rel=0)
+    assert out.stdout.count("jddp: dist.shard=full now, none when the checkpoint was") == 1
+    assert "dist.shard=full: " in out.stdout  # the memory line says what share is split
+    assert_losses_match(read_losses(wd), want, range(13, 21), rel=1e-5)
 
     shutil.rmtree(wd / "checkpoints" / "20")
-    out = run(launch_cmd(1, 4, wd, *TWO_BY_TWO, "dist.shard_weight_update=false"))
+    out = run(launch_cmd(4, 1, wd, *TWO_BY_TWO, "dist.shard_weight_update=true"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "at step 16" in out.stdout
+    assert "jddp: dist.shard=optimizer now, full when the checkpoint was written" in out.stdout
     assert_losses_match(read_losses(wd), want, range(17, 21), rel=1e-4)
 
 
-def test_refused_with_the_mpi_backend(tmp_path):
+@pytest.mark.parametrize("key", ["dist.shard=full", "dist.shard_weight_update=true"])
+def test_refused_with_the_mpi_backend(tmp_path, key):
     out = run_python(
-        "-m", "jddp.train", f"workdir={tmp_path}", "dist.backend=mpi",
-        "dist.shard_weight_update=true", "--print-config",
+        "-m", "jddp.train", f"workdir={tmp_path}", "dist.backend=mpi", key, "--print-config",
     )  # fmt: skip
     assert out.returncode == 2
+    kind = "full" if "full" in key else "optimizer"
     assert (
         out.stderr.strip()
         .splitlines()[-1]
-        .startswith("jddp: error: dist.shard_weight_update=true needs dist.backend=xla")
+        .startswith(f"jddp: error: dist.shard={kind} needs dist.backend=xla")
     )
 
 
-def test_refused_with_an_optimizer_given_to_fit(tmp_path):
+def test_the_older_spelling_and_bad_values():
+    """dist.shard_weight_update (before dist.shard) still loads; dist.shard wins over it; an
+    unknown value names the choices."""
+    assert jddp.load_config(overrides=["dist.shard_weight_update=true"]).dist.shard == "optimizer"
+    assert jddp.load_config(overrides=["dist.shard_weight_update=false"]).dist.shard == "none"
+    both = ["dist.shard_weight_update=true", "dist.shard=full"]
+    assert jddp.load_config(overrides=both).dist.shard == "full"
+    with pytest.raises(ConfigError, match="dist.shard: .*none.*optimizer.*full"):
+        jddp.load_config(overrides=["dist.shard=zero3"])
+    with pytest.raises(ConfigError, match="dist.shard_weight_update: expected true or false"):
+        jddp.load_config(overrides=["dist.shard_weight_update=2"])
+
+
+@pytest.mark.parametrize("kind", ["optimizer", "full"])
+def test_refused_with_an_optimizer_given_to_fit(tmp_path, kind):
     """An optax object may take norms per array (clipping, trust ratios): not split blindly."""
-    with pytest.raises(ConfigError, match="dist.shard_weight_update=true needs the optim sec"):
+    with pytest.raises(ConfigError, match=f"dist.shard={kind} needs the optim section's"):
         jddp.fit(
             TinyMLP(192, 2, nnx.Rngs(0)),
             optax.sgd(0.1),
             train_data=data(64),
             config={"workdir": str(tmp_path / "run")},
             overrides=["train.steps=1", "data.global_batch_size=16", "log.progress=off",
-                       "dist.shard_weight_update=true"],
+                       f"dist.shard={kind}"],
         )  # fmt: skip

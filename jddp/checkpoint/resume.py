@@ -109,9 +109,11 @@ def restore(
     if not cfg.checkpoint.resume:
         return state, 0
     now = config_lib.to_dict(cfg)
+    layouts: dict[int, str] = {}
 
     def check_config(step: int, saved: dict[str, Any]) -> None:
         check_resume_config(saved, now, step, total_steps, str(ckpts.directory / str(step)))
+        layouts[step] = saved_layout(saved)
 
     try:
         restored = ckpts.restore_newest_good(state, comm.agree, check_config)
@@ -123,4 +125,17 @@ def restore(
     state, saved_step = restored
     start_step = int(to_host(state.step))
     console.say(f"jddp: resumed from {ckpts.directory / str(saved_step)} at step {start_step}")
+    before = layouts.get(saved_step, cfg.dist.shard)
+    if before != cfg.dist.shard:  # allowed: checkpoints hold the same logical arrays
+        console.say(
+            f"jddp: dist.shard={cfg.dist.shard} now, {before} when the checkpoint was written: "
+            "the same arrays, laid out anew"
+        )
     return state, start_step
+
+
+def saved_layout(saved: dict[str, Any]) -> str:
+    """The ``dist.shard`` a saved config used (its older spelling read too)."""
+    dist = dict(saved.get("dist") or {})
+    config_lib.translate_old_keys({"dist": dist})
+    return str(dist.get("shard", "none"))
