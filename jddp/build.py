@@ -130,6 +130,7 @@ def build_model(cfg: Config, rngs: nnx.Rngs, in_channels: int = 3) -> nnx.Module
             zero_init_residual=cfg.model.zero_init_residual,
             bn_momentum=cfg.model.bn_momentum,
             bn_epsilon=cfg.model.bn_epsilon,
+            remat=cfg.model.remat,
             in_channels=in_channels,
             dtype=dtype,
             rngs=rngs,
@@ -276,6 +277,12 @@ def build_layout(
         )
     if comm.name != "xla":
         raise ConfigError(f"dist.shard={kind} needs dist.backend=xla, not {comm.name}")
+    if kind == "full" and cfg.dist.grad_allreduce_dtype != "float32":
+        raise ConfigError(
+            f"dist.grad_allreduce_dtype={cfg.dist.grad_allreduce_dtype} with dist.shard=full: "
+            "there the gradients are reduce-scattered as the gathers' transpose, in the "
+            "parameters' dtype; set dist.grad_allreduce_dtype=float32, or dist.shard=optimizer"
+        )
     return FullShardLayout(mesh) if kind == "full" else ShardLayout(mesh)
 
 

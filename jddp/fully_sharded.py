@@ -7,13 +7,19 @@ per device and per micro-batch:
 
 1. each split parameter is all-gathered where the model reads it (:func:`gather`: one
    ``all_gather`` per array, no annotation on the model), inside a ``jax.checkpoint`` whose
-   policy saves everything except the gathered parameters: the backward pass gathers each
-   one again instead of keeping the whole model alive from the forward pass to the backward
-   pass (FSDP's ``reshard_after_forward``);
+   policy (:func:`_policy`) keeps everything but the gathers and the casts and reshapes that
+   follow them: the backward pass may gather each one again instead of keeping the whole
+   model alive from the forward pass to the backward pass (FSDP's ``reshard_after_forward``).
+   XLA:CPU removes ``jax.checkpoint``'s optimization barriers early and merges the second
+   gathers with the first (measured: 78 gathers before its passes, 39 after, for 39 split
+   arrays), so on CPUs the gathered parameters stay whole through the step; GPUs keep the
+   barriers (docs/performance.md);
 2. the gathered parameter's gradient goes back through the gather's transpose, a
-   reduce-scatter: the device receives the global mean of its slice only (``psum_scatter``;
-   through gloo on CPUs a ``pmean`` then the slice, as :class:`ShardLayout` does, jax issue
-   40830), sent in ``dist.grad_allreduce_dtype``; whole arrays are all-reduced as usual;
+   reduce-scatter: the device receives the sum over devices of its slice's gradient, divided
+   once as ``pmean`` divides (through gloo on CPUs the gather is a ``psum`` of the slice
+   placed in zeros, whose transpose all-reduces then slices: gloo's reduce-scatter is
+   unreliable, jax issue 40830); whole arrays are all-reduced as in the replicated step. The
+   transpose sends the parameters' dtype: ``dist.grad_allreduce_dtype=bfloat16`` is refused;
 3. each device updates its slices with its slices of the optimizer state; nothing is gathered
    after the update.
 
@@ -29,15 +35,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jddp.layout import GradsIO, to_varying
-from jddp.mesh import DATA_AXIS, DTYPES
+from jddp.mesh import DATA_AXIS
 from jddp.sharded_update import ShardLayout
 from jddp.state import TrainState
 
@@ -45,32 +51,41 @@ PyTree = Any
 GATHERED = "jddp/gathered"  # the checkpoint name of a gathered parameter: never saved
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def gather(x: jax.Array, axis: int, shards: int, reduce_scatter: bool, wire: Any) -> jax.Array:
+def gather(x: jax.Array, axis: int, shards: int, reduce_scatter: bool) -> jax.Array:
     """Inside ``shard_map``: this device's slice ``x`` of an array split along ``axis`` over
-    ``data`` -> the whole array. Its gradient: the global mean of the slice's gradient
-    (reduce-scattered, or all-reduced and sliced when ``reduce_scatter`` is False), sent in
-    ``wire`` dtype."""
-    return jax.lax.all_gather(x, DATA_AXIS, axis=axis, tiled=True)
-
-
-def _gather_fwd(x, axis, shards, reduce_scatter, wire):
-    return gather(x, axis, shards, reduce_scatter, wire), None
-
-
-def _gather_bwd(axis, shards, reduce_scatter, wire, _, g):
-    sent = g.astype(wire)
+    ``data`` -> the whole array. Its transpose (the gradient's way back) gives each device the
+    *sum* over devices of its slice's gradient: a reduce-scatter (``all_gather``'s transpose),
+    or, when ``reduce_scatter`` is False, an all-reduce then the slice (the gather written as
+    a ``psum`` of the slice placed in zeros: gloo's reduce-scatter is unreliable, jax issue
+    40830). Plain primitives, not a ``custom_vjp``: ``jax.checkpoint`` recomputes them in the
+    backward pass (it keeps a ``custom_vjp``'s outputs from the forward pass)."""
     if reduce_scatter:
-        mine = jax.lax.psum_scatter(sent, DATA_AXIS, scatter_dimension=axis, tiled=True)
-        mine = mine / shards  # as pmean divides its sum
-    else:
-        size = g.shape[axis] // shards
-        start = jax.lax.axis_index(DATA_AXIS) * size
-        mine = jax.lax.dynamic_slice_in_dim(jax.lax.pmean(sent, DATA_AXIS), start, size, axis)
-    return (mine.astype(g.dtype),)
+        return jax.lax.all_gather(x, DATA_AXIS, axis=axis, tiled=True)
+    shape = (*x.shape[:axis], x.shape[axis] * shards, *x.shape[axis + 1 :])
+    start = jax.lax.axis_index(DATA_AXIS) * x.shape[axis]
+    placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros(shape, x.dtype), x, start, axis)
+    return jax.lax.psum(placed, DATA_AXIS)
 
 
-gather.defvjp(_gather_fwd, _gather_bwd)
+# Operations whose outputs the backward pass recomputes rather than keeps: the gather itself
+# (``all_gather``, or gloo's ``psum``: ``jax.checkpoint`` asks about the collective's output,
+# not the name given to it), and the cheap reshapes and casts that lead from a gathered
+# parameter to the layer that reads it (``nnx.Linear`` casts its kernel to the compute dtype
+# first: kept, that copy would hold the whole parameter from the forward pass to the backward
+# pass). Activations go through those too: recomputing them from saved inputs costs next to
+# nothing; a model's own psum (synced BatchNorm statistics) is recomputed, a few floats.
+_RECOMPUTED = frozenset(
+    {"all_gather", "psum", "convert_element_type", "reshape", "transpose", "broadcast_in_dim",
+     "squeeze", "expand_dims", "copy", "copy_p", "pvary", "pcast"}
+)  # fmt: skip
+
+
+def _policy(prim: Any, *_: Any, **params: Any) -> bool:
+    """``jax.checkpoint`` policy of the fully sharded step: save everything but a gathered
+    parameter (named :data:`GATHERED`) and the outputs of :data:`_RECOMPUTED`."""
+    if prim.name == "name":
+        return params.get("name") != GATHERED
+    return prim.name not in _RECOMPUTED
 
 
 @dataclass(frozen=True)
@@ -89,7 +104,6 @@ class FullShardLayout(ShardLayout):
         """Split parameters gathered where used (and again in the backward pass); their
         gradients come back as this device's slice of the mean; whole ones all-reduced."""
         axes = [self.axis(x.shape) for x in jax.tree.leaves(params)]
-        wire = DTYPES[comm.grad_dtype]
 
         def grads(objective: Callable, local: PyTree) -> tuple[PyTree, Any]:
             leaves, treedef = jax.tree.flatten(local)
@@ -101,23 +115,24 @@ class FullShardLayout(ShardLayout):
             def on_slices(slices: list[jax.Array]):
                 full = [
                     x if k is None else checkpoint_name(
-                        gather(x, k, self.num_shards, self.reduce_scatter, wire), GATHERED
+                        gather(x, k, self.num_shards, self.reduce_scatter), GATHERED
                     )
                     for x, k in zip(slices, axes, strict=True)
                 ]  # fmt: skip
                 return objective(jax.tree.unflatten(treedef, full))
 
-            policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
-            g, aux = jax.grad(jax.checkpoint(on_slices, policy=policy), has_aux=True)(start)
+            g, aux = jax.grad(jax.checkpoint(on_slices, policy=_policy), has_aux=True)(start)
             return jax.tree.unflatten(treedef, g), aux
 
         def mean(grads: PyTree, comm: Any) -> PyTree:
             leaves, treedef = jax.tree.flatten(grads)
             whole = [i for i, k in enumerate(axes) if k is None]
-            out = list(leaves)
+            # the split ones: sums over devices since the gather's transpose; divided as pmean
+            n = self.num_shards
+            out = [g if k is None else g / n for g, k in zip(leaves, axes, strict=True)]
             for i, m in zip(whole, comm.average_grads([leaves[i] for i in whole]), strict=True):
                 out[i] = m
-            return jax.tree.unflatten(treedef, out)  # the split ones: means since the gather
+            return jax.tree.unflatten(treedef, out)
 
         return GradsIO(grads, mean)
 

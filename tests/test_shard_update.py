@@ -87,6 +87,9 @@ def test_fully_sharded_takes_the_replicated_steps(four_devices, case):
     update on slices: the replicated run's losses, norms and final state; parameters and
     optimizer state at rest about a quarter per device."""
     replicated, full = four_devices[case]["replicated"], four_devices[case]["full"]
+    if "bfloat16" in CASES[case]:  # the reduce-scatter is the gathers' transpose: float32
+        assert full["refused"].startswith("dist.grad_allreduce_dtype=bfloat16 with dist.shard=")
+        return
     assert full["nonfinite"] == replicated["nonfinite"] == [0, 0, 0, 1, 0]
     assert rel(full["loss"], replicated["loss"]) <= 1e-5
     for key in ("grad_norm", "param_norm"):

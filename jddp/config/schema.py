@@ -44,6 +44,13 @@ class ModelConfig:
         "(Flax's convention: PyTorch's momentum=0.1 is 0.9 here)",
     )
     bn_epsilon: float = _f(1e-5, "BatchNorm's epsilon, added to the variance (> 0)")
+    remat: Literal["none", "blocks"] = _f(
+        "none",
+        "activation rematerialisation: blocks (each residual block's activations recomputed "
+        "in the backward pass: less memory, about one more forward pass of compute; the same "
+        "losses); a 'pkg.module:factory' model gets the key in its config (examples/"
+        "lm_stdlib.py honours it; docs/library.md has the nnx.remat recipe)",
+    )
     options: dict = _f(
         {},
         "free-form keys for a 'pkg.module:factory' model, which gets them in its config "

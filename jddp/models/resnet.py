@@ -249,11 +249,17 @@ class ResNet(nnx.Module):
         in_channels: int = 3,
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = jnp.float32,
+        remat: str = "none",
         rngs: nnx.Rngs,
     ) -> None:
         if stem not in _STEMS:
             raise ValueError(f"unknown stem {stem!r}; expected one of {_STEMS}")
+        if remat not in REMAT_CHOICES:
+            raise ValueError(f"unknown remat {remat!r}; expected one of {REMAT_CHOICES}")
         self.stem = stem
+        # model.remat=blocks: each residual block's activations are recomputed in the backward
+        # pass instead of kept from the forward pass (less memory, one more forward's compute)
+        self.remat_blocks = remat == "blocks"
         self.dtype = dtype
         acc_dtype = jnp.promote_types(dtype, jnp.float32)
         self.acc_dtype = acc_dtype
@@ -317,9 +323,17 @@ class ResNet(nnx.Module):
         if self.stem == "imagenet":
             x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=_PAD1)
         for block in self.blocks:
-            x = block(x)
+            x = nnx.remat(_apply)(block, x) if self.remat_blocks else block(x)
         x_BxD = jnp.mean(x.astype(self.acc_dtype), axis=(1, 2))
         return self.fc(x_BxD).astype(self.acc_dtype)
+
+
+REMAT_CHOICES = ("none", "blocks")
+
+
+def _apply(block: nnx.Module, x: jax.Array) -> jax.Array:
+    """``block(x)``: the function ``nnx.remat`` recomputes in the backward pass."""
+    return block(x)
 
 
 def _factory(name: str, description: str) -> Callable[..., ResNet]:
