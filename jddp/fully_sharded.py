@@ -12,8 +12,8 @@ per device and per micro-batch:
    model alive from the forward pass to the backward pass (FSDP's ``reshard_after_forward``).
    XLA:CPU removes ``jax.checkpoint``'s optimization barriers early and merges the second
    gathers with the first (measured on a 6-layer GPT: 116 gathers before its passes, 78
-   after, for 78 split arrays), so on CPUs the gathered parameters stay whole through the step; GPUs keep the
-   barriers (docs/performance.md);
+   after, for 78 split arrays), so on CPUs the gathered parameters stay whole through the
+   step; GPUs keep the barriers (docs/performance.md);
 2. the gathered parameter's gradient goes back through the gather's transpose, a
    reduce-scatter: the device receives the sum over devices of its slice's gradient, divided
    once as ``pmean`` divides (through gloo on CPUs the gather is a ``psum`` of the slice

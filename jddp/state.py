@@ -75,6 +75,24 @@ def split_model(model: nnx.Module) -> tuple[ModelDef, nnx.State, nnx.State]:
     return ModelDef(graphdef, rest), params, model_state
 
 
+def abstract_train_state(
+    params: nnx.State, model_state: nnx.State, tx: optax.GradientTransformation
+) -> TrainState:
+    """The train state :func:`create_train_state` would make, as shape structs: nothing is
+    allocated (the optimizer state's shapes come from ``jax.eval_shape``)."""
+
+    def shape(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+    return TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=jax.tree.map(shape, params),
+        model_state=jax.tree.map(shape, model_state),
+        opt_state=jax.eval_shape(tx.init, params),
+        skipped_steps=jax.ShapeDtypeStruct((), jnp.int32),
+    )
+
+
 def create_train_state(
     model: nnx.Module, tx: optax.GradientTransformation, mesh: Mesh
 ) -> tuple[ModelDef, TrainState]:

@@ -21,6 +21,7 @@ from flax import nnx
 import jddp
 from jddp.errors import ConfigError
 from tests.helpers import (
+    TINY,
     TWO_BY_TWO,
     assert_losses_match,
     data,
@@ -29,6 +30,7 @@ from tests.helpers import (
     read_losses,
     run,
     run_python,
+    with_overrides,
 )
 from tests.user_models import TinyMLP
 
@@ -148,6 +150,58 @@ def test_resume_switching_the_layout_and_the_topology(tmp_path, two_by_two):
     assert "at step 16" in out.stdout
     assert "jddp: dist.shard=optimizer now, full when the checkpoint was written" in out.stdout
     assert_losses_match(read_losses(wd), want, range(17, 21), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_state_too_large_for_the_budget_trains_fully_sharded(tmp_path):
+    """Two processes whose devices may each hold 6 MB of train state (dist.device_memory_bytes;
+    on a GPU the device's own limit): the AdamW state of a width-16 ResNet-18 (8.0 MiB per
+    device whole) is refused with one line naming the bytes, before anything is placed; fully
+    sharded over the two devices (4.0 MiB each) it trains."""
+    model = ["model.width=16", "optim.name=adamw", "train.steps=2",
+             "dist.device_memory_bytes=6000000"]  # fmt: skip
+    out = run(launch_cmd(2, 1, tmp_path / "none", *model, "dist.shard=none"))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert (
+        "jddp: error: the train state needs 8.0 MiB per device under dist.shard=none, more than "
+        "the 5.7 MiB a device may hold" in out.stderr
+    ), out.stderr[-2000:]
+    assert "full 4.0 MiB" in out.stderr
+    assert not (tmp_path / "none" / "checkpoints").exists()
+    out = run(launch_cmd(2, 1, tmp_path / "full", *model, "dist.shard=full"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "jddp: memory per device: state 4.0 MiB (dist.shard=full: " in out.stdout
+    assert len(read_losses(tmp_path / "full")) == 2
+
+
+@pytest.mark.slow
+def test_a_model_built_differently_per_process_is_refused(tmp_path):
+    """Under a split layout each process places its slices of its own copy: a factory seeded
+    per process would train a mix; refused in one line, exit 2, nothing trained."""
+    model = ["model.name=tests.user_models:per_process_mlp", "train.steps=1"]
+    out = run(launch_cmd(2, 1, tmp_path / "run", *model, "dist.shard=full"))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert (
+        "jddp: error: dist.shard=full: the model's initial parameters differ between processes "
+        "(process 0's are not those of process 1)" in out.stderr
+    ), out.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_device_count_that_divides_nothing_is_one_warning(tmp_path):
+    """7 devices split none of a width-4 ResNet-18's arrays (kernels 3x3 by 4..32 channels,
+    5 classes): one warning line, and the run trains with everything whole."""
+    out = run_python(
+        "-m", "jddp.train", f"workdir={tmp_path / 'run'}",
+        *with_overrides(TINY, "data.global_batch_size=14", "model.num_classes=5"),
+        "train.steps=1", "dist.shard=full", env=fake_devices(7),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    warnings = [line for line in out.stdout.splitlines() if "warning: dist.shard" in line]
+    assert warnings == [
+        "jddp: warning: dist.shard=full: no array of the train state has an axis 7 devices "
+        "divide: every device holds all of it (0.0% split)"
+    ]
 
 
 @pytest.mark.parametrize("key", ["dist.shard=full", "dist.shard_weight_update=true"])

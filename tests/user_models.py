@@ -116,3 +116,8 @@ def paced_resnet18(config: dict, dtype, rngs: nnx.Rngs) -> PacedResNet:
     2 and its `scancel`), and unlike a host callback (jax.debug.callback, time.sleep) a step
     the compilation cache keeps."""
     return _resnet(PacedResNet, *RESNET_CONFIGS["resnet18"], config, dtype, rngs)
+
+
+def per_process_mlp(config: dict, dtype, rngs: nnx.Rngs) -> TinyMLP:
+    """A factory that (wrongly) seeds each process differently: its replicas start apart."""
+    return TinyMLP(8 * 8 * 3, config["num_classes"], nnx.Rngs(jax.process_index()), dtype=dtype)

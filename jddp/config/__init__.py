@@ -62,6 +62,7 @@ __all__ = [
 
 # The step counter, the seed and every count are int32 on the devices.
 MAX_INT = 2**31 - 1
+BYTE_KEYS = ("dist.device_memory_bytes",)  # host-side sizes: not counted on the devices
 
 
 def _check_numbers(cfg: Config) -> None:
@@ -77,6 +78,7 @@ def _check_numbers(cfg: Config) -> None:
             v = getattr(values, f.name)
             key = f"{section.name}.{f.name}"
             counts = isinstance(v, int) or (key == "train.epochs" and v is not None)
+            counts = counts and key not in BYTE_KEYS
             if counts and not isinstance(v, bool) and abs(v) > MAX_INT:
                 raise ConfigError(f"{key}: must be at most {MAX_INT} in size, got {v:g}")
 
@@ -117,6 +119,7 @@ def _check_positive(cfg: Config) -> None:
         "dist.init_timeout_s": cfg.dist.init_timeout_s,
         "dist.step_timeout_s": cfg.dist.step_timeout_s,
         "dist.first_step_timeout_s": cfg.dist.first_step_timeout_s,
+        "dist.device_memory_bytes": cfg.dist.device_memory_bytes,
     }.items():
         if opt_val is not None:
             positive[opt_key] = opt_val

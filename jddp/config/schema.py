@@ -232,6 +232,12 @@ class DistConfig:
         1800.0,
         "the same until the first step is done (restoring, loading the data, compiling)",
     )
+    device_memory_bytes: int | None = _f(
+        None,
+        "memory one device may give the train state at rest, in bytes: a state that needs "
+        "more under dist.shard is refused in one line before anything is placed (null: the "
+        "device's own limit where it reports one, a GPU's; none on CPUs)",
+    )
 
 
 @dataclass

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from jddp.layout import state_bytes_per_device
+import jax
+import numpy as np
+
+from jddp.errors import ConfigError
+from jddp.fully_sharded import FullShardLayout
+from jddp.layout import ReplicatedLayout, state_bytes_per_device
+from jddp.mesh import DATA_AXIS
+from jddp.sharded_update import ShardLayout
 
 STATE_KEY = "mem/state_bytes_per_device"
 STEP_KEY = "mem/step_bytes_per_device"
@@ -55,6 +62,48 @@ def memory_fields(train_step: Any, state: Any, batch: Any) -> dict[str, int]:
     if step is not None:
         fields[STEP_KEY] = step
     return fields
+
+
+def bytes_at_rest(shapes: Any, layout: Any) -> int:
+    """Bytes of the train state ``shapes`` (shape structs) one device holds under ``layout``:
+    each split array's share, every other array whole."""
+    total = 0
+    for x, spec in zip(
+        jax.tree.leaves(shapes), jax.tree.leaves(layout.state_specs(shapes)), strict=True
+    ):
+        nbytes = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+        total += nbytes // layout.num_shards if DATA_AXIS in tuple(spec) else nbytes
+    return total
+
+
+def device_budget(configured: int | None, device: Any) -> int | None:
+    """The bytes a device may give the train state: ``dist.device_memory_bytes``, else what
+    the device reports as its limit (GPUs), else None (CPUs report none)."""
+    if configured is not None:
+        return configured
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def check_state_fits(shapes: Any, layout: Any, budget: int | None) -> None:
+    """Refuse (:class:`ConfigError`, one line) a train state that needs more than ``budget``
+    bytes per device at rest under ``layout``, naming what each ``dist.shard`` would need."""
+    need = bytes_at_rest(shapes, layout)
+    if budget is None or need <= budget:
+        return
+    kinds = (ReplicatedLayout, ShardLayout, FullShardLayout)
+    each = ", ".join(
+        f"{kind.kind} {mib(bytes_at_rest(shapes, kind(layout.mesh)))}" for kind in kinds
+    )
+    raise ConfigError(
+        f"the train state needs {mib(need)} per device under dist.shard={layout.kind}, more "
+        f"than the {mib(budget)} a device may hold (dist.device_memory_bytes, or the device's "
+        f"own limit); per device on {layout.num_shards} devices: {each}: choose a layout that "
+        "fits, more devices, or a smaller model"
+    )
 
 
 def mib(nbytes: float) -> str:

@@ -6,10 +6,12 @@ state, the outputs (checkpoints, metrics log) and the loop's hooks.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -49,9 +51,16 @@ from jddp.run.hooks import (
     SyncCheck,
     ThroughputMeter,
 )
+from jddp.run.memory import check_state_fits, device_budget
 from jddp.run.trackers import Trackers
 from jddp.run.watchdog import StallWatchdog
-from jddp.state import ModelDef, TrainState, create_train_state
+from jddp.state import (
+    ModelDef,
+    TrainState,
+    abstract_train_state,
+    create_train_state,
+    split_model,
+)
 from jddp.step import TrainStep
 from jddp.tasks.classification import PixelNorm
 from jddp.workdir import RunFolder
@@ -150,7 +159,7 @@ def build_run(
     custom = is_custom_task(cfg, parts)
     splits, batches, steps = _data(cfg, parts, custom, mesh, layout)
     model_def, state, tx, schedule, state_layout = _model_and_state(
-        cfg, comm, parts, splits, steps, mesh
+        cfg, comm, parts, splits, steps, mesh, console
     )
     task, pixel_norm, num_outputs = _checked_task(
         cfg, comm, parts, custom, splits, model_def, state, mesh
@@ -236,7 +245,13 @@ def _data(
 
 
 def _model_and_state(
-    cfg: Config, comm: Comm, parts: Parts, splits: Splits, steps: int, mesh: Mesh
+    cfg: Config,
+    comm: Comm,
+    parts: Parts,
+    splits: Splits,
+    steps: int,
+    mesh: Mesh,
+    console: Console,
 ) -> tuple[ModelDef, TrainState, Any, Any, Any]:
     """The model split into its definition and train state, the optimizer and its schedule
     (None for one given to jddp.fit), and the state's layout over the devices (``dist.shard``,
@@ -249,10 +264,44 @@ def _model_and_state(
         tx, schedule = parts.optimizer, None
     else:
         tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
+    state_layout = build_layout(cfg, mesh, comm, parts)
+    # Before anything is placed: a state that cannot fit is one line, not an out-of-memory.
+    _, params, model_state = split_model(model)
+    budget = device_budget(cfg.dist.device_memory_bytes, mesh.local_devices[0])
+    check_state_fits(abstract_train_state(params, model_state, tx), state_layout, budget)
+    if state_layout.kind != "none":  # each process places its slices of its own copy
+        check_same_init(comm, params, state_layout.kind)
+    del params, model_state
     model_def, state = create_train_state(model, tx, mesh)
     del model
-    state_layout = build_layout(cfg, mesh, comm, parts)
+    if state_layout.kind != "none" and state_layout.split_share(state) == 0:
+        devices = len(mesh.local_devices) * comm.process_count
+        console.say(
+            f"jddp: warning: dist.shard={state_layout.kind}: no array of the train state has an "
+            f"axis {devices} devices divide: every device holds all of it (0.0% split)"
+        )
     return model_def, state, tx, schedule, state_layout
+
+
+def check_same_init(comm: Comm, params: Any, kind: str) -> None:
+    """Refuse (one line) parameters that differ between processes: under a split layout each
+    process places its slices of its own copy, so a model built differently per process (a
+    per-process seed, host randomness) would train a mix of them."""
+    if comm.process_count == 1:
+        return
+    digest = hashlib.blake2b(digest_size=7)
+    for leaf in jax.tree.leaves(params):
+        digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    mine = int.from_bytes(digest.digest(), "little")
+    everyone = comm.allgather_int(mine)
+    if len(set(everyone)) > 1:
+        differ = [p for p, d in enumerate(everyone) if d != everyone[0]]
+        raise ConfigError(
+            f"dist.shard={kind}: the model's initial parameters differ between processes "
+            f"(process 0's are not those of process {', '.join(map(str, differ))}): build it "
+            "identically on every process (the same seed, no per-process randomness), as each "
+            "process places its slices of its own copy"
+        )
 
 
 def _checked_task(
