@@ -105,6 +105,17 @@ def test_fully_sharded_takes_the_replicated_steps(four_devices, case):
     assert full["state_bytes_per_device"] < replicated["state_bytes_total"] / 4 + 400
 
 
+@pytest.mark.slow
+def test_the_gpt_example_with_dropout_takes_the_same_steps_fully_sharded():
+    """A transformer (embeddings, learned positions, attention, LayerNorm) with dropout and 2
+    micro-batches on 4 devices: dist.shard=full's losses are none's (measured: bitwise)."""
+    out = run_python(str(WORKER.with_name("gpt_layout_worker.py")), env=fake_devices(4))
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rel(losses["full"], losses["none"]) <= 1e-5
+    assert len(set(losses["none"])) == 6  # each step its own loss
+
+
 def test_checkpoints_restore_in_every_layout(four_devices):
     """Checkpoints hold full-shape arrays: a checkpoint of any dist.shard layout restores in
     any other, bitwise, in the layout asked for."""
