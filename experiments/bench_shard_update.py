@@ -1,8 +1,9 @@
-"""``dist.shard_weight_update``: memory per device and step time, replicated vs sharded.
+"""``dist.shard``: memory per device (none vs optimizer) and step time of any layouts.
 
     .venv/bin/python experiments/bench_shard_update.py                 # ~15 min on a 2-core VM
     .venv/bin/python experiments/bench_shard_update.py --no-time       # memory only
-    .venv/bin/python experiments/bench_shard_update.py --no-memory --rounds 2
+    .venv/bin/python experiments/bench_shard_update.py --no-memory --rounds 2 \
+        --layouts none,full --time-models cifar,lm                     # full's step time
 
 1. Memory (a subprocess per device count, fake CPU devices): ResNet-50 (ImageNet stem, 1000
    classes, SGD with momentum, float32, 224 px) and the any-task transformer of
@@ -12,10 +13,11 @@
    state's bytes on one device (from the placed arrays) and XLA's ``memory_analysis()`` of the
    compiled step, per device: arguments, outputs, aliased (donated) bytes, temporaries and
    its peak.
-2. Step time: ResNet-18 CIFAR (``cases.py``'s ``cifar-recipe``, width 64, batch 128) through
-   the trainer (``benchlib.run_trainer``) as ``jddp.launch --nproc 2``, replicated and sharded
-   alternately (``--rounds`` pairs, the order flipped every round), with the 1-minute load
-   before each run: the VM is shared.
+2. Step time: ResNet-18 CIFAR (``cases.py``'s ``cifar-recipe``, width 64, batch 128) and the
+   GPT of ``configs/lm_stdlib.yaml`` through the trainer (``benchlib.run_trainer``) as
+   ``jddp.launch --nproc 2``, each ``--layouts`` value in turn (``--rounds`` rounds, the order
+   rotated every round), with the 1-minute load before each run: the VM is shared. The memory
+   of all three layouts and ``model.remat``: ``bench_memory.py``.
 
 Writes ``results/shard-update-<date>-<machine>.json`` (machine, command, commit, every figure).
 """
@@ -86,7 +88,7 @@ def memory_worker(model: str, devices: int) -> list[dict[str, Any]]:
             [
                 *base,
                 f"data.global_batch_size={rows}",
-                f"dist.shard_weight_update={str(sharded).lower()}",
+                f"dist.shard={'optimizer' if sharded else 'none'}",
             ],
         )
         mesh, comm = make_mesh(jax.devices()[:devices]), XlaComm()
@@ -157,38 +159,59 @@ def memory(models: list[str], device_counts: list[int]) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------ step time
-def step_time(rounds: int, steps: int, skip: int) -> list[dict[str, Any]]:
-    """Alternating 2-process trainer runs of the CIFAR recipe, replicated and sharded."""
+TIME_MODELS = {
+    # ResNet-18 CIFAR (width 64, batch 128, synthetic 32 px images)
+    "cifar": lambda steps: case("cifar-recipe", f"train.steps={steps}", "log.every_steps=5"),
+    # the GPT of examples/lm_stdlib.py as configs/lm_stdlib.yaml trains it (batch 32)
+    "lm": lambda steps: [
+        "--config",
+        "configs/lm_stdlib.yaml",
+        f"train.steps={steps}",
+        "log.every_steps=5",
+        "train.eval_every_steps=0",
+        "data.options.max_files=300",
+    ],  # fmt: skip
+}
+
+
+def step_time(
+    rounds: int, steps: int, skip: int, layouts: list[str], models: list[str]
+) -> list[dict[str, Any]]:
+    """Alternating 2-process trainer runs (``jddp.launch --nproc 2``, one device each) of each
+    model under each ``dist.shard`` layout, the order rotated every round."""
     runs = []
-    base = case("cifar-recipe", f"train.steps={steps}", "log.every_steps=5")
-    for r in range(rounds):
-        order = (False, True) if r % 2 == 0 else (True, False)
-        for sharded in order:
-            load = os.getloadavg()[0]
-            with tempfile.TemporaryDirectory() as tmp:
-                got = run_trainer(
-                    Path(tmp) / "run",
-                    [*base, f"dist.shard_weight_update={str(sharded).lower()}"],
-                    nproc=2,
-                    devices=1,
-                    skip_steps=skip,
+    for model in models:
+        base = TIME_MODELS[model](steps)
+        for r in range(rounds):
+            order = layouts[r % len(layouts) :] + layouts[: r % len(layouts)]
+            for layout in order:
+                load = os.getloadavg()[0]
+                with tempfile.TemporaryDirectory() as tmp:
+                    got = run_trainer(
+                        Path(tmp) / "run",
+                        [*base, f"dist.shard={layout}"],
+                        nproc=2,
+                        devices=1,
+                        skip_steps=skip,
+                    )
+                row = {
+                    "model": model,
+                    "round": r,
+                    "mode": layout,
+                    "load1_before": load,
+                    "load1_after": os.getloadavg()[0],
+                    "step_s": got["step_s"],
+                    "compile_s": got["compile_s"],
+                    "losses": got["losses"],
+                    "command": got["command"],
+                }
+                runs.append(row)
+                med = statistics.median(row["step_s"])
+                print(
+                    f"| {model} | {r} | {layout} | {med:.3f} | {load:.2f} "
+                    f"| {row['load1_after']:.2f} |",
+                    flush=True,
                 )
-            row = {
-                "round": r,
-                "mode": "sharded" if sharded else "replicated",
-                "load1_before": load,
-                "load1_after": os.getloadavg()[0],
-                "step_s": got["step_s"],
-                "compile_s": got["compile_s"],
-                "losses": got["losses"],
-                "command": got["command"],
-            }
-            runs.append(row)
-            med = statistics.median(row["step_s"])
-            print(
-                f"| {r} | {row['mode']} | {med:.3f} | {load:.2f} | {row['load1_after']:.2f} |",
-                flush=True,
-            )
     return runs
 
 
@@ -196,7 +219,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--devices", default="4,8")
-    ap.add_argument("--rounds", type=int, default=3, help="replicated/sharded pairs timed")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every layout, timed")
+    ap.add_argument("--layouts", default="none,optimizer", help="dist.shard values timed")
+    ap.add_argument("--time-models", default="cifar", help="cifar and/or lm")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--skip", type=int, default=10, help="steps before the timed windows")
     ap.add_argument("--no-memory", action="store_true")
@@ -219,15 +244,18 @@ def main() -> None:
         )
         result["memory"] = memory(args.models.split(","), [int(d) for d in args.devices.split(",")])
     if not args.no_time:
-        print("\n| round | update | step s (median) | load before | load after |")
-        print("|---:|---|---:|---:|---:|")
-        runs = step_time(args.rounds, args.steps, args.skip)
+        print("\n| model | round | dist.shard | step s (median) | load before | load after |")
+        print("|---|---:|---|---:|---:|---:|")
+        layouts, models = args.layouts.split(","), args.time_models.split(",")
+        runs = step_time(args.rounds, args.steps, args.skip, layouts, models)
         result["step_time"] = {"runs": runs}
-        for mode in ("replicated", "sharded"):
-            times = [t for r in runs if r["mode"] == mode for t in r["step_s"]]
-            result["step_time"][mode] = median_p10_p90(times)
-            s = result["step_time"][mode]
-            print(f"{mode}: median {s['median']:.3f} s (p10 {s['p10']:.3f}, p90 {s['p90']:.3f})")
+        for model in models:
+            for mode in layouts:
+                times = [t for r in runs if (r["model"], r["mode"]) == (model, mode)
+                         for t in r["step_s"]]  # fmt: skip
+                result["step_time"][f"{model}/{mode}"] = s = median_p10_p90(times)
+                print(f"{model} dist.shard={mode}: median {s['median']:.4f} s "
+                      f"(p10 {s['p10']:.4f}, p90 {s['p90']:.4f})")  # fmt: skip
     save_result("shard-update", result["machine"]["name"], result)
 
 
