@@ -263,3 +263,51 @@ def test_a_failed_read_leaves_nothing_that_reports_itself_later(run_copy, caplog
         gc.collect()
     assert len(caplog.records) == 1 and "the user's own" in caplog.text
     ckpts.close()
+
+
+def test_checksums_are_the_same_in_any_layout_and_old_crc_manifests_still_verify(tmp_path):
+    """A manifest's sum64 checksum is computed from the shards each process holds (no array is
+    gathered) and equals the whole array's; a manifest written before it (CRC-32 of the whole
+    array) still verifies, and a wrong CRC-32 is still damage."""
+    import json
+    import zlib
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jddp.checkpoint import Checkpoints
+    from jddp.checkpoint.manifest import _mixed_sum, checksums
+    from jddp.errors import CheckpointError
+    from jddp.state import TrainState
+
+    w = np.arange(24, dtype=np.float32).reshape(4, 6)
+    halves = [(w[:2], (slice(0, 2), slice(None))), (w[2:], (slice(2, 4), slice(None)))]
+    by_rows = sum(_mixed_sum(x, index, w.shape) for x, index in halves) % 2**64
+    assert checksums([w]) == [f"sum64:{by_rows:016x}"]
+    w2 = w.copy()
+    w2[1, 2] = np.nextafter(w2[1, 2], np.float32(100))  # one bit
+    assert checksums([w2]) != checksums([w])
+
+    state = TrainState(
+        step=jnp.int32(1), params={"w": jnp.asarray(w)}, model_state={}, opt_state=(),
+        skipped_steps=jnp.int32(0),
+    )  # fmt: skip
+    folder = tmp_path / "ckpts"
+    ckpts = Checkpoints(folder, every_steps=1, keep=2, async_save=False,
+                        damaged_directory=tmp_path / "damaged")  # fmt: skip
+    ckpts.save(1, state, {})
+    ckpts.wait()
+    meta = folder / "1" / "manifest" / "metadata"
+    saved = json.loads(meta.read_text())
+    assert all(row[3].startswith("sum64:") for row in saved["leaves"])
+    values = {".params['w']": w, ".step": np.int32(1), ".skipped_steps": np.int32(0)}
+    for row in saved["leaves"]:  # as jddp wrote it before sum64
+        row[3] = zlib.crc32(np.asarray(values[row[0]], order="C").data)
+    meta.write_text(json.dumps(saved))
+    restored, step = ckpts.restore_newest_good(state)
+    assert step == 1 and np.array_equal(np.asarray(restored.params["w"]), w)
+    saved["leaves"][0][3] += 1
+    meta.write_text(json.dumps(saved))
+    with pytest.raises(CheckpointError, match="all 1 are damaged"):
+        ckpts.restore_newest_good(state)
+    ckpts.close()

@@ -209,12 +209,13 @@ class Checkpoints:
         self,
         step: int,
         restore: Callable[[], Any],
-        rows_of: Callable[[Any], list[list[Any]]],
+        rows_of: Callable[[Any, dict[str, list[Any]]], list[list[Any]]],
         accept: Callable[[list[list[Any]]], None] | None = None,
     ) -> Any:
         """``restore()``'s value, read from checkpoint ``step`` and checked against its
-        manifest: ``rows_of(value)`` (manifest rows of what was read) must equal the saved rows
-        of the same names. ``accept(saved rows)`` may refuse the checkpoint first (raising).
+        manifest: ``rows_of(value, saved rows by name)`` (manifest rows of what was read, with
+        the saved rows' kind of checksum) must equal the saved rows of the same names.
+        ``accept(saved rows)`` may refuse the checkpoint first (raising).
         :class:`CheckpointDamaged` naming the problem (:class:`CheckpointGone` if the
         checkpoint was deleted meanwhile) otherwise."""
         silence_late_read_callbacks()
@@ -225,7 +226,7 @@ class Checkpoints:
         try:
             value = restore()
             saved_rows = {row[0]: row for row in saved}
-            bad = [row[0] for row in rows_of(value) if saved_rows.get(row[0]) != row]
+            bad = [row[0] for row in rows_of(value, saved_rows) if saved_rows.get(row[0]) != row]
         except Exception as e:  # noqa: BLE001 - any read failure means "damaged"
             problem = f"it cannot be restored ({_short(e)})"
         if problem is not None:  # outside the except block: its traceback is garbage now
