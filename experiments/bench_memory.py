@@ -43,13 +43,22 @@ LAYOUTS = [("none", "none"), ("optimizer", "none"), ("full", "none"), ("none", "
 MODELS = {
     "lm100m": {
         "config": "configs/lm_stdlib.yaml",
-        "overrides": ["model.options.width=768", "model.options.layers=14",
-                      "model.options.heads=12", "data.global_batch_size=32"],
+        "overrides": [
+            "model.options.width=768",
+            "model.options.layers=14",
+            "model.options.heads=12",
+            "data.global_batch_size=32",
+        ],
     },  # fmt: skip
     "resnet50": {
         "config": None,
-        "overrides": ["model.name=resnet50", "model.stem=imagenet", "model.num_classes=1000",
-                      "data.name=synthetic", "data.image_size=224"],
+        "overrides": [
+            "model.name=resnet50",
+            "model.stem=imagenet",
+            "model.num_classes=1000",
+            "data.name=synthetic",
+            "data.image_size=224",
+        ],
         "rows_per_device": 16,
     },  # fmt: skip
 }
@@ -153,8 +162,12 @@ def measure(model: str, shard: str, remat: str, devices: int) -> dict[str, Any]:
         "step_bytes_per_device": step_bytes(compiled),
         "memory_analysis": {
             f: int(getattr(stats, f))
-            for f in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-                      "temp_size_in_bytes")
+            for f in (
+                "argument_size_in_bytes",
+                "output_size_in_bytes",
+                "alias_size_in_bytes",
+                "temp_size_in_bytes",
+            )
         },  # fmt: skip
     }
 
