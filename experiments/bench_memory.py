@@ -87,24 +87,17 @@ def abstract_state(cfg: Any, tx: Any, mesh: Any, layout: Any) -> tuple[Any, Any,
     """The model's definition (its small constant part on the devices), the train state as
     shape structs laid out by ``layout``, and the parameter count."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
     from jax.sharding import NamedSharding
 
     from jddp.build import build_model
     from jddp.mesh import put_replicated
-    from jddp.state import TrainState, split_model
+    from jddp.state import abstract_train_state, split_model
 
     model_def, params, model_state = split_model(build_model(cfg, nnx.Rngs(0)))
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    shapes = TrainState(
-        step=jax.ShapeDtypeStruct((), jnp.int32),
-        params=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
-        model_state=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), model_state),
-        opt_state=jax.eval_shape(tx.init, params),
-        skipped_steps=jax.ShapeDtypeStruct((), jnp.int32),
-    )
+    shapes = abstract_train_state(params, model_state, tx)
     del params
     specs = layout.state_specs(shapes)
     state = jax.tree.map(
@@ -115,17 +108,6 @@ def abstract_state(cfg: Any, tx: Any, mesh: Any, layout: Any) -> tuple[Any, Any,
     return put_replicated(model_def, mesh), state, count
 
 
-def state_bytes(state: Any) -> int:
-    """Bytes of ``state`` (shape structs with shardings) one device holds."""
-    import jax
-    import numpy as np
-
-    return sum(
-        int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
-        for x in jax.tree.leaves(state)
-    )
-
-
 def measure(model: str, shard: str, remat: str, devices: int) -> dict[str, Any]:
     """One row: the step of ``model`` under ``dist.shard=shard`` and ``model.remat=remat``."""
     import jax
@@ -134,7 +116,7 @@ def measure(model: str, shard: str, remat: str, devices: int) -> dict[str, Any]:
     from jddp.build import build_layout, build_steps
     from jddp.mesh import make_mesh
     from jddp.optimizer import make_optimizer
-    from jddp.run.memory import step_bytes
+    from jddp.run.memory import bytes_at_rest, step_bytes
 
     spec = MODELS[model]
     config = str(benchlib.REPO / spec["config"]) if spec["config"] else None
@@ -158,7 +140,7 @@ def measure(model: str, shard: str, remat: str, devices: int) -> dict[str, Any]:
         "devices": devices,
         "shard": shard,
         "remat": remat,
-        "state_bytes_per_device": state_bytes(state),
+        "state_bytes_per_device": bytes_at_rest(state, layout),
         "step_bytes_per_device": step_bytes(compiled),
         "memory_analysis": {
             f: int(getattr(stats, f))
