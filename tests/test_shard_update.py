@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -154,6 +155,12 @@ def test_resume_switching_the_layout_and_the_topology(tmp_path, two_by_two):
     assert out.stdout.count("jddp: dist.shard=full now, none when the checkpoint was") == 1
     assert "dist.shard=full: " in out.stdout  # the memory line says what share is split
     assert_losses_match(read_losses(wd), want, range(13, 21), rel=1e-5)
+    # the fully sharded run's checkpoint, read on this process's one device: its arrays whole
+    loaded = nnx.state(jddp.load(wd), nnx.Param)
+    reference_model = nnx.state(jddp.load(reference), nnx.Param)
+    shapes = jax.tree.map(np.shape, (loaded, reference_model))
+    assert shapes[0] == shapes[1]
+    assert all(x.is_fully_addressable for x in jax.tree.leaves(loaded))
 
     shutil.rmtree(wd / "checkpoints" / "20")
     out = run(launch_cmd(4, 1, wd, *TWO_BY_TWO, "dist.shard_weight_update=true"))
