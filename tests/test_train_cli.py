@@ -40,7 +40,14 @@ def test_train_writes_outputs(tmp_path):
     # log.profile_steps=2:4: steps 2 and 3 traced, each marked with its number
     assert traced_steps(wd / "profile") == [2, 3]
     assert "jddp: profile of steps 2..3" in out.stdout
-    assert "jddp: summary" in out.stdout and "img/s on 1 devices" in out.stdout
+    assert "jddp: summary" in out.stdout and "img/s on 1 devices (1 process)\n" in out.stdout
+    # the summary names the policy in force (it said skip under the default halt)
+    assert "gradient, train.on_nonfinite=halt)" in out.stdout
+    # the state's memory, once (issue 43): the first step's row and one line
+    assert "jddp: memory per device: state " in out.stdout
+    first = next(r for r in rows if "train/compile_s" in r)
+    assert first["mem/state_bytes_per_device"] > 0 and first["mem/step_bytes_per_device"] > 0
+    assert sum("mem/state_bytes_per_device" in r for r in rows) == 1
     assert not (wd / ".jddp.lock").exists()  # released at the end
 
 

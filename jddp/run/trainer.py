@@ -285,14 +285,16 @@ def _summarise(run: Run, result: RunResult) -> None:
     rates = f"{result.img_per_s:.1f} {unit}/s"
     if result.weight_per_s is not None:
         rates += f", {result.weight_per_s:.0f} {weight_unit}/s"
+    policy = run.cfg.train.on_nonfinite  # halt: a skipped step is one from before a resume
+    processes = run.comm.process_count
     run.console.say(
         "jddp: summary\n"
         f"  steps          {run.start_step} -> {result.step} of {run.total_steps}\n"
         f"  eval           {describe_eval(ev, weight_unit)}\n"
         f"  skipped        {result.skipped_steps} of {result.step} steps (non-finite loss or "
-        f"gradient, train.on_nonfinite=skip)\n"
+        f"gradient, train.on_nonfinite={policy})\n"
         f"  throughput     {rates} on {run.num_devices} devices "
-        f"({run.comm.process_count} processes)\n"
+        f"({processes} process{'es' if processes != 1 else ''})\n"
         f"  input wait     {100 * result.input_wait_fraction:.2f}% of the timed step wall time "
         f"({InputWait.KEY}, mean over the run)\n"
         f"  wall time      {result.wall_s:.1f} s\n"
