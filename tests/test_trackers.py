@@ -384,6 +384,54 @@ def test_mlflow_has_every_step_once_in_one_run_across_kill_and_preemption(tracke
     assert any((workdir / "tensorboard").iterdir())  # the default tracker still writes
 
 
+def _tensorboard_steps(folder: Path, tag: str) -> list[int]:
+    """Every step of ``tag`` TensorBoard shows from ``folder``'s event files, with repeats: the
+    files in order, a purge hiding the earlier points at or after its step."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    from jddp.run.tracker_kinds import _records
+
+    shown: list[int] = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        for record in _records(path):
+            event = Event.FromString(record)
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                shown = [s for s in shown if s < event.step]
+            shown += [int(event.step) for v in event.summary.value if v.tag == tag]
+    return sorted(shown)
+
+
+@pytest.mark.serial  # kills timed against the run's progress
+def test_tensorboard_has_every_step_once_across_kill_and_preemption(tracked):
+    """Flushed at every log line and refilled on resume: after a kill -9, a preemption and the
+    final rerun, TensorBoard shows each step's loss once, its value metrics.jsonl's (the event
+    file was 0 bytes after a kill and the rerun started at step 25)."""
+    workdir, *_ = tracked
+    assert _tensorboard_steps(workdir / "tensorboard", "train/loss") == list(range(1, STEPS + 1))
+
+
+def test_tensorboard_refills_what_an_older_run_lost(tmp_path):
+    """Event files that lack steps (an older jddp flushed every 120 s; a kill lost them): the
+    resumed tracker writes the missing steps from metrics.jsonl, each once, not those there."""
+    from tensorboardX import SummaryWriter
+
+    folder = RunFolder(tmp_path)
+    folder.tensorboard.mkdir(parents=True)
+    old = SummaryWriter(str(folder.tensorboard))
+    for step in (1, 2, 3):
+        old.add_scalar("train/loss", 1.0 / step, step)
+    old.close()
+    folder.metrics_jsonl.write_text(
+        "".join(json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in range(1, 7))
+    )
+    time.sleep(1.1)  # tensorboardX names files by the second: the new one sorts after
+    trackers = Trackers.of(["tensorboard"], folder, 5, None, writer=True)
+    trackers.start({})
+    trackers.log(6, {"train/loss": 1.0 / 6})
+    trackers.finish()
+    assert _tensorboard_steps(folder.tensorboard, "train/loss") == [1, 2, 3, 4, 5, 6]
+
+
 def _wandb_records(path: Path):
     """The protobuf records of a W&B ``.wandb`` file (a LevelDB-style log of 32 KiB blocks)."""
     from wandb.proto import wandb_internal_pb2 as pb

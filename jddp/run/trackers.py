@@ -114,8 +114,10 @@ class _Sender:
         self._thread: threading.Thread | None = None
 
     def start(self, config: dict[str, Any]) -> None:
-        if not self.tracker.remote:
+        if not self.tracker.remote:  # inline (TensorBoard): refilled as it starts
             self._call(self.tracker.start, config, None)
+            for step, values in self.replay():  # metrics.jsonl's lines up to the resumed step
+                self._call(self.tracker.log, step, values)
             return
         self._thread = threading.Thread(
             target=self._serve, args=(config,), daemon=True, name=THREAD_PREFIX + self.name
