@@ -311,5 +311,6 @@ def build_steps(
         grad_accum_steps=cfg.train.grad_accum_steps,
         schedule=schedule,
         layout=layout or build_layout(cfg, mesh, comm, parts),
+        clip_grad_norm=cfg.optim.clip_grad_norm,
     )
     return train_step, make_eval_step(model_def, mesh, task=task)

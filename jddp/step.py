@@ -112,11 +112,15 @@ def _accumulate(local_grads: Callable, params, model_state, data, k: int):
     return grads, stats, metrics
 
 
+CLIPPED_KEY = "train/clipped"  # 1.0 when this step's gradient was clipped (optim.clip_grad_norm)
+
+
 def _make_update_stage(
     tx: optax.GradientTransformation,
     schedule: optax.Schedule | None,
     tree_norm: Callable[[Any], jax.Array],
     all_finite: Callable[[Any], jax.Array],
+    clip_grad_norm: float | None = None,
 ):
     """The optimizer stage: ``(state, grads, model_state, metrics) -> (state, metrics)``.
 
@@ -132,6 +136,17 @@ def _make_update_stage(
             loss_weight = weights["train/loss"]
             grads = jax.tree.map(lambda g: g / loss_weight.astype(g.dtype), grads)
             metrics[LOSS_WEIGHT_KEY] = loss_weight
+        grad_norm = tree_norm(grads)  # of the averaged gradient, before any clipping
+        if clip_grad_norm is not None:  # as optax.clip_by_global_norm, over every slice
+            clip = jnp.asarray(clip_grad_norm, grad_norm.dtype)
+            clipped = grad_norm >= clip
+            grads = jax.tree.map(
+                lambda g: jnp.where(
+                    clipped, g / grad_norm.astype(g.dtype) * clip.astype(g.dtype), g
+                ),
+                grads,
+            )
+            metrics[CLIPPED_KEY] = clipped.astype(jnp.float32)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # A non-finite loss or gradient drops the whole update, identically on every replica
@@ -147,7 +162,7 @@ def _make_update_stage(
             **metrics,
             NONFINITE_KEY: (~finite).astype(jnp.float32),
             "train/skipped_steps": skipped,
-            "train/grad_norm": tree_norm(grads),  # of the averaged gradient
+            "train/grad_norm": grad_norm,
             "train/param_norm": tree_norm(params),
         }
         if schedule is not None:
@@ -261,6 +276,7 @@ def make_train_step(
     pixel_norm: PixelNorm | None = None,
     layout: Any = None,
     shard_update: Any = None,
+    clip_grad_norm: float | None = None,
 ) -> TrainStep:
     """Build the data-parallel train step ``(state, batch) -> (state, metrics)``.
 
@@ -290,7 +306,9 @@ def make_train_step(
     its slice with its slice of the optimizer state, the parameters all-gathered after
     (``optimizer``); or each parameter gathered where it is used, its gradient
     reduce-scattered, and every array updated and kept as slices (``full``); the steps are the
-    same. ``shard_update``: the older name of ``layout``.
+    same. ``shard_update``: the older name of ``layout``. ``clip_grad_norm``: the averaged
+    gradient is scaled to at most this global L2 norm before ``tx`` sees it
+    (``optim.clip_grad_norm``; ``train/clipped`` is 1 where it was).
     """
     task = _classification(task, loss_fn, metrics_fn, compute_dtype, pixel_norm)
     layout = layout or shard_update or ReplicatedLayout(mesh)
@@ -314,7 +332,9 @@ def make_train_step(
 
     grads_stage = layout.grads_stage(per_device_batch, comm)
     update_stage = layout.update_stage(
-        lambda tree_norm, all_finite: _make_update_stage(tx, schedule, tree_norm, all_finite)
+        lambda tree_norm, all_finite: _make_update_stage(
+            tx, schedule, tree_norm, all_finite, clip_grad_norm
+        )
     )
     return TrainStep(grads_stage, update_stage, comm.compose(grads_stage, update_stage))
 

@@ -85,11 +85,11 @@ def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainS
     state = layout.place(state)
     step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
     where = batch_layout(mesh, rows)
-    out: dict = {"loss": [], "grad_norm": [], "param_norm": [], "nonfinite": []}
+    out: dict = {"loss": [], "grad_norm": [], "param_norm": [], "nonfinite": [], "clipped": []}
     for batch in batches(rows):
         state, metrics = step(state, place_batch(batch, mesh, where))
         for key in out:
-            out[key].append(float(metrics[f"train/{key}"]))
+            out[key].append(float(metrics.get(f"train/{key}", -1)))
     params = to_host(state.params)
     out["params"] = np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)]).tolist()
     opt = to_host(state.opt_state)  # assembled whole, as a checkpoint's manifest reads it

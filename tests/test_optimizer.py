@@ -178,3 +178,38 @@ def test_lars_at_16x_the_batch_reaches_the_small_batch_accuracy(tmp_path):
         accuracy[name] = float(re.search(r"eval/accuracy=([0-9.]+)", out.stdout).group(1))
     assert accuracy["small"] > 0.9, accuracy
     assert accuracy["lars"] >= accuracy["small"] - 0.02, accuracy
+
+
+def test_clip_grad_norm_is_optax_clip_by_global_norm_before_the_optimizer():
+    """optim.clip_grad_norm: the step's update equals optax.chain(clip_by_global_norm, tx)'s
+    without it (any optimizer, also one given to jddp.fit); train/grad_norm is the norm before
+    clipping and train/clipped says whether it clipped."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jddp import XlaComm, make_mesh, make_train_step
+    from jddp.data.loader import batch_layout, place_batch
+    from jddp.state import create_train_state
+    from tests.user_models import TinyMLP
+
+    mesh = make_mesh(jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    batch = {"images": rng.normal(size=(16, 8, 8, 3)).astype(np.float32),
+             "labels": rng.integers(0, 10, 16).astype(np.int32)}  # fmt: skip
+    placed = place_batch(batch, mesh, batch_layout(mesh, 16))
+    out = {}
+    for name, tx, clip in [
+        ("jddp", optax.adam(0.01), 0.05),
+        ("optax", optax.chain(optax.clip_by_global_norm(0.05), optax.adam(0.01)), None),
+        ("loose", optax.adam(0.01), 1e6),
+    ]:
+        model_def, state = create_train_state(TinyMLP(192, 10, nnx.Rngs(0)), tx, mesh)
+        step = make_train_step(model_def, tx, mesh, XlaComm(), clip_grad_norm=clip)
+        state, metrics = step(state, placed)
+        out[name] = (jax.tree.leaves(jax.device_get(state.params)), jax.device_get(metrics))
+    for got, want in zip(out["jddp"][0], out["optax"][0], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
+    assert float(out["jddp"][1]["train/grad_norm"]) > 0.05  # before clipping
+    assert float(out["jddp"][1]["train/clipped"]) == 1.0
+    assert float(out["loose"][1]["train/clipped"]) == 0.0

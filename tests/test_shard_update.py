@@ -41,6 +41,8 @@ CASES = {
     "lamb-bf16": "optim.name=lamb,optim.lr=0.01,optim.weight_decay=0.01,"
     "dist.grad_allreduce_dtype=bfloat16",
     "lars": "optim.name=lars,optim.lr=0.5,optim.decay_bn_and_bias=false",
+    # global-norm clipping, every finite step clipped: over every slice alike
+    "sgd-clip": "optim.lr=0.5,optim.clip_grad_norm=0.01",
 }
 BROKEN = "broken-lars"  # the LARS case with each slice's own norm in its trust ratios
 
@@ -68,6 +70,7 @@ def test_sharded_update_takes_the_replicated_steps(four_devices, case):
     replicated, sharded = four_devices[case]["replicated"], four_devices[case]["sharded"]
     # the NaN batch's update is dropped on every device, its slices included
     assert sharded["nonfinite"] == replicated["nonfinite"] == [0, 0, 0, 1, 0]
+    assert sharded["clipped"] == replicated["clipped"]  # the global norm over every slice
     assert rel(sharded["loss"], replicated["loss"]) <= 1e-5
     for key in ("grad_norm", "param_norm"):  # norms over every slice
         assert rel(sharded[key], replicated[key]) <= 1e-5, key
@@ -94,6 +97,9 @@ def test_fully_sharded_takes_the_replicated_steps(four_devices, case):
         assert full["refused"].startswith("dist.grad_allreduce_dtype=bfloat16 with dist.shard=")
         return
     assert full["nonfinite"] == replicated["nonfinite"] == [0, 0, 0, 1, 0]
+    assert full["clipped"] == replicated["clipped"]
+    if "clip_grad_norm" in CASES[case]:  # every finite step clipped (norms 0.05-0.3)
+        assert replicated["clipped"] == [1, 1, 1, 0, 1]
     assert rel(full["loss"], replicated["loss"]) <= 1e-5
     for key in ("grad_norm", "param_norm"):
         assert rel(full[key], replicated[key]) <= 1e-5, key

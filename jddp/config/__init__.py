@@ -120,6 +120,7 @@ def _check_positive(cfg: Config) -> None:
         "dist.step_timeout_s": cfg.dist.step_timeout_s,
         "dist.first_step_timeout_s": cfg.dist.first_step_timeout_s,
         "dist.device_memory_bytes": cfg.dist.device_memory_bytes,
+        "optim.clip_grad_norm": cfg.optim.clip_grad_norm,
     }.items():
         if opt_val is not None:
             positive[opt_key] = opt_val

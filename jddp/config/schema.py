@@ -139,6 +139,13 @@ class OptimConfig:
         "none", "linear: peak lr = lr * global_batch_size / base_batch_size (Goyal et al. 2017)"
     )
     base_batch_size: int = _f(256, "reference batch size of the linear lr-scaling rule")
+    clip_grad_norm: float | None = _f(
+        None,
+        "clip the averaged gradient to this global L2 norm (over the whole model, before the "
+        "optimizer, also one given to jddp.fit; the same on every topology and dist.shard); "
+        "train/grad_norm is logged before clipping, train/clipped is the share of steps "
+        "clipped since the last line (null: off)",
+    )
 
 
 @dataclass

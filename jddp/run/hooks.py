@@ -25,7 +25,7 @@ from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, MetricsLog
 from jddp.proc.signals import STOP_KEY
 from jddp.state import TrainState
-from jddp.step import LOSS_WEIGHT_KEY, NEGATIVE_WEIGHT_KEY, NONFINITE_KEY
+from jddp.step import CLIPPED_KEY, LOSS_WEIGHT_KEY, NEGATIVE_WEIGHT_KEY, NONFINITE_KEY
 
 Metrics = dict[str, jax.Array]
 
@@ -158,6 +158,7 @@ class StepReporter:
         self.halt_on_nonfinite = halt_on_nonfinite
         self.log, self.meter, self.progress, self.checkpoints = log, meter, progress, checkpoints
         self.ideal_img_per_s = baseline_img_per_s and num_devices * baseline_img_per_s
+        self._clipped: list[float] = []  # train/clipped of the steps since the last line
 
     def __call__(self, step: int, metrics: Metrics, stopping: bool = False) -> bool:
         """Report ``step``'s ``metrics``; whether a stop was requested. ``stopping``: the run
@@ -172,10 +173,15 @@ class StepReporter:
                 f"non-finite loss or gradient at step {step} (train.on_nonfinite=halt); the "
                 f"update was not applied; last checkpoint: {last}"
             )
+        if CLIPPED_KEY in host:  # logged as the share of steps clipped since the last line
+            self._clipped.append(host.pop(CLIPPED_KEY))
         logged = bool(
             self.period.due(step) or step == self.last_step or host[NONFINITE_KEY] or stopping
         )
         if logged:
+            if self._clipped:
+                host[CLIPPED_KEY] = sum(self._clipped) / len(self._clipped)
+                self._clipped = []
             host.update(self.meter.end_window(step))
             rate = host.get(self.meter.rate_key)
             if self.ideal_img_per_s and rate is not None:
