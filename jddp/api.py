@@ -65,6 +65,7 @@ def fit(
     metrics_fn: Callable[[jax.Array, jax.Array], dict[str, jax.Array]] | None = None,
     config: ConfigLike = None,
     overrides: Iterable[str] = (),
+    lr_schedule: optax.Schedule | None = None,
 ) -> RunResult:
     """Train ``model`` data-parallel over every device of every process; returns the result.
 
@@ -93,7 +94,10 @@ def fit(
     Either way: the model may hold BatchNorm, dropout or other mutable ``nnx.Variable`` state,
     all of which is carried between steps and checkpointed; build it identically on every
     process (same seed). ``optimizer``: any optax transformation (default: the config's
-    ``optim`` section). Without ``train_data`` the config's ``data`` section is read; without
+    ``optim`` section); its learning rate is logged as ``train/lr`` when it can be read: pass
+    the schedule you built it with as ``lr_schedule`` (step -> lr), or build it with
+    ``optax.inject_hyperparams`` (its ``learning_rate``); otherwise no ``train/lr`` is logged
+    rather than a guess. Without ``train_data`` the config's ``data`` section is read; without
     ``eval_data`` the train data is evaluated. ``config``: a :class:`~jddp.config.Config`, a
     nested dict, a YAML path or None; ``overrides`` are dotted ``key=value`` strings, as on the
     command line. ``train.steps``, ``data.global_batch_size``, ``workdir`` and the
@@ -113,6 +117,7 @@ def fit(
         metrics=metrics,
         loss_fn=loss_fn,
         metrics_fn=metrics_fn,
+        lr_schedule=lr_schedule,
     )
     if loss is None and metrics is not None:
         raise TypeError(

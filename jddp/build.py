@@ -47,11 +47,13 @@ class Parts:
     task, ``loss(model, batch) -> loss_B | (loss_B, weight_B)`` and ``metrics(model, batch) ->
     {name: value_B | (value_B, weight_B)}`` (:mod:`jddp.tasks.custom`). ``loss_fn``/``metrics_fn``:
     the classification shorthand, ``(logits_BxK, labels_B) -> loss_B`` and ``-> {name:
-    value_B}``.
+    value_B}``. ``lr_schedule``: the learning rate of ``optimizer`` by step, logged as
+    ``train/lr``.
     """
 
     model: nnx.Module | None = None
     optimizer: Any = None
+    lr_schedule: Any = None
     splits: Splits | None = None
     loss: Any = None
     metrics: Any = None

@@ -112,6 +112,19 @@ def _accumulate(local_grads: Callable, params, model_state, data, k: int):
     return grads, stats, metrics
 
 
+def injected_lr(opt_state: Any) -> jax.Array | None:
+    """The ``learning_rate`` of an ``optax.inject_hyperparams`` optimizer anywhere in
+    ``opt_state`` (a chain's states included), or None."""
+    if hasattr(opt_state, "hyperparams") and "learning_rate" in opt_state.hyperparams:
+        return jnp.asarray(opt_state.hyperparams["learning_rate"], jnp.float32)
+    if isinstance(opt_state, (tuple, list)):
+        for inner in opt_state:
+            found = injected_lr(inner)
+            if found is not None:
+                return found
+    return None
+
+
 CLIPPED_KEY = "train/clipped"  # 1.0 when this step's gradient was clipped (optim.clip_grad_norm)
 
 
@@ -167,6 +180,8 @@ def _make_update_stage(
         }
         if schedule is not None:
             metrics["train/lr"] = schedule(state.step)
+        elif (injected := injected_lr(opt_state)) is not None:
+            metrics["train/lr"] = injected  # the new state holds the rate this update used
         new_state = state.replace(
             step=state.step + 1,
             params=params,

@@ -213,3 +213,34 @@ def test_clip_grad_norm_is_optax_clip_by_global_norm_before_the_optimizer():
     assert float(out["jddp"][1]["train/grad_norm"]) > 0.05  # before clipping
     assert float(out["jddp"][1]["train/clipped"]) == 1.0
     assert float(out["loose"][1]["train/clipped"]) == 0.0
+
+
+@pytest.mark.parametrize("how", ["inject_hyperparams", "lr_schedule", "neither"])
+def test_the_learning_rate_of_your_own_optimizer_is_logged(tmp_path, how):
+    """train/lr for an optax optimizer: read from optax.inject_hyperparams, or from the
+    lr_schedule given to jddp.fit; neither: no train/lr rather than a guess."""
+    from flax import nnx
+
+    import jddp
+    from tests.helpers import read_metrics
+    from tests.user_models import TinyMLP
+
+    schedule = optax.linear_schedule(0.1, 0.0, 4)
+    if how == "inject_hyperparams":
+        tx = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+    else:
+        tx = optax.sgd(schedule)
+    rng = np.random.default_rng(0)
+    data = (rng.normal(size=(64, 8, 8, 3)).astype(np.float32), rng.integers(0, 10, 64))
+    jddp.fit(
+        TinyMLP(192, 10, nnx.Rngs(0)), tx, data,
+        config={"workdir": str(tmp_path / "run")},
+        overrides=["train.steps=4", "data.global_batch_size=16", "log.every_steps=1",
+                   "log.progress=off"],
+        lr_schedule=schedule if how == "lr_schedule" else None,
+    )  # fmt: skip
+    lrs = [r.get("train/lr") for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    if how == "neither":
+        assert lrs == [None] * 4
+    else:
+        np.testing.assert_allclose(lrs, [0.1, 0.075, 0.05, 0.025], rtol=1e-6)

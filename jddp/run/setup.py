@@ -260,8 +260,8 @@ def _model_and_state(
     model = parts.model or build_model(
         cfg, nnx.Rngs(cfg.train.seed), in_channels=splits.train.image_shape[-1] if images else 3
     )
-    if parts.optimizer is not None:
-        tx, schedule = parts.optimizer, None
+    if parts.optimizer is not None:  # its learning rate: as the user says, or injected
+        tx, schedule = parts.optimizer, parts.lr_schedule
     else:
         tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
     state_layout = build_layout(cfg, mesh, comm, parts)
