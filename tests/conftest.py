@@ -31,6 +31,20 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     ).strip()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache():
+    """jddp's persistent compilation cache (``train.compilation_cache_dir``'s default) in this
+    process from the first test on, as every ``python -m jddp.train`` the tests start uses it:
+    a rerun of the suite loads the programs its tests compile in-process (a ResNet's train
+    step: ~15 s of CPU on the 2-core VM) instead of compiling them again. (An in-process
+    ``fit`` or ``evaluate`` turns it on for the rest of the process anyway: this way every
+    test sees the same, whatever ran before it.)"""
+    from jddp.config import load
+    from jddp.proc.xla import enable_compilation_cache
+
+    enable_compilation_cache(load(None).train.compilation_cache_dir)
+
+
 class _Exclusive:
     """A readers-writer lock between the xdist workers over two lock files: each test holds
     ``rw`` shared, a serial test exclusively; ``gate`` keeps a waiting serial test from being

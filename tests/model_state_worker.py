@@ -17,8 +17,13 @@ from jddp.build import build_steps
 from jddp.comm import XlaComm
 from jddp.data.loader import batch_layout, place_batch
 from jddp.mesh import make_mesh
+from jddp.proc.xla import enable_compilation_cache
 from jddp.state import create_train_state
 from tests.user_models import DropoutMLP
+
+# jddp's persistent compilation cache, as `python -m jddp.train` uses it: a rerun loads these
+# programs instead of compiling them again.
+enable_compilation_cache(load_config().train.compilation_cache_dir)
 
 
 def run(num_devices: int, images: np.ndarray, rate: float, accum: int, steps: int) -> dict:

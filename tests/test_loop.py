@@ -175,7 +175,7 @@ def test_the_stop_step_is_logged_once_and_the_resumed_run_logs_the_rest(tmp_path
         return flags(self, rows)
 
     monkeypatch.setattr(StopRequest, "flags", flags_signalling_at_step_3)
-    cfg = [f"workdir={tmp_path}", *TINY, "train.steps=8", "train.compilation_cache_dir=null"]
+    cfg = [f"workdir={tmp_path}", *TINY, "train.steps=8"]
     with pytest.raises(Preempted) as stopped:
         train_and_evaluate(load_config(None, cfg))
     assert stopped.value.step == 4 and steps_saved(tmp_path) == [4]

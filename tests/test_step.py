@@ -49,11 +49,11 @@ def two_devices_x32(tmp_path_factory):
     return run_worker(tmp_path_factory.mktemp("x32-2"), 2)
 
 
-@pytest.mark.parametrize("n", [2, 8])
-def test_parity_float32(tmp_path, one_device_x32, two_devices_x32, n):
-    """Per-step losses within 1e-4 relative in float32 (measured: about 1e-7)."""
-    multi = two_devices_x32 if n == 2 else run_worker(tmp_path, n)
-    assert rel(multi["losses"], one_device_x32["losses"]) < 1e-4
+def test_parity_float32(one_device_x32, two_devices_x32):
+    """Per-step losses within 1e-4 relative in float32 (measured: about 1e-7) on 2 devices.
+    (8 devices in float32 too was a second compile proving nothing more: float64 above holds
+    8 devices to 1e-9.)"""
+    assert rel(two_devices_x32["losses"], one_device_x32["losses"]) < 1e-4
 
 
 def test_parity_catches_summed_gradients(tmp_path, one_device_x64):
