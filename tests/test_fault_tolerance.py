@@ -15,6 +15,7 @@ from tests.helpers import (
     assert_resumed_bitwise,
     launch_cmd,
     read_losses,
+    read_metrics,
     run,
     run_pids,
     start,
@@ -53,6 +54,32 @@ def test_exact_resume_after_sigkill(tmp_path, straight):
     # the compilation cache (on CPUs JAX's keys differed between processes: jddp.proc.xla).
     hits = [line for line in out.stderr.splitlines() if "cache hit for 'jit_step'" in line]
     assert any(line.startswith("[rank 1]") for line in hits), out.stderr[-3000:]
+
+
+def test_the_launcher_restarts_a_group_whose_rank_was_killed(tmp_path, straight):
+    """jddp.launch --max-restarts: kill -9 of one rank after the first checkpoint; the launcher
+    stops the group, says so in one line, starts it again and the run resumes: every step
+    logged once, the losses the uninterrupted run's bitwise, a restart row in metrics.jsonl."""
+    wd = tmp_path / "run"
+    args = cmd_launch(2, 2, wd, *TWO_BY_TWO)
+    at = args.index("--nproc")
+    args[at:at] = ["--max-restarts", "2", "--restart-delay", "0.5"]
+    job = start(args, start_new_session=True)
+    assert wait_for(lambda: steps_saved(wd), 300), "no checkpoint appeared"
+    ranks = run_pids(wd, exclude=job.pid)
+    os.kill(max(ranks), signal.SIGKILL)  # one rank: its peer's collectives fail, the group ends
+    out, err = job.communicate(timeout=600)
+    assert job.returncode == 0, err[-3000:]
+    restarts = [line for line in err.splitlines() if "jddp.launch: restart" in line]
+    assert len(restarts) == 1 and restarts[0].startswith("jddp.launch: restart 1/2: rank "), err
+    resumed_from = int(restarts[0].rsplit(" ", 1)[1])
+    assert "killed by signal SIGKILL; resuming from step" in restarts[0]  # the cause, named
+    got, want = read_losses(wd), read_losses(straight)
+    assert sorted(got) == list(range(1, 21))  # each step once over the whole run
+    assert_losses_match(got, want, range(1, 21), rel=0)
+    rows = [r for r in read_metrics(wd) if "restart" in r]
+    assert [(r["step"], r["restart"]) for r in rows] == [(resumed_from, 1)]
+    assert f"at step {resumed_from}" in out
 
 
 @pytest.mark.parametrize("nproc, devices", [(1, 4), (1, 1)])

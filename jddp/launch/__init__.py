@@ -43,11 +43,19 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from jddp.errors import STOP_SIGNALS
 from jddp.launch.procs import PROG, STOP_GRACE_S, _Launcher, describe_exit, exit_code_for
+from jddp.launch.restarts import (
+    newest_checkpoint,
+    record_restart,
+    restart_line,
+    should_restart,
+    workdir_of,
+)
 from jddp.proc.lifeline import LAUNCHER_PID_ENV, watch_launcher
 
 __all__ = [
@@ -62,6 +70,7 @@ __all__ = [
 ]
 
 DEFAULT_KILL_TIMEOUT = 10.0
+DEFAULT_RESTART_DELAY = 3.0
 # Caps --kill-timeout so that the launcher always exits within 60 s of the first failure.
 MAX_KILL_TIMEOUT = 45.0
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count="
@@ -84,7 +93,7 @@ def _build_parser() -> _Parser:
         prog=f"python -m {PROG}",
         usage=(
             f"python -m {PROG} --nproc N [--devices-per-proc K] [--port P] "
-            "[--kill-timeout S] -- <command ...>"
+            "[--kill-timeout S] [--max-restarts K] [--restart-delay S] -- <command ...>"
         ),
         description="Start N local copies of a command wired for jax.distributed.",
     )
@@ -113,6 +122,22 @@ def _build_parser() -> _Parser:
         help=f"seconds between SIGTERM and SIGKILL when stopping processes after a failure "
         f"(default {DEFAULT_KILL_TIMEOUT:g}, at most {MAX_KILL_TIMEOUT:g}); after a forwarded "
         f"stop signal the ranks get {STOP_GRACE_S:g} s to save, a second signal kills at once",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="when a rank dies (a signal, a stall, a dead peer), stop the group and start it "
+        "again, resuming from the newest checkpoint, at most K times (default 0); a "
+        "preemption (exit 75), bad input (2) or a stop signal to the launcher is not restarted",
+    )
+    parser.add_argument(
+        "--restart-delay",
+        type=float,
+        default=DEFAULT_RESTART_DELAY,
+        metavar="S",
+        help=f"seconds to wait before a restart (default {DEFAULT_RESTART_DELAY:g})",
     )
     return parser
 
@@ -143,6 +168,10 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         raise _UsageError(f"--devices-per-proc must be >= 1, got {args.devices_per_proc}")
     if args.port is not None and not 1 <= args.port <= 65535:
         raise _UsageError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_restarts < 0:
+        raise _UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not 0 <= args.restart_delay <= 3600:
+        raise _UsageError(f"--restart-delay must be in 0..3600 s, got {args.restart_delay:g}")
     if not 0 <= args.kill_timeout <= MAX_KILL_TIMEOUT:
         raise _UsageError(
             f"--kill-timeout must be between 0 and {MAX_KILL_TIMEOUT:g} seconds, "
@@ -201,19 +230,45 @@ def launch(
     devices_per_proc: int | None = None,
     port: int | None = None,
     kill_timeout: float = DEFAULT_KILL_TIMEOUT,
+    max_restarts: int = 0,
+    restart_delay: float = DEFAULT_RESTART_DELAY,
 ) -> int:
     """Run ``nproc`` copies of ``command`` wired for ``jax.distributed``; return the exit code.
+    With ``max_restarts``, a group whose rank died is started again (:mod:`.restarts`).
 
     Handlers for the stop signals (SIGINT, SIGTERM, SIGUSR1, SIGHUP) are installed for the
     duration of the call when it runs on the main thread (and restored afterwards).
     """
+    workdir = workdir_of(command)
+    restarts = 0
+    while True:
+        launcher = _Launcher(list(command), nproc, kill_timeout)
+        code = _launch_once(launcher, command, nproc, devices_per_proc, port)
+        if restarts >= max_restarts or not should_restart(code, launcher.signal_received):
+            return code
+        restarts += 1
+        rank, returncode = launcher.first_failure or (0, code)
+        cause = f"rank {rank} {describe_exit(returncode)}"
+        step = newest_checkpoint(workdir)
+        launcher.stderr.write(f"{PROG}: {restart_line(restarts, max_restarts, cause, step)}\n")
+        record_restart(workdir, restarts, cause, step)
+        time.sleep(restart_delay)
+
+
+def _launch_once(
+    launcher: _Launcher,
+    command: Sequence[str],
+    nproc: int,
+    devices_per_proc: int | None,
+    port: int | None,
+) -> int:
+    """One start of the group under ``launcher``; its exit code."""
     if port is None:
         port = find_free_port()
     envs = [
         child_env(os.environ, rank=i, nproc=nproc, port=port, devices_per_proc=devices_per_proc)
         for i in range(nproc)
     ]
-    launcher = _Launcher(list(command), nproc, kill_timeout)
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
@@ -251,4 +306,6 @@ def main(argv: list[str] | None = None) -> int:
         devices_per_proc=args.devices_per_proc,
         port=args.port,
         kill_timeout=args.kill_timeout,
+        max_restarts=args.max_restarts,
+        restart_delay=args.restart_delay,
     )

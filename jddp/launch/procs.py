@@ -155,6 +155,8 @@ def _pump(pipe: IO[bytes], prefix: str, out: _Output) -> None:
 class _Launcher:
     """State for one launch: the children, their reader threads and the stop logic."""
 
+    first_failure: tuple[int, int] | None = None  # (rank, returncode) of the cause, if any
+
     def __init__(self, command: list[str], nproc: int, kill_timeout: float) -> None:
         self.command = command
         self.nproc = nproc
@@ -322,7 +324,8 @@ class _Launcher:
             # expected: only the first one is reported, naming its cause.
             if failed and failure is None and self.signal_received is None:
                 cause = failure_report(failed, self._alive_count())
-                failure = exit_code_for(min(failed, key=lambda f: (f[1] >= 0, f[0]))[1])
+                self.first_failure = min(failed, key=lambda f: (f[1] >= 0, f[0]))
+                failure = exit_code_for(self.first_failure[1])
                 self.stderr.write(f"{PROG}: {cause}\n")
                 # Also signals the failed rank's own group, in case it left grandchildren.
                 self.begin_stop(signal.SIGTERM)
