@@ -32,8 +32,13 @@ from jddp.errors import ConfigError
 from jddp.layout import state_bytes_per_device
 from jddp.mesh import make_mesh, to_host
 from jddp.optimizer import make_optimizer
+from jddp.proc.xla import enable_compilation_cache
 from jddp.sharded_update import optimizer_state_bytes
 from jddp.state import TrainState, create_train_state
+
+# jddp's persistent compilation cache, as `python -m jddp.train` uses it: a rerun of the suite
+# loads these programs instead of compiling them again.
+enable_compilation_cache(load_config().train.compilation_cache_dir)
 
 STEPS, NAN_STEP, ROWS_PER_DEVICE = 5, 3, 16
 
