@@ -29,6 +29,8 @@ _EXPORTS = {
     "export": "jddp.exporting:export_model",
     "load_pretrained": "jddp.checkpoint.pretrained",
     "RunResult": "jddp.run.trainer",
+    "Callback": "jddp.run.callbacks",
+    "EarlyStopping": "jddp.run.callbacks",
     "Config": "jddp.config",
     "ConfigError": "jddp.config",
     "make_mesh": "jddp.mesh",

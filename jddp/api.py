@@ -22,6 +22,7 @@ from jddp.build import Parts, user_splits
 from jddp.config import Config
 from jddp.data.source import as_source  # noqa: F401 - jddp.as_source
 from jddp.errors import PREEMPTED, Preempted
+from jddp.run.callbacks import Callback, EarlyStopping  # noqa: F401 - jddp.Callback, ...
 from jddp.run.trainer import RunResult, train_and_evaluate
 
 ConfigLike = Config | dict[str, Any] | str | Path | None
@@ -66,6 +67,7 @@ def fit(
     config: ConfigLike = None,
     overrides: Iterable[str] = (),
     lr_schedule: optax.Schedule | None = None,
+    callbacks: Iterable[Callback] = (),
 ) -> RunResult:
     """Train ``model`` data-parallel over every device of every process; returns the result.
 
@@ -97,7 +99,12 @@ def fit(
     ``optim`` section); its learning rate is logged as ``train/lr`` when it can be read: pass
     the schedule you built it with as ``lr_schedule`` (step -> lr), or build it with
     ``optax.inject_hyperparams`` (its ``learning_rate``); otherwise no ``train/lr`` is logged
-    rather than a guess. Without ``train_data`` the config's ``data`` section is read; without
+    rather than a guess. ``callbacks``: :class:`~jddp.run.callbacks.Callback` objects whose
+    ``on_start``/``on_log``/``on_eval``/``on_checkpoint``/``on_end`` run on process 0 outside
+    the step; ``on_log``/``on_eval`` returning True stops the run on every process
+    within two steps (the flag rides in the next batch, read one step late), saved, evaluated, as a finished run (:class:`~jddp.run.callbacks.
+    EarlyStopping` is one; ``train.early_stop_metric`` builds it). Without ``train_data`` the
+    config's ``data`` section is read; without
     ``eval_data`` the train data is evaluated. ``config``: a :class:`~jddp.config.Config`, a
     nested dict, a YAML path or None; ``overrides`` are dotted ``key=value`` strings, as on the
     command line. ``train.steps``, ``data.global_batch_size``, ``workdir`` and the
@@ -118,6 +125,7 @@ def fit(
         loss_fn=loss_fn,
         metrics_fn=metrics_fn,
         lr_schedule=lr_schedule,
+        callbacks=list(callbacks),
     )
     if loss is None and metrics is not None:
         raise TypeError(

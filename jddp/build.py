@@ -8,7 +8,7 @@ benchmarks and test workers build their steps here too, so they time the trainer
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +48,13 @@ class Parts:
     {name: value_B | (value_B, weight_B)}`` (:mod:`jddp.tasks.custom`). ``loss_fn``/``metrics_fn``:
     the classification shorthand, ``(logits_BxK, labels_B) -> loss_B`` and ``-> {name:
     value_B}``. ``lr_schedule``: the learning rate of ``optimizer`` by step, logged as
-    ``train/lr``.
+    ``train/lr``. ``callbacks``: :class:`~jddp.run.callbacks.Callback` objects.
     """
 
     model: nnx.Module | None = None
     optimizer: Any = None
     lr_schedule: Any = None
+    callbacks: list = field(default_factory=list)
     splits: Splits | None = None
     loss: Any = None
     metrics: Any = None

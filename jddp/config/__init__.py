@@ -106,6 +106,7 @@ def _check_positive(cfg: Config) -> None:
         "checkpoint.keep": cfg.checkpoint.keep,
         "log.every_steps": cfg.log.every_steps,
         "optim.base_batch_size": cfg.optim.base_batch_size,
+        "train.early_stop_patience": cfg.train.early_stop_patience,
     }
     for opt_key, opt_val in {
         "train.steps": cfg.train.steps,
@@ -142,6 +143,7 @@ def _check_non_negative(cfg: Config) -> None:
         "dist.process_id": cfg.dist.process_id or 0,
         "dist.check_sync_every": cfg.dist.check_sync_every,
         "train.seed": cfg.train.seed,
+        "train.early_stop_min_delta": cfg.train.early_stop_min_delta,
     }
     for key, v in non_negative.items():
         if v < 0:

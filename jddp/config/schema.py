@@ -155,6 +155,17 @@ class TrainConfig:
     seed: int = _f(0, "seed of parameter init and of the data order")
     eval_every_steps: int = _f(0, "evaluate every k steps (0: only at the end)")
     grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step")
+    early_stop_metric: str | None = _f(
+        None,
+        "stop when this eval key (e.g. eval/loss) has not improved for early_stop_patience "
+        "evals in a row (train.eval_every_steps sets how often): saved, evaluated, exit 0; "
+        "null: off",
+    )
+    early_stop_patience: int = _f(3, "evals without improvement before early stopping (>= 1)")
+    early_stop_mode: Literal["min", "max"] = _f("min", "early stopping: min or max is better")
+    early_stop_min_delta: float = _f(
+        0.0, "early stopping: an improvement must beat the best by more than this (>= 0)"
+    )
     precision: Literal["float32", "bfloat16"] = _f(
         "float32", "compute dtype; parameters and BatchNorm statistics stay float32"
     )

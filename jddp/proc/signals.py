@@ -16,6 +16,7 @@ import numpy as np
 from jddp.errors import STOP_SIGNALS
 
 STOP_KEY = "sys/stop"  # per-row stop request in a batch; > 0 in the metrics if any process asked
+FINISH_FLAG, PREEMPT_FLAG = 1.0, 2.0  # its values: end as finished; save and exit 75
 
 
 class StopRequest:
@@ -26,6 +27,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self.finish_reason: str | None = None  # a callback's early end (saved, exit 0)
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
@@ -50,6 +52,16 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def finish(self, reason: str) -> None:
+        """End the run early as a finished one (a callback's wish, e.g. early stopping)."""
+        self.finish_reason = self.finish_reason or reason
+
     def flags(self, rows: int) -> dict[str, np.ndarray]:
-        """This process's rows of the batch's stop flags."""
-        return {STOP_KEY: np.full(rows, self.signal_name is not None, np.float32)}
+        """This process's rows of the batch's stop flags: :data:`PREEMPT_FLAG` for a stop
+        signal, :data:`FINISH_FLAG` for :meth:`finish` (the max over processes wins: a signal
+        saves and exits 75 even when a callback asked to finish)."""
+        if self.signal_name is not None:
+            value = PREEMPT_FLAG
+        else:
+            value = FINISH_FLAG if self.finish_reason is not None else 0.0
+        return {STOP_KEY: np.full(rows, value, np.float32)}

@@ -23,7 +23,7 @@ from jddp.comm import Comm
 from jddp.errors import DataError, NonFiniteLoss, ReplicasDiverged
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, MetricsLog
-from jddp.proc.signals import STOP_KEY
+from jddp.proc.signals import PREEMPT_FLAG, STOP_KEY
 from jddp.state import TrainState
 from jddp.step import CLIPPED_KEY, LOSS_WEIGHT_KEY, NEGATIVE_WEIGHT_KEY, NONFINITE_KEY
 
@@ -159,12 +159,16 @@ class StepReporter:
         self.log, self.meter, self.progress, self.checkpoints = log, meter, progress, checkpoints
         self.ideal_img_per_s = baseline_img_per_s and num_devices * baseline_img_per_s
         self._clipped: list[float] = []  # train/clipped of the steps since the last line
+        self.stop_kind: str | None = None  # preempt (a signal) or finish (a callback)
 
     def __call__(self, step: int, metrics: Metrics, stopping: bool = False) -> bool:
         """Report ``step``'s ``metrics``; whether a stop was requested. ``stopping``: the run
         stops (and saves) at ``step``, so it gets a line whatever ``log.every_steps`` says."""
         host = {k: float(v) for k, v in to_host(metrics).items()}
-        stop_requested = host.pop(STOP_KEY, 0.0) > 0
+        flag = host.pop(STOP_KEY, 0.0)
+        stop_requested = flag > 0
+        if stop_requested:  # every process reads the same flag: the same kind of stop
+            self.stop_kind = "preempt" if flag >= PREEMPT_FLAG else "finish"
         self._check_weights(step, host)
         if host[NONFINITE_KEY] and self.halt_on_nonfinite:
             kept = self.checkpoints.all_steps()
@@ -248,15 +252,24 @@ class EvalHook(Every):
 class CheckpointHook(Every):
     """Save every ``checkpoint.every_steps`` steps (in the background)."""
 
-    def __init__(self, checkpoints: Checkpoints, config: dict[str, Any], watchdog: Any = None):
+    def __init__(
+        self,
+        checkpoints: Checkpoints,
+        config: dict[str, Any],
+        watchdog: Any = None,
+        on_save: Callable[[int, str], None] | None = None,
+    ):
         super().__init__(checkpoints.every_steps)
         self.checkpoints, self.config, self.watchdog = checkpoints, config, watchdog
+        self.on_save = on_save  # the callbacks' on_checkpoint
 
     def __call__(self, step: int, state: TrainState) -> None:
         if self.due(step):
             if self.watchdog is not None:
                 self.watchdog.waiting("checkpoint")  # the save before waits for its disk
             self.checkpoints.save(step, state, self.config)
+            if self.on_save is not None:
+                self.on_save(step, str(self.checkpoints.directory / str(step)))
             if self.watchdog is not None:
                 self.watchdog.progress()
 

@@ -39,10 +39,11 @@ from jddp.data.source import Splits, is_image_source
 from jddp.errors import ConfigError
 from jddp.evaluation import EvalRun
 from jddp.mesh import to_host
-from jddp.metrics import Console, MetricsLog, Progress
+from jddp.metrics import Console, MetricsLog, Progress, read_metrics
 from jddp.optimizer import make_optimizer
 from jddp.preflight import check_model_output, check_profile_steps, check_task
 from jddp.proc.signals import StopRequest
+from jddp.run.callbacks import Callback, Callbacks, EarlyStopping, Fanout
 from jddp.run.hooks import (
     CheckpointHook,
     EvalHook,
@@ -110,6 +111,7 @@ class Run:
     log: MetricsLog
     progress: Any
     trackers: Trackers = field(default_factory=lambda: Trackers([]))  # log.trackers, fed by log
+    callbacks: Callbacks = field(default_factory=lambda: Callbacks([], None, False))  # fed by log
     # The periodic work around each step.
     meter: ThroughputMeter
     stop: StopRequest
@@ -168,7 +170,9 @@ def build_run(
     state, start_step = _restored_state(
         cfg, comm, ckpts, state, tx, mesh, console, steps, num_outputs, state_layout
     )
-    trackers, log = _outputs(cfg, folder, start_step, writer)
+    callbacks = Callbacks(_callbacks(cfg, parts), stop, writer)
+    callbacks.start(start_step, _history(folder, start_step) if writer else [])
+    trackers, log = _outputs(cfg, folder, start_step, writer, callbacks)
 
     train_step, eval_step = build_steps(
         cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=state_layout
@@ -210,13 +214,14 @@ def build_run(
         log=log,
         progress=progress,
         trackers=trackers,
+        callbacks=callbacks,
         meter=meter,
         stop=stop,
         reporter=reporter,
         profiler=_profiler(cfg, comm, folder, console),
         hooks=[
             EvalHook(cfg.train.eval_every_steps, steps, evaluate, log, meter, progress, watchdog),
-            CheckpointHook(ckpts, config_lib.to_dict(cfg), watchdog),
+            CheckpointHook(ckpts, config_lib.to_dict(cfg), watchdog, callbacks.checkpoint),
             SyncCheck(cfg.dist.check_sync_every, comm),
         ],
         watchdog=watchdog,
@@ -365,16 +370,43 @@ def _restored_state(
     return comm.broadcast_state(state, mesh), start_step
 
 
+def _callbacks(cfg: Config, parts: Parts) -> list[Callback]:
+    """The callbacks given to jddp.fit, and early stopping when ``train.early_stop_metric``."""
+    callbacks = list(parts.callbacks)
+    train = cfg.train
+    if train.early_stop_metric is not None:
+        callbacks.append(
+            EarlyStopping(
+                train.early_stop_metric,
+                train.early_stop_patience,
+                train.early_stop_mode,
+                train.early_stop_min_delta,
+            )
+        )
+    return callbacks
+
+
+def _history(folder: RunFolder, start_step: int) -> list[dict[str, Any]]:
+    """The ``metrics.jsonl`` lines a resumed run keeps (up to ``start_step``)."""
+    if start_step == 0:
+        return []
+    rows = read_metrics(folder.root) if folder.metrics_jsonl.exists() else []
+    return [row for row in rows if 0 < row.get("step", 0) <= start_step]
+
+
 def _outputs(
-    cfg: Config, folder: RunFolder, start_step: int, writer: bool
+    cfg: Config, folder: RunFolder, start_step: int, writer: bool, callbacks: Callbacks
 ) -> tuple[Trackers, MetricsLog]:
-    """Write ``config.yaml`` (the writer only) and open the trackers and the metrics log."""
+    """Write ``config.yaml`` (the writer only) and open the trackers and the metrics log, which
+    feeds them and the callbacks."""
     if writer:
         folder.config_yaml.write_text(config_lib.dump(cfg))
     trackers = Trackers.of(
         cfg.log.trackers, folder, start_step, cfg.log.experiment, writer
     )  # started by the trainer, with the loop
-    log = MetricsLog(folder, resume_step=start_step, writer=writer, sink=trackers)
+    log = MetricsLog(
+        folder, resume_step=start_step, writer=writer, sink=Fanout(trackers, callbacks)
+    )
     return trackers, log
 
 

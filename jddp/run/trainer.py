@@ -159,6 +159,10 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         run.progress.close()
         lock.verify()  # the last save only into a folder that is still this run's
         run.watchdog.waiting("checkpoint")
+        if stopped and run.reporter.stop_kind == "finish":  # a callback ended it: finished
+            why = run.stop.finish_reason or "a callback on process 0"
+            run.console.say(f"jddp: stopped at step {step}: {why}")
+            stopped = False
         if stopped:
             ckpts.save(step, state, run.config_dict)
             ckpts.close()
@@ -178,6 +182,7 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         # a kill) must not take the training with it.
         ckpts.save(step, state, run.config_dict)
         ckpts.close()
+        run.callbacks.checkpoint(step, str(ckpts.directory / str(step)))
         comm.barrier()  # nobody leaves before rank 0's checkpoint is complete
         if comm.is_writer:
             run.folder.clear_preempted()
@@ -207,6 +212,7 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
     )
     run.trackers.finish(done_fields(run, result), result.checkpoint_dir)  # before the last line
     _summarise(run, result)
+    run.callbacks.end(result)
     return result
 
 

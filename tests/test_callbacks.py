@@ -1,0 +1,85 @@
+"""Callbacks and early stopping (issue 46.3): your code at a log line, an eval, a checkpoint and
+the end, on process 0, outside the step; a callback's stop ends the run as a finished one;
+early stopping decides from the eval lines, the same after a resume."""
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jddp
+from tests.helpers import read_metrics
+from tests.user_models import TinyMLP
+
+BASE = ["data.global_batch_size=16", "log.every_steps=1", "log.progress=off",
+        "train.eval_every_steps=2", "checkpoint.every_steps=4"]  # fmt: skip
+
+
+def data(n=64):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 8, 8, 3)).astype(np.float32), rng.integers(0, 10, n)
+
+
+def fit(workdir, steps, *overrides, callbacks=(), lr=0.0):
+    """TinyMLP with SGD at ``lr`` (0: every eval the same, nothing improves)."""
+    return jddp.fit(
+        TinyMLP(192, 10, nnx.Rngs(0)), optax.sgd(lr), data(), data(32),
+        config={"workdir": str(workdir)}, overrides=[*BASE, f"train.steps={steps}", *overrides],
+        callbacks=callbacks,
+    )  # fmt: skip
+
+
+class Recorder(jddp.Callback):
+    def __init__(self, stop_at_log=None):
+        self.calls, self.stop_at_log = [], stop_at_log
+
+    def on_start(self, step, history):
+        self.calls.append(("start", step, len(history)))
+
+    def on_log(self, step, metrics):
+        self.calls.append(("log", step))
+        return step == self.stop_at_log
+
+    def on_eval(self, step, metrics):
+        self.calls.append(("eval", step, round(metrics["eval/loss"], 6)))
+
+    def on_checkpoint(self, step, path):
+        self.calls.append(("checkpoint", step, path.endswith(f"checkpoints/{step}")))
+
+    def on_end(self, result):
+        self.calls.append(("end", result.step))
+
+
+def test_callbacks_see_each_line_and_a_stop_ends_the_run_as_finished(tmp_path, capsys):
+    """on_log returning True at step 5 (read one step late, as every line) stops every process
+    after the next step the flag reaches: saved, evaluated, exit 0, the summary says why."""
+    rec = Recorder(stop_at_log=5)
+    result = fit(tmp_path / "run", 20, callbacks=[rec], lr=0.1)
+    # the flag rides in the next batch dispatched (step 7), read with it one step late: 8
+    assert result.step == 8
+    kinds = [c[0] for c in rec.calls]
+    assert kinds[0] == "start" and kinds[-1] == "end" and rec.calls[-1] == ("end", 8)
+    assert [c[1] for c in rec.calls if c[0] == "log"] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [c[1] for c in rec.calls if c[0] == "eval"] == [2, 4, 6, 8]  # 8: the final eval
+    assert ("checkpoint", 4, True) in rec.calls and ("checkpoint", 8, True) in rec.calls
+    assert "jddp: stopped at step 8: Recorder" in capsys.readouterr().out
+    assert (tmp_path / "run" / "checkpoints" / "8").is_dir()
+
+
+def test_early_stopping_stops_and_decides_the_same_after_a_resume(tmp_path):
+    """train.early_stop_metric=eval/loss, patience 3, nothing improving (lr 0): evals at 2
+    (best), 4, 6, 8 (the third without improvement): the flag rides in step 9, read at 10. A run that
+    ended at step 6 and is resumed to 20 reads its evals back and stops at step 10 too."""
+    keys = ["train.early_stop_metric=eval/loss", "train.early_stop_patience=3"]
+    straight = fit(tmp_path / "straight", 20, *keys)
+    assert straight.step == 10
+    fit(tmp_path / "resumed", 6, *keys)
+    resumed = fit(tmp_path / "resumed", 20, *keys)
+    assert resumed.step == 10
+    losses = [r["train/loss"] for r in read_metrics(tmp_path / "resumed") if "train/loss" in r]
+    assert len(losses) == 10  # each step once
+
+
+def test_an_unknown_early_stop_metric_is_one_line(tmp_path):
+    with pytest.raises(jddp.ConfigError, match="train.early_stop_metric: 'eval/acc' is not"):
+        fit(tmp_path / "run", 4, "train.early_stop_metric=eval/acc")
