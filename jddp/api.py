@@ -101,10 +101,10 @@ def fit(
     ``optax.inject_hyperparams`` (its ``learning_rate``); otherwise no ``train/lr`` is logged
     rather than a guess. ``callbacks``: :class:`~jddp.run.callbacks.Callback` objects whose
     ``on_start``/``on_log``/``on_eval``/``on_checkpoint``/``on_end`` run on process 0 outside
-    the step; ``on_log``/``on_eval`` returning True stops the run on every process
-    within two steps (the flag rides in the next batch, read one step late), saved, evaluated, as a finished run (:class:`~jddp.run.callbacks.
-    EarlyStopping` is one; ``train.early_stop_metric`` builds it). Without ``train_data`` the
-    config's ``data`` section is read; without
+    the step; ``on_log``/``on_eval`` returning True stops the run on every process within two
+    steps (the flag rides in the next batch, read one step late), saved and evaluated as a
+    finished run (:class:`~jddp.run.callbacks.EarlyStopping` is one; ``train.early_stop_metric``
+    builds it). Without ``train_data`` the config's ``data`` section is read; without
     ``eval_data`` the train data is evaluated. ``config``: a :class:`~jddp.config.Config`, a
     nested dict, a YAML path or None; ``overrides`` are dotted ``key=value`` strings, as on the
     command line. ``train.steps``, ``data.global_batch_size``, ``workdir`` and the
