@@ -81,6 +81,7 @@ def assert_close(got, want):
 
 
 @pytest.mark.parametrize("fmt", ["stablehlo", "onnx"])
+@pytest.mark.slow
 def test_a_resnet_exports_with_a_dynamic_batch_and_gives_the_loaded_models_logits(
     resnet_run, fmt, tmp_path, capfd
 ):
@@ -106,6 +107,7 @@ def test_a_resnet_exports_with_a_dynamic_batch_and_gives_the_loaded_models_logit
     assert_close(run_exported(out, fmt, normalised), jddp.predict(resnet_run, pixels))
 
 
+@pytest.mark.slow
 def test_a_fixed_batch_and_an_older_step(resnet_run, tmp_path, capfd):
     out = tmp_path / "step2.stablehlo"
     argv = ["--workdir", resnet_run, "--step", 2, "--format", "stablehlo", "--batch-size", 4]
@@ -123,6 +125,7 @@ def test_a_fixed_batch_and_an_older_step(resnet_run, tmp_path, capfd):
 
 
 @pytest.mark.parametrize("fmt", ["stablehlo", "onnx"])
+@pytest.mark.slow
 def test_a_two_input_custom_task_exports_the_arrays_its_loss_passes_the_model(
     two_inputs_run, fmt, tmp_path, capfd
 ):
@@ -249,6 +252,7 @@ def test_jddp_export_names_the_library_call_and_the_cli_module():
     assert jddp.export is export_model
 
 
+@pytest.mark.slow
 def test_the_imagenet_stems_max_pool_runs_in_onnxruntime(tmp_path):
     """jax2onnx makes an NHWC max pool a pool over 4 axes, which onnxruntime refuses; the export
     pools over H and W alone."""

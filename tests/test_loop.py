@@ -143,6 +143,7 @@ for check_every in (2, 0):  # with the check, then the same drift without it
 """
 
 
+@pytest.mark.slow
 def test_sync_check_stops_a_loop_whose_replicas_diverged(tmp_path):
     """With dist.check_sync_every=2 the loop stops at step 2; without it the same drifted run
     goes to the end unnoticed (so the check, not something else, catches it)."""
@@ -153,6 +154,7 @@ def test_sync_check_stops_a_loop_whose_replicas_diverged(tmp_path):
     assert "check=0: finished step=4" in out.stdout
 
 
+@pytest.mark.slow
 def test_the_stop_step_is_logged_once_and_the_resumed_run_logs_the_rest(tmp_path, monkeypatch):
     """A stop signal arriving while step 3's batch is built: the loop notices it one step late
     (step 4 already ran), saves step 4, and step 4 has its line in metrics.jsonl; the rerun

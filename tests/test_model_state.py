@@ -24,6 +24,7 @@ def run_worker(rate: float, accum: int) -> dict:
 
 
 @pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.slow  # a worker process compiling on 2 fake devices
 def test_dropout_masks_advance_and_differ_per_device(accum):
     got = run_worker(0.5, accum)
     two, one = got["two_devices"], got["one_device"]
@@ -36,6 +37,7 @@ def test_dropout_masks_advance_and_differ_per_device(accum):
     assert two["losses"][0] != one["losses"][0]
 
 
+@pytest.mark.slow  # a worker process compiling on 2 fake devices
 def test_without_dropout_devices_agree():
     """The control for the test above: rate 0 draws nothing and the losses are equal."""
     got = run_worker(0.0, 1)

@@ -131,6 +131,7 @@ def test_split_merge_inside_jit_train_and_eval():
     [(resnet18, "cifar", 8, jnp.float32), (resnet18, "imagenet", 32, jnp.bfloat16)],
     ids=["cifar-float32", "imagenet-bfloat16"],
 )
+@pytest.mark.slow
 def test_stored_conv_inputs_change_no_bit(factory, stem, size, dtype):
     """On CPU the ResNets divide each convolution's input by ``1 + 0 * input`` (so XLA stores it
     instead of recomputing it in the weight gradients' transposes): loss, gradients and batch
@@ -269,6 +270,7 @@ def test_registry_errors(name):
 
 
 @pytest.mark.parametrize("model", ["resnet18", "gpt"])
+@pytest.mark.slow
 def test_remat_blocks_takes_the_same_steps(model):
     """model.remat=blocks recomputes each block's activations in the backward pass: the same
     losses (to 1e-6) and BatchNorm statistics as without it, for the built-in ResNets and the

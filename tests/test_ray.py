@@ -114,6 +114,7 @@ def _rank_of(pid: int) -> int | None:
 
 
 @pytest.mark.serial  # a kill timed against the run's progress
+@pytest.mark.slow
 def test_a_killed_job_ends_and_its_rerun_resumes_bitwise_as_jddp_launch(
     cluster, two_by_two, tmp_path
 ):
@@ -171,6 +172,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_ranks_are_wired_and_a_signal_reaches_every_rank(cluster, tmp_path):
     probe = ["python", "-c", SIGNAL_PROBE]  # 'python': the actor's interpreter
     flags = ["--num-workers", "2", "--address", cluster.address, "--env", "JDDP_PROBE=x"]
@@ -192,6 +194,7 @@ def test_ranks_are_wired_and_a_signal_reaches_every_rank(cluster, tmp_path):
         assert f"[rank {rank}] rank {rank} got SIGINT" in out
 
 
+@pytest.mark.slow
 def test_a_lost_actor_ends_the_job_and_its_rank(cluster, tmp_path):
     """As when a node goes: the actor holding rank 0 is killed; its rank dies with it."""
     sleeper = ["python", "-c", "import time; print('up', flush=True); time.sleep(61)"]
@@ -210,6 +213,7 @@ def test_a_lost_actor_ends_the_job_and_its_rank(cluster, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_command_that_cannot_start_is_one_line(cluster):
     out = run(ray_cmd("--num-workers", "2", "--address", cluster.address, command=["no-such-cmd"]))
     assert out.returncode == 127, out.stderr  # as a shell says
@@ -217,6 +221,7 @@ def test_a_command_that_cannot_start_is_one_line(cluster):
     assert wait_for(lambda: not cluster.actors(), 10)
 
 
+@pytest.mark.slow
 def test_more_workers_than_the_cluster_holds_is_one_line(cluster):
     began = time.monotonic()
     out = run(

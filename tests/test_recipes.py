@@ -45,6 +45,7 @@ SMALL = [
         ),
     ],
 )
+@pytest.mark.slow
 def test_recipe_trains_on_files_of_its_format(tmp_path, recipe, write, extra):
     write(tmp_path / "data")
     overrides = [f"workdir={tmp_path / 'run'}", f"data.path={tmp_path / 'data'}", *SMALL, *extra]

@@ -127,6 +127,7 @@ def test_shard_patterns_and_split_names(tmp_path):
         find_files(str(tmp_path / "x-*.tar"), (".tar",), "data.path", "")
 
 
+@pytest.mark.slow
 def test_a_custom_task_trains_on_the_numeric_columns(tmp_path):
     """A custom task's data as a Parquet table (a fixed-length list column, scalars, a string
     column left out) gives the very losses of the same arrays from a data factory."""

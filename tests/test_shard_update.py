@@ -66,6 +66,7 @@ def rel_l2(got, want) -> float:
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_sharded_update_takes_the_replicated_steps(four_devices, case):
     replicated, sharded = four_devices[case]["replicated"], four_devices[case]["sharded"]
     # the NaN batch's update is dropped on every device, its slices included
@@ -88,6 +89,7 @@ def test_sharded_update_takes_the_replicated_steps(four_devices, case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_fully_sharded_takes_the_replicated_steps(four_devices, case):
     """dist.shard=full: each parameter gathered where used, its gradient reduce-scattered, the
     update on slices: the replicated run's losses, norms and final state; parameters and
@@ -123,6 +125,7 @@ def test_the_gpt_example_with_dropout_takes_the_same_steps_fully_sharded():
     assert len(set(losses["none"])) == 6  # each step its own loss
 
 
+@pytest.mark.slow
 def test_checkpoints_restore_in_every_layout(four_devices):
     """Checkpoints hold full-shape arrays: a checkpoint of any dist.shard layout restores in
     any other, bitwise, in the layout asked for."""
@@ -134,6 +137,7 @@ def test_checkpoints_restore_in_every_layout(four_devices):
     }
 
 
+@pytest.mark.slow
 def test_trust_ratios_of_slices_are_caught(four_devices):
     """Without the psum of the slices' squared norms, LARS's trust ratios are per slice: the
     comparison above fails it."""
@@ -142,6 +146,7 @@ def test_trust_ratios_of_slices_are_caught(four_devices):
 
 
 @pytest.mark.serial
+@pytest.mark.slow
 def test_resume_switching_the_layout_and_the_topology(tmp_path, two_by_two):
     """The shared replicated 2 x 2 run's checkpoint 12 resumed fully sharded (orbax reads each
     device's slice of the full-shape arrays): its losses to 1e-5 (through gloo each gathered
@@ -212,6 +217,7 @@ def test_a_model_built_differently_per_process_is_refused(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_a_device_count_that_divides_nothing_is_one_warning(tmp_path):
     """7 devices split none of a width-4 ResNet-18's arrays (kernels 3x3 by 4..32 channels,
     5 classes): one warning line, and the run trains with everything whole."""

@@ -7,6 +7,8 @@ import pytest
 
 from tests.helpers import fake_devices, run_python
 
+# Each case a worker process compiling a ResNet's step on fake devices.
+pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("parity_worker.py")
 
 

@@ -192,9 +192,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def mlflow_server(tmp_path_factory):
+def mlflow_server(request, tmp_path_factory):
     """A real MLflow tracking server on 127.0.0.1 (sqlite), started with the module's first
-    test (it boots while the quick tests run) and stopped at the end: (process, uri, log)."""
+    test (it boots while the quick tests run) and stopped at the end: (process, uri, log).
+    Not started where no selected test of the module needs it (``-m "not slow"``)."""
+    here = [item for item in request.session.items if item.path == request.path]
+    if not any("mlflow_uri" in getattr(item, "fixturenames", ()) for item in here):
+        yield None
+        return
     root = tmp_path_factory.mktemp("mlflow")
     port = _free_port()
     mlflow = Path(sys.executable).parent / "mlflow"
@@ -245,6 +250,7 @@ def _timed(cmd, env):
 
 
 @pytest.mark.serial  # compares wall times
+@pytest.mark.slow
 def test_unreachable_mlflow_is_one_warning_and_costs_nothing(tmp_path):
     uri = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
@@ -352,6 +358,7 @@ def _expected(workdir) -> dict[str, dict[int, float]]:
 
 
 @pytest.mark.serial  # kills timed against the run's progress
+@pytest.mark.slow
 def test_mlflow_has_every_step_once_in_one_run_across_kill_and_preemption(tracked, mlflow_uri):
     from mlflow import MlflowClient
 
@@ -402,6 +409,7 @@ def _tensorboard_steps(folder: Path, tag: str) -> list[int]:
 
 
 @pytest.mark.serial  # kills timed against the run's progress
+@pytest.mark.slow
 def test_tensorboard_has_every_step_once_across_kill_and_preemption(tracked):
     """Flushed at every log line and refilled on resume: after a kill -9, a preemption and the
     final rerun, TensorBoard shows each step's loss once, its value metrics.jsonl's (the event
@@ -459,6 +467,7 @@ def _items(items) -> dict:
 
 
 @pytest.mark.serial
+@pytest.mark.slow
 def test_wandb_offline_continues_one_run_without_duplicates(tracked):
     workdir, env, after_kill, _ = tracked
     run_id = after_kill["wandb"]["run_id"]

@@ -141,6 +141,7 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_stop_signal_while_the_run_starts_saves_at_once(tmp_path):
     """SIGUSR1's default action kills a process (exit 138, which a requeueing job script does
     not read as preemption): from the CLI's first line on, the signal is kept and the run stops

@@ -124,6 +124,7 @@ def test_library_evaluate_matches_fit_and_reports_no_top5_for_two_classes(fitted
     assert "eval/top5_accuracy" not in got and "eval/top5_accuracy" not in result.eval
 
 
+@pytest.mark.slow
 def test_train_progress_lines_then_evaluate_cli(tmp_path):
     """A CLI run with stdout piped prints progress lines (train, eval, epoch end) and logs
     grad/param norms. Evaluating its checkpoint from the CLI gives the run's final eval (loss,
