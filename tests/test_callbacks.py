@@ -68,8 +68,9 @@ def test_callbacks_see_each_line_and_a_stop_ends_the_run_as_finished(tmp_path, c
 
 def test_early_stopping_stops_and_decides_the_same_after_a_resume(tmp_path):
     """train.early_stop_metric=eval/loss, patience 3, nothing improving (lr 0): evals at 2
-    (best), 4, 6, 8 (the third without improvement): the flag rides in step 9, read at 10. A run that
-    ended at step 6 and is resumed to 20 reads its evals back and stops at step 10 too."""
+    (best), 4, 6, 8 (the third without improvement): the flag rides in step 9, read at 10.
+    A run that ended at step 6 and is resumed to 20 reads its evals back and stops at step 10
+    too."""
     keys = ["train.early_stop_metric=eval/loss", "train.early_stop_patience=3"]
     straight = fit(tmp_path / "straight", 20, *keys)
     assert straight.step == 10
@@ -83,3 +84,35 @@ def test_early_stopping_stops_and_decides_the_same_after_a_resume(tmp_path):
 def test_an_unknown_early_stop_metric_is_one_line(tmp_path):
     with pytest.raises(jddp.ConfigError, match="train.early_stop_metric: 'eval/acc' is not"):
         fit(tmp_path / "run", 4, "train.early_stop_metric=eval/acc")
+
+
+class PacedMLP(TinyMLP):
+    """TinyMLP whose every forward pass takes 50 ms of host time (a callback in the step)."""
+
+    def __call__(self, x):
+        import time
+
+        import jax
+
+        jax.debug.callback(lambda: time.sleep(0.05))
+        return super().__call__(x)
+
+
+def test_checkpoints_by_the_clock_bound_what_a_kill_loses(tmp_path):
+    """checkpoint.every_minutes (every_steps 0): a 50 ms step and saves due every 0.15 s give
+    checkpoints between the start and the end (the clock's flag rides in the batch, so every
+    process saves at the same step); every_steps set: the clock is not asked."""
+    saves = Recorder()
+    jddp.fit(
+        PacedMLP(192, 10, nnx.Rngs(0)), optax.sgd(0.1), data(),
+        config={"workdir": str(tmp_path / "timed")},
+        overrides=[*BASE[:3], "train.steps=24", "checkpoint.every_steps=0",
+                   "checkpoint.every_minutes=0.0025", "checkpoint.keep=30"],
+        callbacks=[saves],
+    )  # fmt: skip
+    timed = [c[1] for c in saves.calls if c[0] == "checkpoint"]
+    assert len(timed) >= 3 and timed[-1] == 24, timed  # some before the end, then the end
+    assert sorted(int(p.name) for p in (tmp_path / "timed" / "checkpoints").iterdir()) == timed
+    by_steps = Recorder()
+    fit(tmp_path / "steps", 8, "checkpoint.every_minutes=0.0001", callbacks=[by_steps])
+    assert [c[1] for c in by_steps.calls if c[0] == "checkpoint"] == [4, 8]

@@ -116,13 +116,13 @@ class Checkpoints:
         """Whether the periodic schedule saves after optimizer step ``step``."""
         return self.every_steps > 0 and step % self.every_steps == 0
 
-    def save(self, step: int, state: TrainState, config: dict[str, Any]) -> None:
-        """Start saving ``state``, its manifest and the resolved config as ``step``.
-
-        A no-op on processes that don't write (MPI ranks other than 0).
+    def save(self, step: int, state: TrainState, config: dict[str, Any]) -> bool:
+        """Start saving ``state``, its manifest and the resolved config as ``step``; whether a
+        save started. A no-op (False) on processes that don't write (MPI ranks other than 0)
+        and for a step already saved.
         """
         if not self.writes or step in self._manager.all_steps():
-            return
+            return False
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             manifest=ocp.args.JsonSave(
@@ -135,6 +135,7 @@ class Checkpoints:
         self._state_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
         self._guard(lambda: self._manager.save(step, args=args), step)  # raises an earlier failure
         self._saving = step
+        return True
 
     def restore_newest_good(
         self,

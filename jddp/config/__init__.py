@@ -139,6 +139,7 @@ def _check_non_negative(cfg: Config) -> None:
         "optim.warmup_steps": cfg.optim.warmup_steps,
         "train.eval_every_steps": cfg.train.eval_every_steps,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "checkpoint.every_minutes": cfg.checkpoint.every_minutes or 0,
         "data.prefetch_batches": cfg.data.prefetch_batches,
         "dist.process_id": cfg.dist.process_id or 0,
         "dist.check_sync_every": cfg.dist.check_sync_every,

@@ -261,7 +261,15 @@ class DistConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = _f(
-        0, "save every k steps (0: only at the end); the final step is always saved"
+        0,
+        "save every k steps (0: by checkpoint.every_minutes, and at the end); the final step is "
+        "always saved",
+    )
+    every_minutes: float | None = _f(
+        30.0,
+        "while every_steps is 0: save when this many minutes have passed since the last save "
+        "(decided at the same step on every process), so a killed run loses minutes, not the "
+        "run (null or 0: only at the end)",
     )
     keep: int = _f(3, "newest checkpoints kept")
     resume: bool = _f(True, "continue from the newest checkpoint in workdir/checkpoints")

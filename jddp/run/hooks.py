@@ -23,7 +23,7 @@ from jddp.comm import Comm
 from jddp.errors import DataError, NonFiniteLoss, ReplicasDiverged
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, MetricsLog
-from jddp.proc.signals import PREEMPT_FLAG, STOP_KEY
+from jddp.proc.signals import PREEMPT_FLAG, SAVE_KEY, STOP_KEY, TimedSaves
 from jddp.state import TrainState
 from jddp.step import CLIPPED_KEY, LOSS_WEIGHT_KEY, NEGATIVE_WEIGHT_KEY, NONFINITE_KEY
 
@@ -160,11 +160,14 @@ class StepReporter:
         self.ideal_img_per_s = baseline_img_per_s and num_devices * baseline_img_per_s
         self._clipped: list[float] = []  # train/clipped of the steps since the last line
         self.stop_kind: str | None = None  # preempt (a signal) or finish (a callback)
+        self.timed_saves: TimedSaves | None = None  # checkpoint.every_minutes, told by the flag
 
     def __call__(self, step: int, metrics: Metrics, stopping: bool = False) -> bool:
         """Report ``step``'s ``metrics``; whether a stop was requested. ``stopping``: the run
         stops (and saves) at ``step``, so it gets a line whatever ``log.every_steps`` says."""
         host = {k: float(v) for k, v in to_host(metrics).items()}
+        if host.pop(SAVE_KEY, 0.0) > 0 and self.timed_saves is not None:
+            self.timed_saves.requested = True  # every process read the same flag
         flag = host.pop(STOP_KEY, 0.0)
         stop_requested = flag > 0
         if stop_requested:  # every process reads the same flag: the same kind of stop
@@ -258,17 +261,22 @@ class CheckpointHook(Every):
         config: dict[str, Any],
         watchdog: Any = None,
         on_save: Callable[[int, str], None] | None = None,
+        timed: TimedSaves | None = None,
     ):
         super().__init__(checkpoints.every_steps)
         self.checkpoints, self.config, self.watchdog = checkpoints, config, watchdog
         self.on_save = on_save  # the callbacks' on_checkpoint
+        self.timed = timed  # checkpoint.every_minutes (when every_steps is 0)
 
     def __call__(self, step: int, state: TrainState) -> None:
-        if self.due(step):
+        timed = self.timed is not None and self.timed.take()
+        if self.due(step) or timed:
             if self.watchdog is not None:
                 self.watchdog.waiting("checkpoint")  # the save before waits for its disk
-            self.checkpoints.save(step, state, self.config)
-            if self.on_save is not None:
+            started = self.checkpoints.save(step, state, self.config)
+            if self.timed is not None:
+                self.timed.saved()
+            if started and self.on_save is not None:
                 self.on_save(step, str(self.checkpoints.directory / str(step)))
             if self.watchdog is not None:
                 self.watchdog.progress()

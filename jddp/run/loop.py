@@ -26,7 +26,8 @@ def _steps(run: Run) -> tuple[TrainState, int, bool]:
     for batch in run.meter.timed(batches):
         run.watchdog.waiting("step", step + 1)
         with run.profiler.step(step + 1, state):
-            flags = place_batch(run.stop.flags(rows), run.mesh, run.layout)
+            flags = {**run.stop.flags(rows), **run.timed_saves.flags(rows)}
+            flags = place_batch(flags, run.mesh, run.layout)
             batch = {**batch, **flags}
             state, metrics = run.train_step(state, batch)
         step += 1

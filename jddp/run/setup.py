@@ -42,7 +42,7 @@ from jddp.mesh import to_host
 from jddp.metrics import Console, MetricsLog, Progress, read_metrics
 from jddp.optimizer import make_optimizer
 from jddp.preflight import check_model_output, check_profile_steps, check_task
-from jddp.proc.signals import StopRequest
+from jddp.proc.signals import StopRequest, TimedSaves
 from jddp.run.callbacks import Callback, Callbacks, EarlyStopping, Fanout
 from jddp.run.hooks import (
     CheckpointHook,
@@ -115,6 +115,7 @@ class Run:
     # The periodic work around each step.
     meter: ThroughputMeter
     stop: StopRequest
+    timed_saves: TimedSaves  # checkpoint.every_minutes: its flag rides in every batch
     reporter: StepReporter
     profiler: Profiler
     hooks: list = field(default_factory=list)
@@ -177,6 +178,8 @@ def build_run(
     train_step, eval_step = build_steps(
         cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=state_layout
     )
+    # checkpoint.every_minutes, while checkpoint.every_steps is 0 (every_steps wins)
+    timed_saves = TimedSaves(None if cfg.checkpoint.every_steps else cfg.checkpoint.every_minutes)
     progress, meter, reporter = _reporting(
         cfg, comm, mesh, steps, start_step, batches, console, task, log, ckpts
     )
@@ -191,6 +194,7 @@ def build_run(
         weight_unit=cfg.log.weight_unit,
         on_batch=watchdog.progress,
     )
+    reporter.timed_saves = timed_saves
     return Run(
         cfg=cfg,
         comm=comm,
@@ -217,11 +221,14 @@ def build_run(
         callbacks=callbacks,
         meter=meter,
         stop=stop,
+        timed_saves=timed_saves,
         reporter=reporter,
         profiler=_profiler(cfg, comm, folder, console),
         hooks=[
             EvalHook(cfg.train.eval_every_steps, steps, evaluate, log, meter, progress, watchdog),
-            CheckpointHook(ckpts, config_lib.to_dict(cfg), watchdog, callbacks.checkpoint),
+            CheckpointHook(
+                ckpts, config_lib.to_dict(cfg), watchdog, callbacks.checkpoint, timed_saves
+            ),
             SyncCheck(cfg.dist.check_sync_every, comm),
         ],
         watchdog=watchdog,

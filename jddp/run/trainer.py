@@ -180,9 +180,10 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         check_some_step_counted(run, state, step)
         # The final checkpoint before the final eval: an eval that fails (a corrupt image, OOM,
         # a kill) must not take the training with it.
-        ckpts.save(step, state, run.config_dict)
+        saved = ckpts.save(step, state, run.config_dict)
         ckpts.close()
-        run.callbacks.checkpoint(step, str(ckpts.directory / str(step)))
+        if saved:  # (not when the step's periodic save wrote it already)
+            run.callbacks.checkpoint(step, str(ckpts.directory / str(step)))
         comm.barrier()  # nobody leaves before rank 0's checkpoint is complete
         if comm.is_writer:
             run.folder.clear_preempted()
