@@ -143,6 +143,7 @@ def test_a_two_input_custom_task_exports_the_arrays_its_loss_passes_the_model(
         assert_close(run_exported(out, fmt, image, side), np.asarray(model(image, side)))
 
 
+@pytest.mark.slow  # resnet_run: a ResNet's train and eval steps compiled in this process
 def test_bad_input_is_one_line_and_exit_2(resnet_run, tmp_path, capfd):
     empty = tmp_path / "empty"
     empty.mkdir()
