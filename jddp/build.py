@@ -7,6 +7,7 @@ benchmarks and test workers build their steps here too, so they time the trainer
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +111,37 @@ def build_task(
     )
 
 
+def _user_model(factory: Any, name: str, config: dict, dtype: Any, rngs: nnx.Rngs) -> nnx.Module:
+    """``factory(config=..., dtype=..., rngs=...)`` of ``model.name``, or one line naming it:
+    a callable that cannot take those keywords (a model class itself, say), or a factory that
+    returns something other than an NNX module."""
+    try:
+        inspect.signature(factory).bind(config=config, dtype=dtype, rngs=rngs)
+    except TypeError:
+        raise ConfigError(
+            f"model.name: {name} is called as fn(config=<model section dict>, dtype=<compute "
+            f"dtype>, rngs=nnx.Rngs), but its signature is {_signature(factory)}; point "
+            "model.name at a factory function that builds the model from those (examples/"
+            "lm_stdlib.py:gpt is one)"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): call it and see
+        pass
+    model = factory(config=config, dtype=dtype, rngs=rngs)
+    if not isinstance(model, nnx.Module):
+        raise ConfigError(
+            f"model.name: {name} returned {type(model).__name__}, not a flax.nnx.Module "
+            "(did it forget to return the model?)"
+        )
+    return model
+
+
+def _signature(fn: Any) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "unknown"
+
+
 def build_model(cfg: Config, rngs: nnx.Rngs, in_channels: int = 3) -> nnx.Module:
     """The model named by ``model.name``, in the compute dtype of ``train.precision``.
 
@@ -122,7 +154,7 @@ def build_model(cfg: Config, rngs: nnx.Rngs, in_channels: int = 3) -> nnx.Module
         raise ConfigError(f"model.name: {e}") from None
     dtype = DTYPES[cfg.train.precision]
     if ":" in cfg.model.name:  # the user's code runs as written (it may not be traceable)
-        return factory(config=config_lib.to_dict(cfg)["model"], dtype=dtype, rngs=rngs)
+        return _user_model(factory, cfg.model.name, config_lib.to_dict(cfg)["model"], dtype, rngs)
 
     def make(rngs: nnx.Rngs) -> nnx.Module:
         return factory(

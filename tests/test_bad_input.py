@@ -80,6 +80,18 @@ CASES = [
     ("negative lr", ["optim.lr=-0.1"], 2, ["optim.lr", ">= 0"]),
     ("unknown model", ["model.name=resnet19"], 2, ["model.name", "resnet19", "resnet18"]),
     ("unimportable model", ["model.name=nope.models:net"], 2, ["model.name", "nope.models"]),
+    (
+        "a class as model.name",
+        ["model.name=tests.user_models:TinyMLP"],
+        2,
+        ["model.name: tests.user_models:TinyMLP is called as fn(config=", "(in_features: int"],
+    ),
+    (
+        "a factory returning None",
+        ["model.name=tests.user_models:forgets_to_return"],
+        2,
+        ["forgets_to_return returned NoneType, not a flax.nnx.Module"],
+    ),
     ("unknown optimizer", ["optim.name=lion"], 2, ["optim.name", "sgd, adamw, lars, lamb"]),
     ("unknown data", ["data.name=imagenet"], 2, ["data.name", "imagefolder"]),
     ("unknown stem", ["model.stem=tiny"], 2, ["model.stem", "cifar, imagenet"]),

@@ -121,3 +121,8 @@ def paced_resnet18(config: dict, dtype, rngs: nnx.Rngs) -> PacedResNet:
 def per_process_mlp(config: dict, dtype, rngs: nnx.Rngs) -> TinyMLP:
     """A factory that (wrongly) seeds each process differently: its replicas start apart."""
     return TinyMLP(8 * 8 * 3, config["num_classes"], nnx.Rngs(jax.process_index()), dtype=dtype)
+
+
+def forgets_to_return(config: dict, dtype, rngs: nnx.Rngs) -> None:
+    """A factory that builds the model and forgets to return it."""
+    TinyMLP(8 * 8 * 3, config["num_classes"], rngs, dtype=dtype)
