@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from jddp import launch
-from jddp.launch import procs
+from jddp.launch import local
 from tests.helpers import launch_cmd, run, run_pids, start, steps_saved, wait_for
 
 pytestmark = pytest.mark.serial  # launcher tests start processes and time their exits
@@ -216,7 +216,7 @@ def test_a_killed_rank_is_named_before_the_peer_it_took_down() -> None:
     """Seen exiting in one poll: the rank killed by a signal is the cause, the survivor whose
     all-reduce then failed (exit 1) follows (test_dead_peer_stops_the_job saw the survivor named
     alone, and "stopping the other 0 processes")."""
-    from jddp.launch.procs import failure_report
+    from jddp.launch.supervise import failure_report
 
     got = failure_report([(0, 1), (1, -signal.SIGKILL)], alive=0)
     assert got == (
@@ -362,10 +362,10 @@ def test_forwarding_holds_usr1_for_a_starting_rank_and_signals_only_the_groups_n
 ) -> None:
     """In-process: a signal that arrives while a rank is being started goes to that rank alone
     (the others have it already: a second SIGINT would interrupt them without a checkpoint)."""
-    launcher = procs._Launcher(["true"], 3, kill_timeout=1.0)
+    launcher = local.Launcher(["true"], 3, kill_timeout=1.0)
     sent: list[tuple[int, int]] = []
     monkeypatch.setattr(launcher, "_signal_group", lambda pgid, sig: sent.append((pgid, sig)))
-    monkeypatch.setattr(procs, "catches", lambda pid, sig: pid != 12)  # 12 is still starting
+    monkeypatch.setattr(local, "catches", lambda pid, sig: pid != 12)  # 12 is still starting
     launcher.live_groups = {11, 12, 13}
     launcher.started_at = {11: time.monotonic(), 12: time.monotonic(), 13: 0.0}
     launcher.forward(signal.SIGINT, [13])
@@ -376,7 +376,7 @@ def test_forwarding_holds_usr1_for_a_starting_rank_and_signals_only_the_groups_n
     assert launcher.held == {12: signal.SIGUSR1}
     launcher.send_held()
     assert launcher.held == {12: signal.SIGUSR1}  # not caught yet, still young
-    monkeypatch.setattr(procs, "catches", lambda pid, sig: True)
+    monkeypatch.setattr(local, "catches", lambda pid, sig: True)
     launcher.send_held()
     assert launcher.held == {} and sent[-1] == (12, signal.SIGUSR1)
 

@@ -369,6 +369,9 @@ def test_mlflow_has_every_step_once_in_one_run_across_kill_and_preemption(tracke
     run_id = found.info.run_id
     assert run_id == after_kill["mlflow"]["run_id"] == _record(workdir)["mlflow"]["run_id"]
     assert found.info.status == "FINISHED" and found.info.run_name == "run"
+    # ended with an end time (the UI's duration; update_run left it open), and how to rerun it
+    assert found.info.end_time is not None and found.info.end_time >= found.info.start_time
+    assert "jddp.train" in found.data.tags["jddp.command"]
     want = _expected(workdir)
     assert sorted(want["train/loss"]) == list(range(1, STEPS + 1))
     assert sorted(want["eval/loss"]) == [8, 16, 24]

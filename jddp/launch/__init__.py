@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from jddp.errors import STOP_SIGNALS
-from jddp.launch.procs import PROG, STOP_GRACE_S, _Launcher, describe_exit, exit_code_for
+from jddp.launch.local import Launcher as _Launcher
 from jddp.launch.restarts import (
     newest_checkpoint,
     record_restart,
@@ -56,6 +56,7 @@ from jddp.launch.restarts import (
     should_restart,
     workdir_of,
 )
+from jddp.launch.supervise import PROG, STOP_GRACE_S, describe_exit, exit_code_for
 from jddp.proc.lifeline import LAUNCHER_PID_ENV, watch_launcher
 
 __all__ = [

@@ -50,8 +50,8 @@ from typing import Any, NoReturn
 
 from jddp.errors import FAILURE, INTERRUPTED, STOP_SIGNALS
 from jddp.launch import DEFAULT_KILL_TIMEOUT, MAX_KILL_TIMEOUT
-from jddp.launch.procs import _Output
 from jddp.launch.ray_job import PROG, LaunchError, RayJob, first_line
+from jddp.launch.supervise import Output
 
 CONNECT_TIMEOUT_S = 10.0  # how long a TCP connection to the cluster's address may take
 DEFAULT_PLACEMENT_TIMEOUT = 60.0
@@ -258,7 +258,7 @@ def placement_shortfall(
     return None
 
 
-def place(ray: Any, args: argparse.Namespace, out: _Output) -> Any:
+def place(ray: Any, args: argparse.Namespace, out: Output) -> Any:
     """A ready placement group of ``--num-workers`` bundles, or :class:`LaunchError` after
     ``--placement-timeout`` seconds naming what is missing (when the cluster as it is cannot
     hold them, a wait over 10 s says so at once: an autoscaler may still add nodes)."""
@@ -316,7 +316,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     # Until the ranks start, a stop signal ends the driver (128 + N); then the job forwards it.
     previous = {sig: signal.signal(sig, _stop_early) for sig in STOP_SIGNALS}
     try:
-        group = place(ray, args, _Output("stderr"))
+        group = place(ray, args, Output("stderr"))
         job = RayJob(
             ray,
             group,

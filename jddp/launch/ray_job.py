@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jddp.errors import BAD_INPUT, FAILURE, PREEMPTED
-from jddp.launch.procs import STOP_GRACE_S, _Output, exit_code_for, failure_report
+from jddp.launch.supervise import STOP_GRACE_S, Output, exit_code_for, failure_report
 
 PROG = "jddp.ray"
 _POLL_INTERVAL = 0.1
@@ -79,7 +79,7 @@ class RayJob:
         self.ray, self.group, self.command = ray, group, list(command)
         self.cpus, self.gpus, self.devices_per_proc = cpus, gpus, devices_per_proc
         self.env, self.kill_timeout = dict(env), kill_timeout
-        self.stdout, self.stderr = _Output("stdout"), _Output("stderr")
+        self.stdout, self.stderr = Output("stdout"), Output("stderr")
         self.ranks: list[_Rank] = []
         self.signals: list[int] = []  # received by the driver, handled by the loop
         self.signal_received: int | None = None

@@ -24,14 +24,14 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from jddp.launch import find_free_port, merge_xla_flags
-from jddp.launch.procs import (
-    _HELD_SIGNALS,
-    _READER_JOIN_TIMEOUT,
-    _REAP_TIMEOUT,
-    _STARTUP_GRACE_S,
-    _proc_group_has_live_member,
-    _pump,
+from jddp.launch.supervise import (
+    HELD_SIGNALS,
+    READER_JOIN_TIMEOUT,
+    REAP_TIMEOUT,
+    STARTUP_GRACE_S,
     catches,
+    proc_group_has_live_member,
+    pump,
 )
 from jddp.proc.lifeline import LAUNCHER_PID_ENV, die_with_parent, load_prctl
 
@@ -48,7 +48,7 @@ class _Buffer:
         self.dropped = 0
 
     def sink(self, stream: str) -> _Sink:
-        """A writer for :func:`jddp.launch.procs._pump` that files lines under ``stream``."""
+        """A writer for :func:`jddp.launch.supervise.pump` that files lines under ``stream``."""
         return _Sink(self, stream)
 
     def add(self, stream: str, text: str) -> None:
@@ -190,7 +190,7 @@ class RankProcess:
         self._started_at = time.monotonic()
         for pipe, stream in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
             reader = threading.Thread(
-                target=_pump, args=(pipe, "", self._output.sink(stream)), daemon=True
+                target=pump, args=(pipe, "", self._output.sink(stream)), daemon=True
             )
             reader.start()
             self._readers.append(reader)
@@ -203,7 +203,7 @@ class RankProcess:
         returncode = None
         if self._exited_at is not None and self._proc is not None:
             drained = not any(t.is_alive() for t in self._readers)
-            if drained or time.monotonic() - self._exited_at > _READER_JOIN_TIMEOUT:
+            if drained or time.monotonic() - self._exited_at > READER_JOIN_TIMEOUT:
                 returncode = self._proc.returncode
         return self._output.take(), returncode
 
@@ -213,15 +213,15 @@ class RankProcess:
         proc = self._proc
         if proc is None:
             return
-        young = time.monotonic() - self._started_at < _STARTUP_GRACE_S
-        if sig in _HELD_SIGNALS and young and not catches(proc.pid, sig):
+        young = time.monotonic() - self._started_at < STARTUP_GRACE_S
+        if sig in HELD_SIGNALS and young and not catches(proc.pid, sig):
             self._held = sig
             return
         self._signal_group(sig)
 
     def _send_held(self) -> None:
         if self._held is not None and self._proc is not None:
-            young = time.monotonic() - self._started_at < _STARTUP_GRACE_S
+            young = time.monotonic() - self._started_at < STARTUP_GRACE_S
             if not young or catches(self._proc.pid, self._held):
                 sig, self._held = self._held, None
                 self._signal_group(sig)
@@ -238,14 +238,14 @@ class RankProcess:
         """Whether a process of the rank's group (the rank, its input workers) still runs."""
         if self._proc is None:
             return False
-        return _proc_group_has_live_member(self._proc.pid)
+        return proc_group_has_live_member(self._proc.pid)
 
     def reap(self, grace_s: float) -> bool:
         """End what is left of the rank's group: SIGTERM, SIGKILL after ``grace_s``; returns
         whether the group is gone."""
         if self._proc is None:
             return True
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, _REAP_TIMEOUT)):
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, REAP_TIMEOUT)):
             if not self.group_alive():
                 return True
             self._signal_group(sig)

@@ -246,7 +246,11 @@ class MlflowTracker:
             run = client.create_run(
                 self._experiment_id(name),
                 run_name=self.run_name,
-                tags={"jddp.workdir": self.workdir},
+                tags={
+                    "jddp.workdir": self.workdir,
+                    "jddp.command": " ".join(sys.argv)[:5000],  # what to rerun to resume
+                    "mlflow.source.name": sys.argv[0][:500],
+                },
             )
             self._held = {}
         else:
@@ -292,7 +296,8 @@ class MlflowTracker:
         if checkpoint:
             self._client.set_tag(self._run_id, "jddp.checkpoint", checkpoint)
         self._client.set_tag(self._run_id, "jddp.status", status)
-        self._client.update_run(self._run_id, status=self.STATUS[status])
+        # ended, with an end time (update_run left it open: the UI showed no duration)
+        self._client.set_terminated(self._run_id, status=self.STATUS[status])
 
 
 class WandbTracker:
