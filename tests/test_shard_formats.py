@@ -127,6 +127,25 @@ def test_shard_patterns_and_split_names(tmp_path):
         find_files(str(tmp_path / "x-*.tar"), (".tar",), "data.path", "")
 
 
+def test_a_hub_folder_with_validation_and_test_evaluates_on_validation(tmp_path):
+    """train/validation/test as the Hub writes them: validation is the eval split (they were
+    merged); data.eval_path pointing at test is taken, and then data.path trains on its train
+    split only (it was refused, the folder holding the eval shards too)."""
+    from jddp.data.formats.shards import split_files
+
+    hub = tmp_path / "data"
+    hub.mkdir()
+    for name in ("train-00000-of-00001", "validation-00000-of-00001", "test-00000-of-00001"):
+        (hub / f"{name}.parquet").write_bytes(b"")
+    train, evals = split_files("parquet", str(hub), None, (".parquet",), "")
+    assert [p.name for p in train] == ["train-00000-of-00001.parquet"]
+    assert [p.name for p in evals] == ["validation-00000-of-00001.parquet"]
+    test = str(hub / "test-*.parquet")
+    train, evals = split_files("parquet", str(hub), test, (".parquet",), "")
+    assert [p.name for p in train] == ["train-00000-of-00001.parquet"]
+    assert [p.name for p in evals] == ["test-00000-of-00001.parquet"]
+
+
 @pytest.mark.slow
 def test_a_custom_task_trains_on_the_numeric_columns(tmp_path):
     """A custom task's data as a Parquet table (a fixed-length list column, scalars, a string

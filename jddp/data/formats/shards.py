@@ -82,14 +82,18 @@ def split_of(path: Path) -> str | None:
     """``"train"``, ``"eval"`` or None from a shard's name as the Hub and timm write them:
     ``train-00000-of-00004.parquet``, ``data/validation-...``, ``imagenet-val-000000.tar``,
     ``train/0000.parquet`` (the split as a folder name)."""
+    named = split_name(path)
+    return None if named is None else "train" if named == "train" else "eval"
+
+
+def split_name(path: Path) -> str | None:
+    """The split a shard's name gives: ``train``, one of :data:`EVAL_SPLIT_NAMES`, or None."""
     words = [
         w for part in (path.name, path.parent.name) for w in re.split(r"[^a-z]+", part.lower())
     ]
     if "train" in words:
         return "train"
-    if any(name in words for name in EVAL_SPLIT_NAMES):
-        return "eval"
-    return None
+    return next((name for name in EVAL_SPLIT_NAMES if name in words), None)
 
 
 def split_files(
@@ -101,8 +105,11 @@ def split_files(
     if path is None or str(path) == "":
         raise DataConfigError(f"data.path is required for data.name={name!r}: {hint}")
     files = find_files(str(path), suffixes, "data.path", hint)
-    if eval_path:
-        return files, find_files(str(eval_path), suffixes, "data.eval_path", hint)
+    if eval_path:  # those, and data.path's train split (all of it when nothing is named so)
+        evals = find_files(str(eval_path), suffixes, "data.eval_path", hint)
+        rest = [f for f in files if f not in set(evals)]
+        named_train = [f for f in rest if split_of(f) == "train"]
+        return named_train or rest, evals
     by_split: dict[str | None, list[Path]] = {}
     for file in files:
         by_split.setdefault(split_of(file), []).append(file)
@@ -119,7 +126,19 @@ def split_files(
             f"data.path={path!r}: {str(unnamed[0])!r} is neither a train nor an eval shard by its "
             f"name (train-*, {'|'.join(EVAL_SPLIT_NAMES)}-*): narrow data.path to the shards"
         )
-    return by_split["train"], by_split.get("eval")
+    return by_split["train"], _preferred_eval(by_split.get("eval"))
+
+
+def _preferred_eval(files: list[Path] | None) -> list[Path] | None:
+    """The shards of the first split of :data:`EVAL_SPLIT_NAMES` present (a Hub data set with
+    validation and test evaluates on validation, not on both merged)."""
+    if not files:
+        return files
+    for name in EVAL_SPLIT_NAMES:
+        chosen = [f for f in files if split_name(f) == name]
+        if chosen:
+            return chosen
+    return files
 
 
 def decode_rows(
