@@ -176,6 +176,8 @@ def test_lars_at_16x_the_batch_reaches_the_small_batch_accuracy(tmp_path):
                          cwd=Path(__file__).parent.parent)  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
         accuracy[name] = float(re.search(r"eval/accuracy=([0-9.]+)", out.stdout).group(1))
+        # data.image_size is null in configs/digits.yaml: the size used is said (issue 45.7)
+        assert "jddp: data.image_size=null: digits images at 8x8x" in out.stdout
     assert accuracy["small"] > 0.9, accuracy
     assert accuracy["lars"] >= accuracy["small"] - 0.02, accuracy
 

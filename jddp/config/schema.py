@@ -88,7 +88,12 @@ class DataConfig:
         "extension, or json:FIELD (null: cls, else json's label)",
     )
     global_batch_size: int = _f(128, "examples per optimizer step over all devices and processes")
-    image_size: int | None = _f(None, "resize images to this side length (null: native size)")
+    image_size: int | None = _f(
+        None,
+        "resize images to this side length (null: the format's own size: native for array "
+        "data sets (digits, mnist, cifar10, npz, array packs), 224 for encoded images "
+        "(imagefolder, parquet, webdataset, image packs), said in the run's first lines)",
+    )
     prefetch_batches: int = _f(2, "batches placed on the devices ahead of the running step")
     augment: Literal[AUGMENTS] = _f(
         "none",

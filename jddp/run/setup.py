@@ -161,6 +161,9 @@ def build_run(
     mesh, layout = build_mesh(cfg, comm)
     custom = is_custom_task(cfg, parts)
     splits, batches, steps = _data(cfg, parts, custom, mesh, layout)
+    if cfg.data.image_size is None and is_image_source(splits.train):  # which size, said once
+        h, w, c = splits.train.image_shape
+        console.say(f"jddp: data.image_size=null: {cfg.data.name} images at {h}x{w}x{c}")
     model_def, state, tx, schedule, state_layout = _model_and_state(
         cfg, comm, parts, splits, steps, mesh, console
     )
