@@ -64,3 +64,31 @@ def test_keys_an_older_checkpoint_lacks_are_not_compared():
     del saved["train"]["label_smoothing"]
     now = resolved("train.label_smoothing=0.1")
     assert changed_keys(saved, now) == []
+
+
+_MLP = ["data.global_batch_size=16", "log.progress=off"]
+
+
+def _mlp_data():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 8, 8, 3)).astype(np.float32), rng.integers(0, 10, 64)
+
+
+def test_a_resume_with_another_optimizer_says_so(tmp_path):
+    import optax
+    import pytest
+    from flax import nnx
+
+    import jddp
+    from tests.user_models import TinyMLP
+
+    """A run saved under adam, rerun with sgd: one line naming the optimizer state (it named
+    '.opt_state[0].count ... .skipped_steps', as if the model had changed)."""
+    run = tmp_path / "run"
+    jddp.fit(TinyMLP(192, 10, nnx.Rngs(0)), optax.adam(0.01), _mlp_data(),
+             config={"workdir": str(run)}, overrides=[*_MLP, "train.steps=2"])  # fmt: skip
+    with pytest.raises(jddp.ConfigError, match="holds another optimizer's state"):
+        jddp.fit(TinyMLP(192, 10, nnx.Rngs(0)), optax.sgd(0.01), _mlp_data(),
+                 config={"workdir": str(run)}, overrides=[*_MLP, "train.steps=4"])  # fmt: skip

@@ -123,9 +123,26 @@ def weights_manifest(
 
 
 def check_same_model(saved: list[list[Any]], like: TrainState, where: Path) -> None:
-    """Raise ``ConfigError`` naming the first leaf whose path or shape differs from ``like``."""
+    """Raise ``ConfigError`` naming the first leaf whose path or shape differs from ``like``;
+    when the weights match and only the optimizer state differs, say so (another optimizer)."""
     now = [(p, tuple(shape)) for p, shape, *_ in manifest_shapes(like)]
     before = [(p, tuple(shape)) for p, shape, *_ in saved]
+
+    def weights(rows: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+        return [r for r in rows if not r[0].startswith(".opt_state")]
+
+    def optimizer(rows: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+        return [r for r in rows if r[0].startswith(".opt_state")]
+
+    if weights(now) == weights(before) and optimizer(now) != optimizer(before):
+        raise ConfigError(
+            f"checkpoint {where} holds another optimizer's state ({len(optimizer(before))} "
+            f"arrays, e.g. {_first(optimizer(before))}; this run's optimizer has "
+            f"{len(optimizer(now))}, e.g. {_first(optimizer(now))}): resume with the optimizer "
+            "it was written with (optim.name, or the optax object given to jddp.fit), start "
+            "from its weights in a new workdir (checkpoint.init_from), or start over "
+            "(checkpoint.resume=false)"
+        )
     for (p_now, s_now), (p_before, s_before) in zip(now, before, strict=False):
         if p_now != p_before or s_now != s_before:
             raise ConfigError(
@@ -138,6 +155,10 @@ def check_same_model(saved: list[list[Any]], like: TrainState, where: Path) -> N
             f"checkpoint {where} was written for a different model: {len(before)} state "
             f"arrays there, {len(now)} now (use another workdir or checkpoint.resume=false)"
         )
+
+
+def _first(rows: list[tuple[str, tuple]]) -> str:
+    return f"{rows[0][0]} {rows[0][1]}" if rows else "none"
 
 
 def manifest_shapes(state: TrainState) -> list[list[Any]]:
