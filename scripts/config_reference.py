@@ -1,5 +1,6 @@
-"""Write the table of every config key (type, default, meaning) into docs/config.md, between its
-``<!-- keys -->`` markers, from the schema itself (what ``python -m jddp.train --help`` lists).
+"""Write the table of every config key (type and range, default, meaning) into docs/config.md,
+between its ``<!-- keys -->`` markers, from the schema itself (what ``python -m jddp.train
+--help`` lists).
 
     .venv/bin/python scripts/config_reference.py          # rewrite the table
     .venv/bin/python scripts/config_reference.py --check  # exit 1 if it is out of date
@@ -22,13 +23,13 @@ BEGIN, END = "<!-- keys -->", "<!-- /keys -->"
 def table() -> str:
     """The markdown table of every key, in declaration order."""
     sys.path.insert(0, str(ROOT))
-    from jddp.config.parse import _type_name, iter_keys
+    from jddp.config.parse import iter_keys, type_and_range
 
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for key, tp, default, meaning in iter_keys():
         flow = isinstance(default, list)
         shown = yaml.safe_dump(default, default_flow_style=flow).strip().removesuffix("...").strip()
-        cells = [f"`{key}`", _type_name(tp), f"`{shown}`", meaning]
+        cells = [f"`{key}`", type_and_range(key, tp), f"`{shown}`", meaning]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(rows)
 

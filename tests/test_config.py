@@ -1,6 +1,7 @@
 """Config: YAML + overrides, typing, validation, --help and --print-config."""
 
 import os
+import re
 import typing
 from pathlib import Path
 
@@ -162,6 +163,22 @@ def test_numeric_ranges_are_checked_at_load(override, words):
     with pytest.raises(ConfigError) as e:
         config_lib.load(None, [override])
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_declared_range_is_checked_and_shown():
+    """Each key's range sits in its schema field (issue 47.4): a value just outside it is refused
+    in one line naming the key and the range, and --help shows it beside the type."""
+    from jddp.config.parse import help_text
+    from jddp.config.schema import BELOW_ONE, NON_NEGATIVE, POSITIVE, UNIT, key_ranges
+
+    outside = {POSITIVE: 0, NON_NEGATIVE: -1, UNIT: 1.5, BELOW_ONE: 1}
+    ranges = key_ranges()
+    assert ranges["optim.b2"] == BELOW_ONE and ranges["dist.process_id"] == NON_NEGATIVE
+    for key, bound in ranges.items():
+        with pytest.raises(ConfigError, match=re.escape(f"{key}: must be {bound}, got ")) as e:
+            config_lib.load(None, [f"{key}={outside[bound]}"])
+        assert "\n" not in str(e.value)
+    assert "int, > 0" in help_text() and "float, in [0, 1)" in help_text()
 
 
 def test_epochs_whose_step_count_does_not_fit_are_refused():

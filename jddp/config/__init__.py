@@ -25,6 +25,7 @@ from jddp.config.parse import (
     set_dotted,
 )
 from jddp.config.schema import (
+    IN_RANGE,
     CheckpointConfig,
     Config,
     DataConfig,
@@ -33,6 +34,7 @@ from jddp.config.schema import (
     ModelConfig,
     OptimConfig,
     TrainConfig,
+    key_ranges,
 )
 from jddp.data.registry import DATA_NAMES
 from jddp.errors import ConfigError
@@ -86,89 +88,22 @@ def _check_numbers(cfg: Config) -> None:
 def validate(cfg: Config) -> Config:
     """Check value ranges that the types alone cannot express."""
     _check_numbers(cfg)
-    _check_positive(cfg)
-    _check_non_negative(cfg)
-    _check_fractions(cfg)
+    _check_ranges(cfg)
     _check_formats(cfg)
     _check_user_code(cfg)
     _check_combinations(cfg)
     return cfg
 
 
-def _check_positive(cfg: Config) -> None:
-    """Sizes, counts and timeouts (the optional ones when set) are > 0."""
-    positive = {
-        "data.global_batch_size": cfg.data.global_batch_size,
-        "model.num_classes": cfg.model.num_classes,
-        "model.width": cfg.model.width,
-        "model.bn_epsilon": cfg.model.bn_epsilon,
-        "train.grad_accum_steps": cfg.train.grad_accum_steps,
-        "checkpoint.keep": cfg.checkpoint.keep,
-        "log.every_steps": cfg.log.every_steps,
-        "optim.base_batch_size": cfg.optim.base_batch_size,
-        "train.early_stop_patience": cfg.train.early_stop_patience,
-    }
-    for opt_key, opt_val in {
-        "train.steps": cfg.train.steps,
-        "train.epochs": cfg.train.epochs,
-        "data.image_size": cfg.data.image_size,
-        "dist.num_local_devices": cfg.dist.num_local_devices,
-        "dist.num_processes": cfg.dist.num_processes,
-        "dist.cpu_threads": cfg.dist.cpu_threads,
-        "log.baseline_img_per_s": cfg.log.baseline_img_per_s,
-        "dist.heartbeat_timeout_s": cfg.dist.heartbeat_timeout_s,
-        "dist.init_timeout_s": cfg.dist.init_timeout_s,
-        "dist.step_timeout_s": cfg.dist.step_timeout_s,
-        "dist.first_step_timeout_s": cfg.dist.first_step_timeout_s,
-        "dist.device_memory_bytes": cfg.dist.device_memory_bytes,
-        "optim.clip_grad_norm": cfg.optim.clip_grad_norm,
-    }.items():
-        if opt_val is not None:
-            positive[opt_key] = opt_val
-    for key, v in positive.items():
-        if v <= 0:
-            raise ConfigError(f"{key}: must be > 0, got {v}")
-
-
-def _check_non_negative(cfg: Config) -> None:
-    """Rates, periods (0: never), indices and the seed are >= 0."""
-    non_negative = {
-        "optim.lr": cfg.optim.lr,
-        "optim.weight_decay": cfg.optim.weight_decay,
-        "optim.trust_coefficient": cfg.optim.trust_coefficient,
-        "optim.warmup_steps": cfg.optim.warmup_steps,
-        "train.eval_every_steps": cfg.train.eval_every_steps,
-        "checkpoint.every_steps": cfg.checkpoint.every_steps,
-        "checkpoint.every_minutes": cfg.checkpoint.every_minutes or 0,
-        "data.prefetch_batches": cfg.data.prefetch_batches,
-        "dist.process_id": cfg.dist.process_id or 0,
-        "dist.check_sync_every": cfg.dist.check_sync_every,
-        "train.seed": cfg.train.seed,
-        "train.early_stop_min_delta": cfg.train.early_stop_min_delta,
-    }
-    for key, v in non_negative.items():
-        if v < 0:
-            raise ConfigError(f"{key}: must be >= 0, got {v}")
-
-
-def _check_fractions(cfg: Config) -> None:
-    """Fractions and momenta lie in [0, 1] or [0, 1)."""
-    if not 0.0 <= cfg.train.max_skipped_fraction <= 1.0:
-        raise ConfigError(
-            f"train.max_skipped_fraction: must be in [0, 1], got {cfg.train.max_skipped_fraction}"
-        )
-    if not 0.0 <= cfg.train.label_smoothing < 1.0:
-        raise ConfigError(
-            f"train.label_smoothing: must be in [0, 1), got {cfg.train.label_smoothing}"
-        )
-    for key, v in {
-        "optim.momentum": cfg.optim.momentum,
-        "model.bn_momentum": cfg.model.bn_momentum,
-        "optim.b1": cfg.optim.b1,
-        "optim.b2": cfg.optim.b2,
-    }.items():
-        if not 0.0 <= v < 1.0:
-            raise ConfigError(f"{key}: must be in [0, 1), got {v}")
+def _check_ranges(cfg: Config) -> None:
+    """Every key whose schema field declares a range (:data:`jddp.config.schema.IN_RANGE`) lies
+    in it: sizes, counts and timeouts > 0, rates, periods (0: never), indices and the seed >= 0,
+    fractions and momenta in [0, 1] or [0, 1); an optional key's null is not checked."""
+    for key, bound in key_ranges().items():
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        if v is not None and not IN_RANGE[bound](v):
+            raise ConfigError(f"{key}: must be {bound}, got {v}")
 
 
 def _check_formats(cfg: Config) -> None:

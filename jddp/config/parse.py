@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import yaml
 
-from jddp.config.schema import Config
+from jddp.config.schema import Config, key_ranges
 from jddp.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
@@ -61,13 +61,19 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def type_and_range(key: str, tp: Any) -> str:
+    """``key``'s type as --help and docs/config.md show it, with its range: ``int, > 0``."""
+    bound = key_ranges().get(key)
+    return _type_name(tp) + (f", {bound}" if bound else "")
+
+
 def help_text() -> str:
     """Every config key with its type, default and meaning, one per line."""
     rows = []
     for key, tp, default, meaning in iter_keys():
         flow = isinstance(default, list)  # [tensorboard], not a YAML block
         shown = yaml.safe_dump(default, default_flow_style=flow).strip().removesuffix("...").strip()
-        rows.append(f"  {key:<28} {_type_name(tp):<24} default: {shown:<10}  {meaning}")
+        rows.append(f"  {key:<28} {type_and_range(key, tp):<24} default: {shown:<10}  {meaning}")
     return "config keys (set in the YAML file or as key=value overrides):\n" + "\n".join(rows)
 
 

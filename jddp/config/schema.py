@@ -3,16 +3,28 @@ one-line meaning (``python -m jddp.train --help`` prints them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
 from jddp.data.augment import AUGMENTS
 from jddp.data.pipeline import WORKER_KINDS
 from jddp.data.registry import DATA_NAMES
 
+# A key's range, in its field's metadata: validate() checks every bounded key in one loop (the
+# message reads "<key>: must be <range>, got <value>"), --help and docs/config.md show it. An
+# optional key's null is not checked.
+POSITIVE, NON_NEGATIVE, UNIT, BELOW_ONE = "> 0", ">= 0", "in [0, 1]", "in [0, 1)"
+IN_RANGE: dict[str, Callable[[Any], bool]] = {
+    POSITIVE: lambda v: v > 0,
+    NON_NEGATIVE: lambda v: v >= 0,
+    UNIT: lambda v: 0 <= v <= 1,
+    BELOW_ONE: lambda v: 0 <= v < 1,
+}
 
-def _f(default: Any, help: str, **choices: Any) -> Any:
-    metadata = {"help": help, **choices}
+
+def _f(default: Any, help: str, *, bound: str | None = None) -> Any:
+    metadata = {"help": help} if bound is None else {"help": help, "range": bound}
     if isinstance(default, (dict, list)):  # a fresh mapping or list per config
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -25,11 +37,13 @@ class ModelConfig:
         "resnet18|resnet34|resnet50|resnet101|resnet152, or 'pkg.module:factory' "
         "(called as fn(config=<model section>, dtype=<compute dtype>, rngs=nnx.Rngs))",
     )
-    num_classes: int = _f(10, "number of output classes")
+    num_classes: int = _f(10, "number of output classes", bound=POSITIVE)
     stem: Literal["cifar", "imagenet"] = _f(
         "cifar", "cifar: 3x3 conv, no max-pool (small images); imagenet: 7x7/2 conv + max-pool"
     )
-    width: int = _f(64, "base channel width of the first stage (64 is the standard ResNet)")
+    width: int = _f(
+        64, "base channel width of the first stage (64 is the standard ResNet)", bound=POSITIVE
+    )
     sync_batchnorm: bool = _f(
         False, "average BatchNorm batch statistics across all devices (global-batch BN)"
     )
@@ -42,8 +56,9 @@ class ModelConfig:
         0.9,
         "BatchNorm running-average decay, in [0, 1): running = m * running + (1 - m) * batch "
         "(Flax's convention: PyTorch's momentum=0.1 is 0.9 here)",
+        bound=BELOW_ONE,
     )
-    bn_epsilon: float = _f(1e-5, "BatchNorm's epsilon, added to the variance (> 0)")
+    bn_epsilon: float = _f(1e-5, "BatchNorm's epsilon, added to the variance (> 0)", bound=POSITIVE)
     remat: Literal["none", "blocks"] = _f(
         "none",
         "activation rematerialisation: blocks (each residual block's activations recomputed "
@@ -87,14 +102,19 @@ class DataConfig:
         "parquet: the integer label column (null: label); webdataset: the label member's "
         "extension, or json:FIELD (null: cls, else json's label)",
     )
-    global_batch_size: int = _f(128, "examples per optimizer step over all devices and processes")
+    global_batch_size: int = _f(
+        128, "examples per optimizer step over all devices and processes", bound=POSITIVE
+    )
     image_size: int | None = _f(
         None,
         "resize images to this side length (null: the format's own size: native for array "
         "data sets (digits, mnist, cifar10, npz, array packs), 224 for encoded images "
         "(imagefolder, parquet, webdataset, image packs), said in the run's first lines)",
+        bound=POSITIVE,
     )
-    prefetch_batches: int = _f(2, "batches placed on the devices ahead of the running step")
+    prefetch_batches: int = _f(
+        2, "batches placed on the devices ahead of the running step", bound=NON_NEGATIVE
+    )
     augment: Literal[AUGMENTS] = _f(
         "none",
         "training augmentation: none | cifar (4-pixel zero pad, random crop, flip) | imagenet "
@@ -122,59 +142,80 @@ class OptimConfig:
         "sgd (with momentum, L2) | adamw | lars (optax.lars: momentum + per-layer trust ratio, "
         "for large batches) | lamb (optax.lamb: Adam + per-layer trust ratio)",
     )
-    lr: float = _f(0.1, "peak learning rate (before linear scaling, see lr_scaling)")
-    momentum: float = _f(0.9, "momentum of sgd and lars (nesterov off); unused by adamw/lamb")
+    lr: float = _f(
+        0.1, "peak learning rate (before linear scaling, see lr_scaling)", bound=NON_NEGATIVE
+    )
+    momentum: float = _f(
+        0.9, "momentum of sgd and lars (nesterov off); unused by adamw/lamb", bound=BELOW_ONE
+    )
     nesterov: bool = _f(False, "use Nesterov momentum with sgd and lars")
     weight_decay: float = _f(
-        5e-4, "weight decay (L2 added to the gradient for sgd/lars, decoupled for adamw/lamb)"
+        5e-4,
+        "weight decay (L2 added to the gradient for sgd/lars, decoupled for adamw/lamb)",
+        bound=NON_NEGATIVE,
     )
     decay_bn_and_bias: bool = _f(
         True,
         "apply weight decay to BatchNorm scales/biases and all biases too; false: only to "
         "kernels (1-D parameters excluded, and from lars's trust ratio; NVIDIA/MLPerf recipes)",
     )
-    trust_coefficient: float = _f(0.001, "lars: trust coefficient (eta of You et al. 2017)")
-    b1: float = _f(0.9, "adamw/lamb beta1")
-    b2: float = _f(0.999, "adamw/lamb beta2")
+    trust_coefficient: float = _f(
+        0.001, "lars: trust coefficient (eta of You et al. 2017)", bound=NON_NEGATIVE
+    )
+    b1: float = _f(0.9, "adamw/lamb beta1", bound=BELOW_ONE)
+    b2: float = _f(0.999, "adamw/lamb beta2", bound=BELOW_ONE)
     schedule: Literal["constant", "cosine"] = _f(
         "cosine", "constant|cosine (decays to 0 at the last step)"
     )
-    warmup_steps: int = _f(0, "linear warmup from 0 to the peak lr over this many steps")
+    warmup_steps: int = _f(
+        0, "linear warmup from 0 to the peak lr over this many steps", bound=NON_NEGATIVE
+    )
     lr_scaling: Literal["none", "linear"] = _f(
         "none", "linear: peak lr = lr * global_batch_size / base_batch_size (Goyal et al. 2017)"
     )
-    base_batch_size: int = _f(256, "reference batch size of the linear lr-scaling rule")
+    base_batch_size: int = _f(
+        256, "reference batch size of the linear lr-scaling rule", bound=POSITIVE
+    )
     clip_grad_norm: float | None = _f(
         None,
         "clip the averaged gradient to this global L2 norm (over the whole model, before the "
         "optimizer, also one given to jddp.fit; the same on every topology and dist.shard); "
         "train/grad_norm is logged before clipping, train/clipped is the share of steps "
         "clipped since the last line (null: off)",
+        bound=POSITIVE,
     )
 
 
 @dataclass
 class TrainConfig:
-    steps: int | None = _f(None, "optimizer steps to run (exclusive with epochs; default 1 epoch)")
-    epochs: float | None = _f(None, "epochs to run, converted to steps (exclusive with steps)")
-    seed: int = _f(0, "seed of parameter init and of the data order")
-    eval_every_steps: int = _f(0, "evaluate every k steps (0: only at the end)")
-    grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step")
+    steps: int | None = _f(
+        None, "optimizer steps to run (exclusive with epochs; default 1 epoch)", bound=POSITIVE
+    )
+    epochs: float | None = _f(
+        None, "epochs to run, converted to steps (exclusive with steps)", bound=POSITIVE
+    )
+    seed: int = _f(0, "seed of parameter init and of the data order", bound=NON_NEGATIVE)
+    eval_every_steps: int = _f(0, "evaluate every k steps (0: only at the end)", bound=NON_NEGATIVE)
+    grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step", bound=POSITIVE)
     early_stop_metric: str | None = _f(
         None,
         "stop when this eval key (e.g. eval/loss) has not improved for early_stop_patience "
         "evals in a row (train.eval_every_steps sets how often): saved, evaluated, exit 0; "
         "null: off",
     )
-    early_stop_patience: int = _f(3, "evals without improvement before early stopping (>= 1)")
+    early_stop_patience: int = _f(
+        3, "evals without improvement before early stopping (>= 1)", bound=POSITIVE
+    )
     early_stop_mode: Literal["min", "max"] = _f("min", "early stopping: min or max is better")
     early_stop_min_delta: float = _f(
-        0.0, "early stopping: an improvement must beat the best by more than this (>= 0)"
+        0.0,
+        "early stopping: an improvement must beat the best by more than this (>= 0)",
+        bound=NON_NEGATIVE,
     )
     precision: Literal["float32", "bfloat16"] = _f(
         "float32", "compute dtype; parameters and BatchNorm statistics stay float32"
     )
-    label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss")
+    label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss", bound=BELOW_ONE)
     loss: str | None = _f(
         None,
         "'pkg.module:function' for a custom task: loss(model, batch) -> per-example losses [B] "
@@ -200,6 +241,7 @@ class TrainConfig:
         0.1,
         "under on_nonfinite=skip: a run that skipped a larger share of its steps fails (exit 1, "
         "after saving its final checkpoint), in [0, 1]",
+        bound=UNIT,
     )
 
 
@@ -209,12 +251,18 @@ class DistConfig:
         "xla",
         "xla: XLA collectives over all devices; mpi: pmean locally + mpi4jax across processes",
     )
-    num_local_devices: int | None = _f(None, "devices of each process to use (null: all)")
+    num_local_devices: int | None = _f(
+        None, "devices of each process to use (null: all)", bound=POSITIVE
+    )
     coordinator_address: str | None = _f(
         None, "host:port of process 0 for jax.distributed (null: from the launcher/cluster)"
     )
-    num_processes: int | None = _f(None, "processes in the job (null: from the launcher/cluster)")
-    process_id: int | None = _f(None, "this process's index (null: from the launcher/cluster)")
+    num_processes: int | None = _f(
+        None, "processes in the job (null: from the launcher/cluster)", bound=POSITIVE
+    )
+    process_id: int | None = _f(
+        None, "this process's index (null: from the launcher/cluster)", bound=NON_NEGATIVE
+    )
     grad_allreduce_dtype: Literal["float32", "bfloat16"] = _f(
         "float32", "dtype in which gradients are sent for averaging (bfloat16 halves the bytes)"
     )
@@ -233,33 +281,43 @@ class DistConfig:
         "optimizer; dist.shard_weight_update=true, the older spelling, means optimizer)",
     )
     check_sync_every: int = _f(
-        0, "every k steps verify (checksum) that all replicas hold the same parameters (0: off)"
+        0,
+        "every k steps verify (checksum) that all replicas hold the same parameters (0: off)",
+        bound=NON_NEGATIVE,
     )
     cpu_threads: int | None = _f(
         None,
         "CPU: cores each process computes on (XLA's thread pool; the process is pinned to "
         "them); null: its CPU affinity divided among this machine's processes (under srun at "
         "most --cpus-per-task)",
+        bound=POSITIVE,
     )
-    init_timeout_s: int = _f(300, "seconds to wait for all processes to join at start")
+    init_timeout_s: int = _f(
+        300, "seconds to wait for all processes to join at start", bound=POSITIVE
+    )
     heartbeat_timeout_s: int = _f(
-        100, "seconds without a heartbeat after which a peer counts as dead and the job stops"
+        100,
+        "seconds without a heartbeat after which a peer counts as dead and the job stops",
+        bound=POSITIVE,
     )
     step_timeout_s: float | None = _f(
         600.0,
         "seconds without progress (a step done, an eval batch, a checkpoint) after which every "
         "process stops with one line saying what it waited for, exit 124, nothing saved "
         "(a rank hung while alive; null: wait forever)",
+        bound=POSITIVE,
     )
     first_step_timeout_s: float | None = _f(
         1800.0,
         "the same until the first step is done (restoring, loading the data, compiling)",
+        bound=POSITIVE,
     )
     device_memory_bytes: int | None = _f(
         None,
         "memory one device may give the train state at rest, in bytes: a state that needs "
         "more under dist.shard is refused in one line before anything is placed (null: the "
         "device's own limit where it reports one, a GPU's; none on CPUs)",
+        bound=POSITIVE,
     )
 
 
@@ -269,14 +327,16 @@ class CheckpointConfig:
         0,
         "save every k steps (0: by checkpoint.every_minutes, and at the end); the final step is "
         "always saved",
+        bound=NON_NEGATIVE,
     )
     every_minutes: float | None = _f(
         30.0,
         "while every_steps is 0: save when this many minutes have passed since the last save "
         "(decided at the same step on every process), so a killed run loses minutes, not the "
         "run (null or 0: only at the end)",
+        bound=NON_NEGATIVE,
     )
-    keep: int = _f(3, "newest checkpoints kept")
+    keep: int = _f(3, "newest checkpoints kept", bound=POSITIVE)
     resume: bool = _f(True, "continue from the newest checkpoint in workdir/checkpoints")
     async_save: bool = _f(True, "write checkpoints in the background while training goes on")
     allow_config_change: bool = _f(
@@ -295,7 +355,7 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    every_steps: int = _f(10, "write a train line to metrics.jsonl every k steps")
+    every_steps: int = _f(10, "write a train line to metrics.jsonl every k steps", bound=POSITIVE)
     progress: Literal["auto", "on", "off", "lines"] = _f(
         "auto",
         "auto: a progress bar on a terminal, else plain lines on stdout (step, epoch, loss, lr, "
@@ -313,6 +373,7 @@ class LogConfig:
         None,
         "measured img/s of ONE device at the same per-device batch; when set, train lines "
         "report train/scaling_efficiency = img_per_s / (devices x baseline)",
+        bound=POSITIVE,
     )
     trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = _f(
         ["tensorboard"],
@@ -337,3 +398,15 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+
+def key_ranges() -> dict[str, str]:
+    """Each bounded key's range, in declaration order: ``{"model.num_classes": "> 0", ...}``."""
+    cfg = Config()
+    return {
+        f"{section.name}.{f.name}": f.metadata["range"]
+        for section in fields(cfg)
+        if is_dataclass(getattr(cfg, section.name))
+        for f in fields(getattr(cfg, section.name))
+        if "range" in f.metadata
+    }
