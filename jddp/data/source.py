@@ -356,8 +356,9 @@ def as_source(
         return data
     if isinstance(data, dict):
         raise TypeError(
-            f"{who}: a dict of arrays is a custom task's batch: pass loss= (and metrics=), as to "
-            "jddp.fit; image classification takes (images, labels)"
+            f"{who}: a dict of arrays is a custom task's batch: give its loss (jddp.fit(loss=...), "
+            "or train.loss=pkg.module:function on the command line); image classification "
+            "takes (images, labels)"
         )
     if isinstance(data, list | tuple) and not data:
         raise DataConfigError(f"{who}: no examples (an empty {type(data).__name__})")
