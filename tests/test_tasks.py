@@ -133,7 +133,7 @@ def test_evaluate_and_predict_a_custom_task(fitted):
     np.testing.assert_allclose(got, np.asarray(model(jnp.asarray(evals["x"][:37]))), rtol=1e-6)
     assert jddp.predict(model, {"x": evals["x"][:0]}).shape == (0,)
     # A custom task's data without its loss: one line saying what to pass.
-    with pytest.raises(TypeError, match="custom task's batch: pass loss="):
+    with pytest.raises(TypeError, match="custom task's batch: give its loss \\(jddp.fit\\(loss="):
         jddp.evaluate(model, evals)
 
 
