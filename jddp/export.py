@@ -25,6 +25,7 @@ from jddp.proc.interrupt import interrupts_exit
 _CTRL_C = interrupts_exit().install() if __name__ == "__main__" else interrupts_exit()
 
 import argparse  # noqa: E402 (after the handler, on purpose)
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -84,6 +85,8 @@ def _check_out(out: Path) -> None:
         raise ConfigError(f"OUT: {out} is a folder; give the file to write")
     if not out.absolute().parent.is_dir():
         raise ConfigError(f"OUT: folder {out.absolute().parent} does not exist")
+    if not os.access(out.absolute().parent, os.W_OK):  # said now, not after the export's work
+        raise ConfigError(f"OUT: folder {out.absolute().parent} is not writable")
 
 
 def main(argv: list[str] | None = None) -> int:

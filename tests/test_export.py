@@ -308,3 +308,17 @@ def test_a_selection_of_booleans_runs_in_onnxruntime(tmp_path):
     jddp.export(Masked(), out, "onnx", example=np.zeros((1, 5), np.float32))
     x = np.random.default_rng(5).standard_normal((4, 5)).astype(np.float32) * 2
     assert_close(run_exported(out, "onnx", x), np.where((x > 0) & (x < 1), x, -x))
+
+
+def test_a_folder_it_cannot_write_is_said_before_any_work(tmp_path, monkeypatch):
+    """OUT in a folder this process cannot write (a read-only mount; root ignores chmod, so
+    the check is os.access): one line before the export's work (it failed after ~50 s with a
+    raw OSError on a temporary file)."""
+    import importlib
+
+    from jddp.errors import ConfigError
+
+    command = importlib.import_module("jddp.export")
+    monkeypatch.setattr(command.os, "access", lambda path, mode: False)
+    with pytest.raises(ConfigError, match=f"OUT: folder {tmp_path} is not writable"):
+        command._check_out(tmp_path / "m.onnx")
