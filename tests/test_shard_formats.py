@@ -378,3 +378,30 @@ def test_pack_reads_parquet_and_webdataset(tmp_path):
             rows = np.arange(len(theirs))
             np.testing.assert_array_equal(mine.get_batch(rows)[0], theirs.get_batch(rows)[0])
             np.testing.assert_array_equal(mine.get_batch(rows)[1], theirs.get_batch(rows)[1])
+
+
+def test_a_shard_rewritten_with_its_size_and_time_is_indexed_again(tmp_path):
+    """A shard whose labels changed but whose size and modification time were kept (rsync -t,
+    cp -p, a re-download): the cached index's content fingerprint no longer matches, so the
+    shard is indexed again and the new labels are used (it trained on the stale ones)."""
+    import os
+    import tarfile
+
+    from jddp.data.formats.webdataset import shard_index
+
+    src = photo_folder(tmp_path / "imf")
+    shard = write_webdataset(src, tmp_path / "wds", shards=1)[0]
+    before, built = shard_index(shard, None, None, None)
+    assert built and shard_index(shard, None, None, None)[1] is False  # cached, verified
+    with tarfile.open(shard) as tar:
+        first = next(m for m in tar.getmembers() if m.name.endswith(".cls"))
+    stat = shard.stat()
+    data = bytearray(shard.read_bytes())
+    old = data[first.offset_data : first.offset_data + first.size]
+    data[first.offset_data : first.offset_data + first.size] = b"1" if old == b"0" else b"0"
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # size and time as they were
+    after, built = shard_index(shard, None, None, None)
+    assert built  # indexed again
+    assert after["labels"][0] != before["labels"][0]
+    np.testing.assert_array_equal(after["labels"][1:], before["labels"][1:])

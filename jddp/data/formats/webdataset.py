@@ -39,7 +39,7 @@ from jddp.errors import DataConfigError, DataError, one_line
 IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
 LABEL_EXTENSIONS: tuple[str, ...] = ("cls", "cls.txt", "label", "txt")
 INDEX_SUFFIX = ".jddp-index.npz"
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: label offsets and the content fingerprint (verified at every load)
 HINT = (
     "point it at WebDataset tar shards, e.g. data.path='shards/train-{000000..000146}.tar' "
     "(brace ranges and globs), members key.jpg|png|webp + key.cls|json"
@@ -95,6 +95,8 @@ def build_index(shard: Path, image_key: str | None, label_key: str | None) -> di
     image_at = np.empty(len(keys), np.int64)
     image_size = np.empty(len(keys), np.int64)
     labels = np.empty(len(keys), np.int64)
+    label_at = np.empty(len(keys), np.int64)
+    label_size = np.empty(len(keys), np.int64)
     where = f"webdataset: shard {str(shard)!r}"
     with open(shard, "rb") as f:
         for i, key in enumerate(keys):
@@ -122,13 +124,37 @@ def build_index(shard: Path, image_key: str | None, label_key: str | None) -> di
                     f"{', '.join('.' + e for e in found)}): set data.label_key"
                 )
             m = found[ext]
+            label_at[i], label_size[i] = offsets[m], sizes[m]
             labels[i] = _read_label(f, shard, key, ext, field, int(offsets[m]), int(sizes[m]))
-    return {
+    index = {
         "keys": np.asarray(keys, dtype=np.str_),
         "image_at": image_at,
         "image_size": image_size,
         "labels": labels,
+        "label_at": label_at,
+        "label_size": label_size,
     }
+    index["fingerprint"] = content_fingerprint(shard, index)
+    return index
+
+
+def content_fingerprint(shard: Path, index: dict[str, np.ndarray]) -> np.ndarray:
+    """A hash of what an index takes from ``shard`` besides offsets: each label member's bytes
+    and each image member's tar header (its name, size and times), read at the indexed
+    offsets (two small reads per example). A shard rewritten with the same size and
+    modification time (``rsync -t``, ``cp -p``) but other labels or members no longer matches."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(shard, "rb") as f:
+        rows = zip(index["label_at"], index["label_size"], index["image_at"], strict=True)
+        for at, n, image in rows:
+            f.seek(int(at))
+            digest.update(f.read(int(n)))
+            f.seek(int(image) - 512)  # the member's header block, just before its data
+            digest.update(f.read(512))
+    return np.asarray(digest.hexdigest())
+
+
+INDEX_KEYS = ("keys", "image_at", "image_size", "labels", "label_at", "label_size", "fingerprint")
 
 
 def _index_paths(shard: Path, index_dir: Path | None) -> list[Path]:
@@ -151,7 +177,8 @@ def shard_index(
     shard: Path, image_key: str | None, label_key: str | None, index_dir: Path | None
 ) -> tuple[dict[str, np.ndarray], bool]:
     """``shard``'s index (:func:`build_index`) from its cache if that matches the shard's size,
-    modification time and the keys, else built and cached (written atomically: processes that
+    modification time and the keys and its content (:func:`content_fingerprint`), else built
+    and cached (written atomically: processes that
     build it at once each write a whole file). Returns it and whether it was built."""
     stamp = _stamp(shard, image_key, label_key)
     paths = _index_paths(shard, index_dir)
@@ -159,9 +186,10 @@ def shard_index(
         try:
             with np.load(path) as cached:
                 if str(cached["stamp"]) == str(stamp):
-                    return {
-                        k: cached[k] for k in ("keys", "image_at", "image_size", "labels")
-                    }, False
+                    index = {k: cached[k] for k in INDEX_KEYS}
+                    # size and time can lie (a copy that keeps them): the content decides
+                    if str(content_fingerprint(shard, index)) == str(index["fingerprint"]):
+                        return index, False
         except (OSError, KeyError, ValueError, EOFError):
             continue
     index = build_index(shard, image_key, label_key)
