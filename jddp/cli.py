@@ -13,10 +13,10 @@ from typing import Any
 
 from jddp import errors
 from jddp.errors import ConfigError, JddpError, Preempted, one_line
+from jddp.proc import watchdog
 from jddp.proc.cores import size_cpu_threads
 from jddp.proc.versions import check_versions
 from jddp.proc.xla import apply_cpu_flags
-from jddp.run import watchdog
 
 
 class OneLineParser(argparse.ArgumentParser):

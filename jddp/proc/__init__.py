@@ -7,6 +7,8 @@
 * :mod:`~jddp.proc.lifeline`: dying with the parent (a launcher's ranks, a rank's input workers);
 * :mod:`~jddp.proc.signals`: stop signals (SIGTERM, SIGUSR1, SIGINT, SIGHUP) turned into a
   per-batch flag every process sees;
+* :mod:`~jddp.proc.watchdog`: a thread that ends a run which made no progress for
+  ``dist.step_timeout_s`` (one line, exit :data:`~jddp.errors.STALLED`);
 * :mod:`~jddp.proc.interrupt`: Ctrl-C as one line and exit 130 for the commands that save
   nothing (imports only ``os`` and ``signal``: installed in their first statement).
 """

@@ -1,0 +1,109 @@
+"""A stalled run ends instead of hanging: ``dist.step_timeout_s`` without progress stops it.
+
+A rank that hangs while alive — an input pipeline stuck on a dead NFS mount, a deadlock in user
+code, a wedged accelerator, a peer stopped with SIGSTOP — leaves every other rank waiting in the
+step's all-reduce forever: nothing is printed and the allocation burns until something outside
+kills the job. PyTorch's NCCL watchdog aborts a collective after its timeout; jddp's is a thread
+in every process that watches the run's progress (a step's results read, an eval batch done, a
+checkpoint written) and, when none came for ``dist.step_timeout_s`` seconds
+(``dist.first_step_timeout_s`` until the first step is done: it compiles), prints one line
+naming the stalled step, how long, and what this rank was waiting for, and exits with
+:data:`~jddp.errors.STALLED` at once: nothing more is saved (a checkpoint in flight never
+appears under a step name), the launcher or SLURM ends the other ranks, and a rerun resumes
+from the newest checkpoint. Not 75: a rerun of a job that stalls may stall again.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from jddp.errors import STALLED
+
+# Set once this process's watchdog has fired: what the main thread then raises (its collective
+# failing as a peer exits) is a consequence, not news (jddp.cli exits STALLED without a word).
+FIRED = threading.Event()
+# How long a fired watchdog keeps its process alive before exiting: the peers' watchdogs, whose
+# stall began at most a step later, fire meanwhile and say what *they* waited for, instead of
+# seeing their all-reduce fail on this process's exit first.
+GRACE_S = 10.0
+
+# What a rank may be waiting for, as the stall line says it.
+WAITING = {
+    "start": "the run to start (restoring, compiling)",
+    "input": "the next batch from the input pipeline",
+    "step": "the step's results (its computation, or its all-reduce with the other processes)",
+    "checkpoint": "a checkpoint to be written",
+    "eval": "an eval batch",
+}
+
+
+class StallWatchdog:
+    """Watches progress from a daemon thread (see the module docstring); ``timeout_s`` None is
+    off. Call :meth:`waiting` when the loop starts to wait for something, :meth:`progress` when
+    something finished; use as a context manager around the run."""
+
+    def __init__(
+        self,
+        timeout_s: float | None,
+        first_timeout_s: float | None,
+        process_index: int = 0,
+        poll_s: float = 0.5,
+    ):
+        self.timeout_s = timeout_s
+        self.first_timeout_s = first_timeout_s or timeout_s
+        self.process_index = process_index
+        self.poll_s = poll_s
+        self.what = "start"
+        self.step = 0  # the step being waited for
+        self.first_done = False
+        self.last_s = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def waiting(self, what: str, step: int | None = None) -> None:
+        """The rank now waits for ``what`` (a key of :data:`WAITING`) of step ``step``."""
+        self.what = what
+        if step is not None:
+            self.step = step
+
+    def progress(self, step_done: bool = False) -> None:
+        """Something finished (``step_done``: a step's results were read): the clock restarts."""
+        self.last_s = time.monotonic()
+        self.first_done = self.first_done or step_done
+
+    def __enter__(self) -> StallWatchdog:
+        if self.timeout_s is not None:
+            self.last_s = time.monotonic()
+            self._thread = threading.Thread(target=self._watch, name="jddp-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            limit = self.timeout_s if self.first_done else self.first_timeout_s
+            stalled_s = time.monotonic() - self.last_s
+            if limit is not None and stalled_s > limit:
+                self._fire(stalled_s, limit)
+
+    def _fire(self, stalled_s: float, limit: float) -> None:
+        key = "dist.step_timeout_s" if self.first_done else "dist.first_step_timeout_s"
+        line = (
+            f"jddp: error: step {self.step} stalled: no progress for {stalled_s:.0f} s "
+            f"({key}={limit:g}); process {self.process_index} was waiting for "
+            f"{WAITING.get(self.what, self.what)}; stopping without saving (exit {STALLED}); "
+            "a rerun resumes from the newest checkpoint\n"
+        )
+        FIRED.set()
+        try:
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - the one line below is what matters
+            pass
+        os.write(2, line.encode())
+        time.sleep(min(GRACE_S, self.timeout_s or GRACE_S))
+        os._exit(STALLED)
