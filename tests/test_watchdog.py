@@ -109,3 +109,61 @@ def test_a_stopped_rank_ends_the_job(tmp_path):
         "waiting for a checkpoint to be written" in lines[0]
     ), lines[0]
     assert_nothing_left(workdir)
+
+
+SLOW_BUT_MOVING = """
+import sys, time
+import jax, numpy as np, optax
+from flax import nnx
+import jddp
+from tests.user_models import TinyMLP
+
+PACE = float(sys.argv[1])  # seconds per batch and per step: 0.7 x dist.step_timeout_s
+
+
+class SlowSource:
+    image_shape, num_classes = (8, 8, 3), 10
+
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.x = rng.normal(size=(64, 8, 8, 3)).astype(np.float32)
+        self.y = rng.integers(0, 10, 64).astype(np.int32)
+
+    def __len__(self):
+        return 64
+
+    def get_batch(self, indices):
+        time.sleep(PACE)
+        return self.x[indices], self.y[indices]
+
+
+class SlowMLP(TinyMLP):
+    def __call__(self, x):
+        jax.debug.callback(lambda: time.sleep(PACE))
+        return super().__call__(x)
+
+
+evals = (np.zeros((16, 8, 8, 3), np.float32), np.zeros(16, np.int32))
+jddp.fit(SlowMLP(192, 10, nnx.Rngs(0)), optax.sgd(0.1), SlowSource(), evals,
+         config={"workdir": sys.argv[2]},
+         overrides=["train.steps=4", "data.global_batch_size=16", "data.workers=0",
+                    "data.prefetch_batches=0",
+                    "log.progress=off", "log.every_steps=1",
+                    f"dist.step_timeout_s={PACE / 0.7}"])
+"""
+
+
+def test_a_run_whose_batches_and_steps_each_take_most_of_the_timeout_finishes(tmp_path):
+    """Every batch and every step take 0.7 x dist.step_timeout_s (a slow input pipeline read
+    in the loop's thread, data.prefetch_batches=0; a host callback in the step, which makes
+    the dispatch synchronous on a CPU): the run moves and finishes, exit 0 (the watchdog timed
+    from one step's results to the next's, a batch plus a step, and declared it stalled)."""
+    pace = 1.4
+    out = run(
+        [sys.executable, "-c", SLOW_BUT_MOVING, str(pace), str(tmp_path / "run")],
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "stalled" not in out.stderr
+    assert len(read_losses(tmp_path / "run")) == 4

@@ -24,12 +24,21 @@ def _steps(run: Run) -> tuple[TrainState, int, bool]:
     pending = None  # the previous step's (step, metrics): read one step late
     run.watchdog.waiting("input", step + 1)
     for batch in run.meter.timed(batches):
+        # Progress is each piece of work as it completes: a batch that arrived, a step that
+        # was dispatched (with synchronous dispatch its computation is done), a step's results
+        # read. A run whose every batch and step take just under dist.step_timeout_s moves;
+        # timing from one step's results to the next's summed a batch and a step and called it
+        # stalled. A real hang is still one wait longer than the timeout.
+        if run.watchdog.first_done:
+            run.watchdog.progress()
         run.watchdog.waiting("step", step + 1)
         with run.profiler.step(step + 1, state):
             flags = {**run.stop.flags(rows), **run.timed_saves.flags(rows)}
             flags = place_batch(flags, run.mesh, run.layout)
             batch = {**batch, **flags}
             state, metrics = run.train_step(state, batch)
+        if run.watchdog.first_done:
+            run.watchdog.progress()
         step += 1
         run.profiler.after(step, metrics)
         if step == run.start_step + 1:  # the first step compiles: timed apart
