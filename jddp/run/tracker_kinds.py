@@ -248,7 +248,8 @@ class MlflowTracker:
                 run_name=self.run_name,
                 tags={
                     "jddp.workdir": self.workdir,
-                    "jddp.command": " ".join(sys.argv)[:5000],  # what to rerun to resume
+                    # what to rerun to resume, as typed (python -m jddp.train ...)
+                    "jddp.command": " ".join(getattr(sys, "orig_argv", sys.argv))[:5000],
                     "mlflow.source.name": sys.argv[0][:500],
                 },
             )
