@@ -51,20 +51,40 @@ PyTree = Any
 GATHERED = "jddp/gathered"  # the checkpoint name of a gathered parameter: never saved
 
 
-def gather(x: jax.Array, axis: int, shards: int, reduce_scatter: bool) -> jax.Array:
+def gather(x: jax.Array, axis: int) -> jax.Array:
     """Inside ``shard_map``: this device's slice ``x`` of an array split along ``axis`` over
-    ``data`` -> the whole array. Its transpose (the gradient's way back) gives each device the
-    *sum* over devices of its slice's gradient: a reduce-scatter (``all_gather``'s transpose),
-    or, when ``reduce_scatter`` is False, an all-reduce then the slice (the gather written as
-    a ``psum`` of the slice placed in zeros: gloo's reduce-scatter is unreliable, jax issue
-    40830). Plain primitives, not a ``custom_vjp``: ``jax.checkpoint`` recomputes them in the
-    backward pass (it keeps a ``custom_vjp``'s outputs from the forward pass)."""
-    if reduce_scatter:
-        return jax.lax.all_gather(x, DATA_AXIS, axis=axis, tiled=True)
-    shape = (*x.shape[:axis], x.shape[axis] * shards, *x.shape[axis + 1 :])
-    start = jax.lax.axis_index(DATA_AXIS) * x.shape[axis]
-    placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros(shape, x.dtype), x, start, axis)
-    return jax.lax.psum(placed, DATA_AXIS)
+    ``data`` -> the whole array; its transpose (the gradient's way back) gives each device the
+    *sum* over devices of its slice's gradient, a reduce-scatter. A plain primitive, not a
+    ``custom_vjp``: ``jax.checkpoint`` recomputes it in the backward pass (it keeps a
+    ``custom_vjp``'s outputs from the forward pass). Through gloo: :func:`gather_packed`."""
+    return jax.lax.all_gather(x, DATA_AXIS, axis=axis, tiled=True)
+
+
+def gather_packed(slices: list[jax.Array], axes: list[int], shards: int) -> list[jax.Array]:
+    """The whole arrays of several split ones at once, one ``psum`` per dtype (each device's
+    slices packed into its row of a zero buffer): through gloo a collective costs its latency
+    once per call, so one per dtype instead of one per array; its transpose is one fused
+    all-reduce of the gradients, then each device's slices (the replicated step's all-reduce,
+    and no gloo reduce-scatter, jax issue 40830). Every array is whole at once: the CPU's
+    layout (XLA:CPU keeps the gathered parameters through the step anyway, see the module)."""
+    out: list[jax.Array | None] = [None] * len(slices)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, x in enumerate(slices):
+        by_dtype.setdefault(jnp.dtype(x.dtype), []).append(i)
+    me = jax.lax.axis_index(DATA_AXIS)
+    for dtype, idx in by_dtype.items():
+        mine = jnp.concatenate([jnp.ravel(jnp.moveaxis(slices[i], axes[i], 0)) for i in idx])
+        rows = jnp.zeros((shards, mine.size), dtype)
+        rows = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(rows, mine[None], me, 0), DATA_AXIS)
+        offset = 0
+        for i in idx:
+            x, k = slices[i], axes[i]
+            local = jnp.moveaxis(x, k, 0).shape  # the slice with its split axis first
+            part = rows[:, offset : offset + x.size].reshape(shards, *local)
+            whole = part.reshape(shards * local[0], *local[1:])  # row blocks in device order
+            out[i] = jnp.moveaxis(whole, 0, k)
+            offset += x.size
+    return out
 
 
 # Operations whose outputs the backward pass recomputes rather than keeps: the gather itself
@@ -113,12 +133,19 @@ class FullShardLayout(ShardLayout):
             ]
 
             def on_slices(slices: list[jax.Array]):
-                full = [
-                    x if k is None else checkpoint_name(
-                        gather(x, k, self.num_shards, self.reduce_scatter), GATHERED
+                split = [i for i, k in enumerate(axes) if k is not None]
+                full = list(slices)
+                if self.reduce_scatter:  # each parameter gathered where it is used
+                    for i in split:
+                        full[i] = gather(slices[i], axes[i])
+                else:  # through gloo: all at once, one collective per dtype
+                    packed = gather_packed(
+                        [slices[i] for i in split], [axes[i] for i in split], self.num_shards
                     )
-                    for x, k in zip(slices, axes, strict=True)
-                ]  # fmt: skip
+                    for i, x in zip(split, packed, strict=True):
+                        full[i] = x
+                for i in split:
+                    full[i] = checkpoint_name(full[i], GATHERED)
                 return objective(jax.tree.unflatten(treedef, full))
 
             g, aux = jax.grad(jax.checkpoint(on_slices, policy=_policy), has_aux=True)(start)

@@ -12,6 +12,7 @@ slice's own norms (the psum over devices dropped: the bug the tests must catch).
 case's final states also go through a checkpoint, each restored in another's layout.
 """
 
+import dataclasses
 import json
 import sys
 import tempfile
@@ -69,7 +70,12 @@ def batches(global_rows: int) -> list[dict]:
     return out
 
 
-KINDS = {"replicated": "none", "sharded": "optimizer", "full": "full"}
+KINDS = {"replicated": "none", "sharded": "optimizer", "full": "full", "full-gloo": "full"}
+
+
+def label_kind(label: str, kind: str) -> str:
+    """The run() kind of a KINDS entry: ``full-gloo`` keeps its suffix."""
+    return f"{kind}-gloo" if label.endswith("-gloo") else kind
 
 
 def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainState]:
@@ -79,7 +85,7 @@ def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainS
         overrides=[
             f"data.global_batch_size={rows}",
             "optim.schedule=constant",
-            f"dist.shard={kind}",
+            f"dist.shard={kind.removesuffix('-gloo')}",
             *overrides,
         ]
     )
@@ -87,6 +93,8 @@ def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainS
     tx, schedule = make_optimizer(cfg.optim, rows, STEPS)
     model_def, state = create_train_state(SmallCnn(nnx.Rngs(0)), tx, mesh)
     layout = build_layout(cfg, mesh, comm)
+    if kind.endswith("-gloo"):  # the path processes on CPUs take (gloo): one packed psum
+        layout = dataclasses.replace(layout, reduce_scatter=False)
     state = layout.place(state)
     step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
     where = batch_layout(mesh, rows)
@@ -143,7 +151,7 @@ def main() -> None:
         outs, states = {}, {}
         for label, kind in KINDS.items():
             try:
-                outs[label], states[label] = run(overrides, num_devices, kind)
+                outs[label], states[label] = run(overrides, num_devices, label_kind(label, kind))
             except ConfigError as e:  # a combination the layout refuses, in one line
                 outs[label] = {"refused": str(e)}
         results[name] = outs
