@@ -16,10 +16,12 @@ per device and per micro-batch:
    step; GPUs keep the barriers (docs/performance.md);
 2. the gathered parameter's gradient goes back through the gather's transpose, a
    reduce-scatter: the device receives the sum over devices of its slice's gradient, divided
-   once as ``pmean`` divides (through gloo on CPUs the gather is a ``psum`` of the slice
-   placed in zeros, whose transpose all-reduces then slices: gloo's reduce-scatter is
-   unreliable, jax issue 40830); whole arrays are all-reduced as in the replicated step. The
-   transpose sends the parameters' dtype: ``dist.grad_allreduce_dtype=bfloat16`` is refused;
+   once as ``pmean`` divides (through gloo on CPUs all split parameters are gathered at once
+   by one packed ``psum`` per dtype, :func:`gather_packed`, whose transpose all-reduces the
+   gradients then slices: gloo's reduce-scatter is unreliable, jax issue 40830, and its
+   latency is paid per collective); whole arrays are all-reduced as in the replicated step.
+   The transpose sends the parameters' dtype: ``dist.grad_allreduce_dtype=bfloat16`` is
+   refused;
 3. each device updates its slices with its slices of the optimizer state; nothing is gathered
    after the update.
 
