@@ -113,7 +113,9 @@ def _policy(prim: Any, *_: Any, **params: Any) -> bool:
 @dataclass(frozen=True)
 class FullShardLayout(ShardLayout):
     """Where each array lives under ``dist.shard=full``: parameters and optimizer state split
-    along :meth:`axis`, the model state and counters whole."""
+    along :meth:`axis`, the model state and counters whole. The grads stage is
+    :class:`ShardLayout`'s (the state in its layout, the gradients out as slices); what
+    differs is the layout, the :class:`GradsIO` and the update stage."""
 
     kind = "full"
 
@@ -164,22 +166,6 @@ class FullShardLayout(ShardLayout):
             return jax.tree.unflatten(treedef, out)
 
         return GradsIO(grads, mean)
-
-    def grads_stage(self, per_device_batch: Callable, comm: Any) -> Callable:
-        """``per_device_batch(state, batch, io)`` under ``shard_map``: the state in its
-        layout, the batch split; out come the gradients as the global arrays of their slices,
-        the model state and metrics whole."""
-
-        def stage(state: TrainState, batch: PyTree) -> tuple[PyTree, PyTree, PyTree]:
-            io = self.grads_io(state.params, comm)
-            return jax.shard_map(
-                lambda s, b: per_device_batch(s, b, io),
-                mesh=self.mesh,
-                in_specs=(self.state_specs(state), P(DATA_AXIS)),
-                out_specs=(self.specs(state.params), P(), P()),
-            )(state, batch)
-
-        return stage
 
     def update_stage(self, make_update: Callable) -> Callable:
         """The optimizer stage run by every device on its slices; the parameters stay split."""
