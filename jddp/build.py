@@ -116,7 +116,10 @@ def _user_model(factory: Any, name: str, config: dict, dtype: Any, rngs: nnx.Rng
     a callable that cannot take those keywords (a model class itself, say), or a factory that
     returns something other than an NNX module."""
     try:
-        inspect.signature(factory).bind(config=config, dtype=dtype, rngs=rngs)
+        if inspect.isclass(factory):  # its metaclass may hide __init__ behind (*args, **kw)
+            inspect.signature(factory.__init__).bind(None, config=config, dtype=dtype, rngs=rngs)
+        else:
+            inspect.signature(factory).bind(config=config, dtype=dtype, rngs=rngs)
     except TypeError:
         raise ConfigError(
             f"model.name: {name} is called as fn(config=<model section dict>, dtype=<compute "
@@ -137,6 +140,8 @@ def _user_model(factory: Any, name: str, config: dict, dtype: Any, rngs: nnx.Rng
 
 def _signature(fn: Any) -> str:
     try:
+        if inspect.isclass(fn):
+            return str(inspect.signature(fn.__init__)).replace("(self, ", "(", 1)
         return str(inspect.signature(fn))
     except (TypeError, ValueError):
         return "unknown"

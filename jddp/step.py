@@ -36,7 +36,7 @@ from jddp import weighted
 from jddp.comm import Comm
 from jddp.layout import GradsIO, ReplicatedLayout, to_varying
 from jddp.mesh import DATA_AXIS
-from jddp.proc.signals import SAVE_KEY, STOP_KEY
+from jddp.proc.signals import FINISH_KEY, SAVE_KEY, STOP_KEY
 from jddp.state import MODEL_STATE, ModelDef, TrainState
 from jddp.tasks import Task
 from jddp.tasks.classification import (  # noqa: F401 - PixelNorm, cross_entropy_loss: public here
@@ -49,6 +49,7 @@ from jddp.tasks.classification import (  # noqa: F401 - PixelNorm, cross_entropy
 Batch = dict[str, Any]
 Metrics = dict[str, jax.Array]
 MASK_KEY = "mask"
+FLAG_KEYS = (STOP_KEY, FINISH_KEY, SAVE_KEY)  # the host's per-row flags a batch may carry
 DATA_KEY = "data"
 # The mean loss weight per example of a step whose loss is weighted, and whether any weight was
 # negative: read by the host (jddp.run.hooks.StepReporter), never logged as they are.
@@ -60,7 +61,7 @@ def batch_data(batch: Batch) -> Any:
     """The task's part of a step's batch (see the module docstring)."""
     if DATA_KEY in batch:
         return batch[DATA_KEY]
-    return {k: v for k, v in batch.items() if k not in (STOP_KEY, SAVE_KEY, MASK_KEY)}
+    return {k: v for k, v in batch.items() if k not in FLAG_KEYS + (MASK_KEY,)}
 
 
 NONFINITE_KEY = "train/nonfinite"  # 1.0 when this step's update was dropped
@@ -341,7 +342,7 @@ def make_train_step(
 
     def per_device_batch(state: TrainState, batch: Batch, io: GradsIO):
         grads, stats, metrics = per_device(state, batch_data(batch), io)
-        for key in (STOP_KEY, SAVE_KEY):  # any process asking: the max over devices is > 0
+        for key in FLAG_KEYS:  # any process asking: the mean over devices is > 0
             if key in batch:
                 metrics[key] = jnp.max(batch[key]).astype(jnp.float32)
         return grads, stats, comm.average(metrics)

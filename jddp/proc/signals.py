@@ -17,7 +17,7 @@ import numpy as np
 from jddp.errors import STOP_SIGNALS
 
 STOP_KEY = "sys/stop"  # per-row stop request in a batch; > 0 in the metrics if any process asked
-FINISH_FLAG, PREEMPT_FLAG = 1.0, 2.0  # its values: end as finished; save and exit 75
+FINISH_KEY = "sys/finish"  # per-row "end the run as finished" (a callback's wish)
 SAVE_KEY = "sys/save"  # per-row "a checkpoint is due by the clock" (checkpoint.every_minutes)
 
 
@@ -87,11 +87,11 @@ class StopRequest:
         self.finish_reason = self.finish_reason or reason
 
     def flags(self, rows: int) -> dict[str, np.ndarray]:
-        """This process's rows of the batch's stop flags: :data:`PREEMPT_FLAG` for a stop
-        signal, :data:`FINISH_FLAG` for :meth:`finish` (the max over processes wins: a signal
-        saves and exits 75 even when a callback asked to finish)."""
-        if self.signal_name is not None:
-            value = PREEMPT_FLAG
-        else:
-            value = FINISH_FLAG if self.finish_reason is not None else 0.0
-        return {STOP_KEY: np.full(rows, value, np.float32)}
+        """This process's rows of the batch's flags: :data:`STOP_KEY` for a stop signal,
+        :data:`FINISH_KEY` for :meth:`finish`. Two keys, each > 0 when any process asked: the
+        step averages its metrics over processes (a value's meaning would not survive a
+        mean); a signal wins (save and exit 75) when both came."""
+        return {
+            STOP_KEY: np.full(rows, self.signal_name is not None, np.float32),
+            FINISH_KEY: np.full(rows, self.finish_reason is not None, np.float32),
+        }

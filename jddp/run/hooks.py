@@ -23,7 +23,7 @@ from jddp.comm import Comm
 from jddp.errors import DataError, NonFiniteLoss, ReplicasDiverged
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, MetricsLog
-from jddp.proc.signals import PREEMPT_FLAG, SAVE_KEY, STOP_KEY, TimedSaves
+from jddp.proc.signals import FINISH_KEY, SAVE_KEY, STOP_KEY, TimedSaves
 from jddp.state import TrainState
 from jddp.step import CLIPPED_KEY, LOSS_WEIGHT_KEY, NEGATIVE_WEIGHT_KEY, NONFINITE_KEY
 
@@ -168,10 +168,10 @@ class StepReporter:
         host = {k: float(v) for k, v in to_host(metrics).items()}
         if host.pop(SAVE_KEY, 0.0) > 0 and self.timed_saves is not None:
             self.timed_saves.requested = True  # every process read the same flag
-        flag = host.pop(STOP_KEY, 0.0)
-        stop_requested = flag > 0
-        if stop_requested:  # every process reads the same flag: the same kind of stop
-            self.stop_kind = "preempt" if flag >= PREEMPT_FLAG else "finish"
+        preempt, finish = host.pop(STOP_KEY, 0.0) > 0, host.pop(FINISH_KEY, 0.0) > 0
+        stop_requested = preempt or finish
+        if stop_requested:  # every process reads the same flags: the same kind of stop
+            self.stop_kind = "preempt" if preempt else "finish"
         self._check_weights(step, host)
         if host[NONFINITE_KEY] and self.halt_on_nonfinite:
             kept = self.checkpoints.all_steps()
