@@ -181,23 +181,23 @@ def test_resume_switching_the_layout_and_the_topology(tmp_path, two_by_two):
 
 @pytest.mark.slow
 def test_a_state_too_large_for_the_budget_trains_fully_sharded(tmp_path):
-    """Two processes whose devices may each hold 6 MB of train state (dist.device_memory_bytes;
-    on a GPU the device's own limit): the AdamW state of a width-16 ResNet-18 (8.0 MiB per
-    device whole) is refused with one line naming the bytes, before anything is placed; fully
-    sharded over the two devices (4.0 MiB each) it trains."""
-    model = ["model.width=16", "optim.name=adamw", "train.steps=2",
-             "dist.device_memory_bytes=6000000"]  # fmt: skip
+    """Two processes whose devices may each hold 60 kB of train state (dist.device_memory_bytes;
+    on a GPU the device's own limit): a small MLP's AdamW state (76.3 KiB per device whole) is
+    refused with one line naming the bytes, before anything is placed; fully sharded over the
+    two devices (38.1 KiB each) it trains."""
+    model = ["model.name=tests.user_models:tiny_mlp", "optim.name=adamw", "train.steps=2",
+             "dist.device_memory_bytes=60000"]  # fmt: skip
     out = run(launch_cmd(2, 1, tmp_path / "none", *model, "dist.shard=none"))
     assert out.returncode == 2, out.stderr[-2000:]
     assert (
-        "jddp: error: the train state needs 8.0 MiB per device under dist.shard=none, more than "
-        "the 5.7 MiB a device may hold" in out.stderr
+        "jddp: error: the train state needs 76.3 KiB per device under dist.shard=none, more than "
+        "the 58.6 KiB a device may hold" in out.stderr
     ), out.stderr[-2000:]
-    assert "full 4.0 MiB" in out.stderr
+    assert "full 38.1 KiB" in out.stderr
     assert not (tmp_path / "none" / "checkpoints").exists()
     out = run(launch_cmd(2, 1, tmp_path / "full", *model, "dist.shard=full"))
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "jddp: memory per device: state 4.0 MiB (dist.shard=full: " in out.stdout
+    assert "jddp: memory per device: state 38.1 KiB (dist.shard=full: " in out.stdout
     assert len(read_losses(tmp_path / "full")) == 2
 
 

@@ -107,9 +107,11 @@ def check_state_fits(shapes: Any, layout: Any, budget: int | None) -> None:
 
 
 def mib(nbytes: float) -> str:
-    """``nbytes`` in MiB, one decimal (GiB from 10 GiB on)."""
+    """``nbytes`` in MiB, one decimal (GiB from 10 GiB on, KiB under 1 MiB)."""
     if nbytes >= 10 * 2**30:
         return f"{nbytes / 2**30:.1f} GiB"
+    if nbytes < 2**20:
+        return f"{nbytes / 2**10:.1f} KiB"
     return f"{nbytes / 2**20:.1f} MiB"
 
 
