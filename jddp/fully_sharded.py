@@ -5,8 +5,9 @@ At rest each device holds 1/N of every array that splits (:meth:`ShardLayout.axi
 ``dist.shard=optimizer`` splits the optimizer state) and the whole of the rest. In the step,
 per device and per micro-batch:
 
-1. each split parameter is all-gathered where the model reads it (:func:`gather`: one
-   ``all_gather`` per array, no annotation on the model), inside a ``jax.checkpoint`` whose
+1. each split parameter is all-gathered as the forward pass begins (:func:`gather`: one
+   ``all_gather`` per array, with no annotation on the model XLA's scheduler places each; it
+   is not hooked to the layer that reads it), inside a ``jax.checkpoint`` whose
    policy (:func:`_policy`) keeps everything but the gathers and the casts and reshapes that
    follow them: the backward pass may gather each one again instead of keeping the whole
    model alive from the forward pass to the backward pass (FSDP's ``reshard_after_forward``).
@@ -139,7 +140,7 @@ class FullShardLayout(ShardLayout):
             def on_slices(slices: list[jax.Array]):
                 split = [i for i, k in enumerate(axes) if k is not None]
                 full = list(slices)
-                if self.reduce_scatter:  # each parameter gathered where it is used
+                if self.reduce_scatter:  # one all_gather per parameter
                     for i in split:
                         full[i] = gather(slices[i], axes[i])
                 else:  # through gloo: all at once, one collective per dtype

@@ -320,7 +320,7 @@ def make_train_step(
     device) says where the state lives (laid out by ``layout.place``) and how gradients become
     updates: all-reduced and applied whole (``none``); reduce-scattered, each device updating
     its slice with its slice of the optimizer state, the parameters all-gathered after
-    (``optimizer``); or each parameter gathered where it is used, its gradient
+    (``optimizer``); or each parameter all-gathered for the forward pass, its gradient
     reduce-scattered, and every array updated and kept as slices (``full``); the steps are the
     same. ``shard_update``: the older name of ``layout``. ``clip_grad_norm``: the averaged
     gradient is scaled to at most this global L2 norm before ``tx`` sees it
