@@ -405,3 +405,19 @@ def test_a_shard_rewritten_with_its_size_and_time_is_indexed_again(tmp_path):
     assert built  # indexed again
     assert after["labels"][0] != before["labels"][0]
     np.testing.assert_array_equal(after["labels"][1:], before["labels"][1:])
+
+
+def test_a_gzip_compressed_shard_is_named_as_such(tmp_path):
+    """A .tar.gz shard (common in the wild): one line saying it is gzip-compressed and what to
+    do (it said 'not a tar file')."""
+    import gzip
+
+    from jddp.data.formats.tar import tar_members
+    from jddp.errors import DataError
+
+    src = photo_folder(tmp_path / "imf")
+    shard = write_webdataset(src, tmp_path / "wds", shards=1)[0]
+    packed = tmp_path / "train-000000.tar.gz"
+    packed.write_bytes(gzip.compress(shard.read_bytes()))
+    with pytest.raises(DataError, match="is gzip-compressed \\(.tar.gz\\): jddp reads"):
+        tar_members(packed)

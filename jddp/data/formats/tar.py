@@ -73,6 +73,12 @@ def tar_members(shard: Path) -> tuple[list[str], np.ndarray, np.ndarray]:
             if header == b"\0" * _BLOCK:  # end of archive (two zero blocks; one suffices)
                 break
             if not _checksum_ok(header):
+                if pos == 0 and header[:2] == b"\x1f\x8b":  # gzip's magic bytes
+                    raise DataError(
+                        f"webdataset: shard {str(shard)!r} is gzip-compressed (.tar.gz): jddp "
+                        "reads examples by their offsets in an uncompressed tar; decompress the "
+                        "shards (gunzip), or write them without tar's -z"
+                    )
                 raise DataError(
                     f"webdataset: shard {str(shard)!r} is not a tar file (no header at byte {pos})"
                 )
