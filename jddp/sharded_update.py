@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp.comm import Comm
-from jddp.layout import GradsIO, replicated_grads, split_share_of
+from jddp.layout import GradsIO, replicated_grads, split_share_of, state_bytes_per_device
 from jddp.mesh import DATA_AXIS, DTYPES
 from jddp.optimizer import layer_sq_norms, split_over_data
 from jddp.state import TrainState
@@ -270,8 +270,4 @@ class ShardLayout:
 
 def optimizer_state_bytes(state: TrainState) -> int:
     """Bytes of the optimizer state on one device (the first addressable one)."""
-    total = 0
-    for x in jax.tree.leaves(state.opt_state):
-        shard = x.addressable_shards[0].data if isinstance(x, jax.Array) else np.asarray(x)
-        total += shard.size * shard.dtype.itemsize
-    return total
+    return state_bytes_per_device(state.opt_state)

@@ -67,9 +67,6 @@ def batch_data(batch: Batch) -> Any:
 NONFINITE_KEY = "train/nonfinite"  # 1.0 when this step's update was dropped
 
 
-_to_varying = to_varying
-
-
 def _sync_model_state(comm: Comm, model_state: Any) -> Any:
     """Make the model state every device returns identical.
 
@@ -105,9 +102,9 @@ def _accumulate(local_grads: Callable, params, model_state, data, k: int):
 
     first = jax.tree.map(lambda x: x[0], micro(data))
     shapes = jax.eval_shape(local_grads, params, model_state, first)
-    zeros = jax.tree.map(lambda a: _to_varying(jnp.zeros(a.shape, a.dtype)), shapes)
+    zeros = jax.tree.map(lambda a: to_varying(jnp.zeros(a.shape, a.dtype)), shapes)
     (grads, stats, metrics), _ = jax.lax.scan(
-        body, (zeros[0], _to_varying(model_state), zeros[2]), micro(data)
+        body, (zeros[0], to_varying(model_state), zeros[2]), micro(data)
     )
     grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
     return grads, stats, metrics

@@ -158,7 +158,7 @@ def test_a_run_whose_batches_and_steps_each_take_most_of_the_timeout_finishes(tm
     in the loop's thread, data.prefetch_batches=0; a host callback in the step, which makes
     the dispatch synchronous on a CPU): the run moves and finishes, exit 0 (the watchdog timed
     from one step's results to the next's, a batch plus a step, and declared it stalled)."""
-    pace = 1.4
+    pace = 3.5  # the timeout 5 s: the pieces around a batch and a step (a save, an eval)
     out = run(
         [sys.executable, "-c", SLOW_BUT_MOVING, str(pace), str(tmp_path / "run")],
         cwd=ROOT,
