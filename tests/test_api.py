@@ -212,7 +212,6 @@ def test_user_model_factory_from_the_cli(tmp_path):
             [sys.executable, "-m", "jddp.launch", "--nproc", "2", "--"],
             "custom_cnn_digits.py",
             0.9,
-            marks=pytest.mark.serial,
         ),
         ([], "label_smoothing_loss.py", 0.9),
     ],

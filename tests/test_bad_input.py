@@ -310,7 +310,6 @@ def not_a_coordinator(request):
             c.close()
 
 
-@pytest.mark.serial
 def test_coordinator_address_that_is_not_a_coordinator(files, not_a_coordinator):
     """Something answers TCP at dist.coordinator_address but is no JAX coordinator: exit 2 and
     one line naming the key and the address (not a C++ abort after dist.init_timeout_s)."""

@@ -82,7 +82,6 @@ def reference(request, tmp_path_factory):
     return name, workdir, out
 
 
-@pytest.mark.serial  # two processes: alone on the machine (tests/conftest.py)
 def test_two_processes_give_the_same_losses(reference, tmp_path):
     name, one_by_two, _ = reference
     workdir = tmp_path / "two_by_one"
@@ -96,7 +95,6 @@ def test_two_processes_give_the_same_losses(reference, tmp_path):
     assert final["eval/loss"] == pytest.approx(want["eval/loss"], rel=1e-5)
 
 
-@pytest.mark.serial  # a kill timed against the run's progress
 def test_a_run_killed_mid_way_resumes_bitwise(reference, tmp_path):
     name, one_by_two, _ = reference
     workdir = tmp_path / "killed"

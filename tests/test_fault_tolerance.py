@@ -25,7 +25,7 @@ from tests.helpers import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow]
 
 cmd_train, cmd_launch = train_cmd, launch_cmd
 

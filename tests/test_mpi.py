@@ -27,7 +27,7 @@ from tests.helpers import (
     with_overrides,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow]
 
 # Per-device BatchNorm statistics (sync off): every device normalises the same 8 rows in every
 # topology with 4 devices, so all of them must agree step for step. Measured here: at this batch

@@ -23,8 +23,6 @@ from tests.helpers import (
     train_cmd,
 )
 
-# serial: the multi-process training runs (alone, as their timings and CPU share assume); the
-# start-up errors and the 35-s skew test (mostly asleep) run beside other tests.
 pytestmark = [pytest.mark.slow]
 
 
@@ -53,7 +51,6 @@ def reference(tmp_path_factory):
 # 2 x 2 (the shared run, tests/conftest.py) against 1 x 4: processes and devices both change.
 # (4 x 1 was dropped to keep CI under 20 minutes on 2 cores; test_fault_tolerance resumes 2 x 2
 # checkpoints as 1 x 4, 1 x 1.)
-@pytest.mark.serial
 def test_topology_invariance(reference, two_by_two):
     wd, out = two_by_two
     rows, got = losses(wd)
@@ -86,7 +83,6 @@ def run_ranks(workdir, envs: list[dict[str, str]], *overrides, timeout=300):
     return outs
 
 
-@pytest.mark.serial
 @pytest.mark.parametrize("launcher", ["torchrun", "skypilot"])
 def test_torchrun_and_skypilot_variables_join_the_job(tmp_path, reference, launcher):
     """Two processes started with only the variables torchrun (2 nodes x 1 process: its agent
@@ -118,7 +114,6 @@ def test_torchrun_and_skypilot_variables_join_the_job(tmp_path, reference, launc
     assert_losses_match(got, want, range(1, 5))
 
 
-@pytest.mark.serial
 def test_mpirun_as_launcher_with_xla_backend(tmp_path, reference):
     wd = tmp_path / "run"
     out = run(mpirun_cmd(2, wd, "train.steps=4", "dist.backend=xla"), env=fake_devices(2))

@@ -339,7 +339,6 @@ def packed_overrides(pack_dir: Path, *more: str) -> list[str]:
     return with_overrides(["data.name=packed", f"data.path={pack_dir}", *E2E], *more)
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 def test_packed_topology_invariance_and_bitwise_resume(tmp_path, packed_run):
     root, straight = packed_run
@@ -371,7 +370,6 @@ def test_damaged_pack_stops_training_in_one_line(tmp_path, packed_run, how):
     assert steps_saved(wd) == [4, 8]  # nothing lost
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 def test_killed_pack_leaves_no_worker_and_the_rerun_finishes(tmp_path):
     write_jpeg_folder(tmp_path / "jpg", classes=2, per_class=60, size=(500, 375))

@@ -113,7 +113,6 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
-@pytest.mark.serial  # a kill timed against the run's progress
 @pytest.mark.slow
 def test_a_killed_job_ends_and_its_rerun_resumes_bitwise_as_jddp_launch(
     cluster, two_by_two, tmp_path

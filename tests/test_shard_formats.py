@@ -231,7 +231,6 @@ def killed_and_rerun(cmd, workdir, env) -> None:
     return steps_saved(workdir)[-1]
 
 
-@pytest.mark.serial  # kills timed against the runs' progress
 @pytest.mark.slow
 def test_any_topology_and_a_kill_give_the_same_losses(tmp_path, e2e_shards):
     """Parquet 1x2 and WebDataset 2x1 of the same files: the same per-step losses (batch k is the

@@ -143,7 +143,6 @@ def test_trust_ratios_of_slices_are_caught(four_devices):
     assert rel_l2(broken["params"], want["params"]) > 1e-4
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 def test_resume_switching_the_layout_and_the_topology(tmp_path, two_by_two):
     """The shared replicated 2 x 2 run's checkpoint 12 resumed fully sharded (orbax reads each

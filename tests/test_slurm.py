@@ -29,7 +29,7 @@ from tests.helpers import (
     with_overrides,
 )
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
 SLURM_ENV = {**os.environ, "PYTHONPATH": str(REPO)}  # the tasks import this checkout's jddp

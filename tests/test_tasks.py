@@ -303,7 +303,6 @@ DROPOUT = [
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # two processes
 def test_dropout_same_device_count_same_losses_and_resume(tmp_path):
     """Dropout draws its masks per device (the device's index folded into the key): the same
     number of devices gives the same per-step losses however they are split into processes, a

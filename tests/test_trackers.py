@@ -357,7 +357,6 @@ def _expected(workdir) -> dict[str, dict[int, float]]:
     return want
 
 
-@pytest.mark.serial  # kills timed against the run's progress
 @pytest.mark.slow
 def test_mlflow_has_every_step_once_in_one_run_across_kill_and_preemption(tracked, mlflow_uri):
     from mlflow import MlflowClient
@@ -411,7 +410,6 @@ def _tensorboard_steps(folder: Path, tag: str) -> list[int]:
     return sorted(shown)
 
 
-@pytest.mark.serial  # kills timed against the run's progress
 @pytest.mark.slow
 def test_tensorboard_has_every_step_once_across_kill_and_preemption(tracked):
     """Flushed at every log line and refilled on resume: after a kill -9, a preemption and the
@@ -469,7 +467,6 @@ def _items(items) -> dict:
     return {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in items}
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 def test_wandb_offline_continues_one_run_without_duplicates(tracked):
     workdir, env, after_kill, _ = tracked

@@ -106,7 +106,6 @@ def test_a_run_that_skipped_every_step_fails(tmp_path):
         fit(tmp_path / "run", "train.steps=3", "train.on_nonfinite=skip", model=model)
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 def test_ctrl_c_saves_like_sigterm(tmp_path):
     """Ctrl-C in a terminal: SIGINT to the whole foreground group, the input worker processes
@@ -189,7 +188,6 @@ def small_disk(tmp_path):
         run(["umount", "-l", str(mount)])
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_older_ones(small_disk):
     """Room for one checkpoint (~0.6 MB) and its metrics, not two: the second save fails. The
@@ -285,7 +283,6 @@ def test_a_preempted_run_continues_under_resume_false(tmp_path, capsys):
     assert again.step == stopped + 2 and len(list((wd / "previous").iterdir())) == 1
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 def test_sigusr1_to_the_launcher_saves_and_the_same_command_continues(tmp_path):
     """SLURM's ``--signal=USR1@120`` reaches the launcher only: it forwards it, every rank saves,
@@ -402,7 +399,6 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 def test_kill_9_of_the_trainer_leaves_no_process(tmp_path):
     """What the OOM killer does: the input worker processes and multiprocessing's resource
