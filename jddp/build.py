@@ -352,5 +352,7 @@ def build_steps(
         schedule=schedule,
         layout=layout or build_layout(cfg, mesh, comm, parts),
         clip_grad_norm=cfg.optim.clip_grad_norm,
+        ema_decay=cfg.train.ema_decay,
+        ema_warmup=cfg.train.ema_warmup,
     )
     return train_step, make_eval_step(model_def, mesh, task=task)

@@ -30,7 +30,7 @@ import argparse  # noqa: E402 (after the handler, on purpose)
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-USAGE = "python -m jddp.evaluate --workdir W [--step N] [key.sub=value ...]"
+USAGE = "python -m jddp.evaluate --workdir W [--step N] [--ema] [key.sub=value ...]"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -45,6 +45,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--workdir", required=True, help="the run's folder")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument(
+        "--ema",
+        action="store_true",
+        help="evaluate the parameters' moving average (a run with train.ema_decay), logged as "
+        "eval_ema/...",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.*")
     return parser.parse_intermixed_args(argv)  # overrides before and after the flags
 
@@ -61,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             args = parse_args(argv)
             cfg = run_config(Path(args.workdir), args.overrides)
             find_checkpoint(args.workdir, args.step, "--workdir", "--step")  # before JAX starts
-            evaluate_checkpoint(cfg, args.workdir, args.step, session.start_jax(cfg.dist))
+            evaluate_checkpoint(
+                cfg, args.workdir, args.step, session.start_jax(cfg.dist), ema=args.ema
+            )
             return 0
 
         return run(body)

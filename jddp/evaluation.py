@@ -109,6 +109,22 @@ class EvalRun:
         return out
 
 
+@dataclass
+class WithEma:
+    """An eval pass of the parameters and of their moving average (``train.ema_decay``): the
+    metrics of :class:`EvalRun` for each, the EMA's under ``eval_ema/`` (``eval_ema/loss``,
+    ``eval_ema/accuracy``, ...)."""
+
+    run: EvalRun
+
+    def __call__(self, state: TrainState) -> dict:
+        """``eval/...`` of ``state``'s parameters, then ``eval_ema/...`` of its EMA."""
+        out = self.run(state)
+        averaged = self.run(state.replace(params=state.ema_params))
+        out.update({f"eval_ema/{k.removeprefix('eval/')}": v for k, v in averaged.items()})
+        return out
+
+
 def build_eval_run(
     model: nnx.Module,
     source: Any,
@@ -150,6 +166,7 @@ def evaluate_model(
     metrics: Callable | None = None,
     loss_fn: Callable | None = None,
     overrides: Iterable[str] = (),
+    ema: bool = False,
 ) -> dict:
     """Eval metrics (as :class:`EvalRun` returns them) of a model on ``data``.
 
@@ -162,8 +179,9 @@ def evaluate_model(
     The task: ``loss``/``metrics`` as given to ``jddp.fit`` (any task; a run trained with
     ``train.loss``/``train.metrics`` brings its own), else image classification with
     ``loss_fn`` ``(logits_BxK, labels_B) -> loss_B`` (default: the run's cross-entropy).
+    ``ema``: a run's parameters' moving average (``train.ema_decay``) in place of them.
     """
-    run = as_model(model_or_workdir, step)
+    run = as_model(model_or_workdir, step, ema)
     cfg = None
     if run.model is not model_or_workdir:  # a run: its config (optional when data is given)
         try:
@@ -281,11 +299,14 @@ def run_config(path: Path, overrides: Iterable[str] = ()) -> Config:
 ROTATION_RETRIES = 3
 
 
-def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> dict:
+def evaluate_checkpoint(
+    cfg: Config, path: str, step: int | None, job: Job, ema: bool = False
+) -> dict:
     """Evaluate checkpoint ``step`` (default: the newest) of the run at ``path`` on ``cfg``'s
     eval split over the job's devices and processes; process 0 prints the result, then
     appends it to metrics.jsonl (a file it cannot write is one warning line: the result
-    stands)."""
+    stands). ``ema``: the parameters' moving average (``train.ema_decay``), logged as
+    ``eval_ema/...``."""
     enable_compilation_cache(cfg.train.compilation_cache_dir)  # the run's eval step, compiled
     comm = make_comm(job, cfg.dist.backend, cfg.dist.grad_allreduce_dtype, cfg.dist.fuse_allreduce)
     check_same_config(comm, cfg)
@@ -294,7 +315,7 @@ def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> d
     images = is_image_source(splits.train)
     channels = splits.train.image_shape[-1] if images else 3
     model = build_model(cfg, nnx.Rngs(cfg.train.seed), in_channels=channels)
-    directory, step = restore_run_checkpoint(model, path, step, comm)
+    directory, step = restore_run_checkpoint(model, path, step, comm, ema)
     evaluate, state = build_eval_run(
         model,
         splits.eval,
@@ -315,9 +336,13 @@ def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> d
             f"{metrics['eval/count']} eval examples (NaN/Inf in the eval images or the "
             "weights); nothing was appended to metrics.jsonl"
         )
+    weights = " (the EMA of its parameters)" if ema else ""
+    description = describe_eval(metrics, cfg.log.weight_unit)
+    if ema:  # logged beside the run's own eval_ema/ lines
+        metrics = {f"eval_ema/{k.removeprefix('eval/')}": v for k, v in metrics.items()}
     Console(comm.is_writer).say(
-        f"jddp: evaluated checkpoint {directory / str(step)} on {cfg.data.name} "
-        f"({len(splits.eval)} eval examples): {describe_eval(metrics, cfg.log.weight_unit)}\n"
+        f"jddp: evaluated checkpoint {directory / str(step)}{weights} on {cfg.data.name} "
+        f"({len(splits.eval)} eval examples): {description}\n"
         f"jddp: eval step={step} "
         + " ".join(
             f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
@@ -326,7 +351,8 @@ def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> d
     if comm.is_writer:
         folder = RunFolder(cfg.workdir)
         try:
-            append_metrics(folder, step, {**metrics, "eval/data": cfg.data.name})
+            data_key = "eval_ema/data" if ema else "eval/data"
+            append_metrics(folder, step, {**metrics, data_key: cfg.data.name})
         except OSError as e:  # a read-only run folder: the result above is what was asked for
             print(
                 f"jddp: warning: {folder.metrics_jsonl}: cannot append the result "
@@ -338,10 +364,11 @@ def evaluate_checkpoint(cfg: Config, path: str, step: int | None, job: Job) -> d
 
 
 def restore_run_checkpoint(
-    model: nnx.Module, path: str, step: int | None, comm: Comm
+    model: nnx.Module, path: str, step: int | None, comm: Comm, ema: bool = False
 ) -> tuple[Path, int]:
     """Set ``model``'s weights to checkpoint ``step`` (default: the newest) of the run at
-    ``path``; its checkpoints folder and step. Every process reads the step process 0 picked.
+    ``path`` (``ema``: its parameters' moving average); its checkpoints folder and step. Every
+    process reads the step process 0 picked.
 
     A live run's ``checkpoint.keep`` rotation may delete the picked checkpoint before it is
     read: with no ``step`` asked for, the newest one then present is read instead (up to
@@ -354,7 +381,9 @@ def restore_run_checkpoint(
         picked = comm.allgather_int(picked)[0]
         ckpts = reader(directory)
         try:
-            restore_into(model, ckpts, picked, key="--workdir", use=lambda s: f"--step {s}")
+            restore_into(
+                model, ckpts, picked, key="--workdir", use=lambda s: f"--step {s}", ema=ema
+            )
             gone = None
         except CheckpointGone as e:
             gone = e

@@ -31,7 +31,7 @@ from pathlib import Path  # noqa: E402
 
 USAGE = (
     "python -m jddp.export --workdir W [--step N] --format stablehlo|onnx "
-    "[--batch-size B|dynamic] [--input-shape SHAPE] OUT"
+    "[--batch-size B|dynamic] [--input-shape SHAPE] [--ema] OUT"
 )
 
 
@@ -73,6 +73,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="one example's shape, e.g. 32,32,3 (float32) or int32[128], when the run's data "
         "cannot tell it (default: read from the run's eval data)",
     )
+    parser.add_argument(
+        "--ema",
+        action="store_true",
+        help="export the parameters' moving average (a run with train.ema_decay)",
+    )
     parser.add_argument("out", metavar="OUT", help="the file to write")
     return parser.parse_args(argv)
 
@@ -110,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
             from jddp.exporting import describe_inputs, export_checkpoint
 
             exported, checkpoint, loaded = export_checkpoint(
-                args.workdir, args.step, out, args.format, args.batch_size, args.input_shape
+                args.workdir,
+                args.step,
+                out,
+                args.format,
+                args.batch_size,
+                args.input_shape,
+                ema=args.ema,
             )
             print(describe_inputs(exported, checkpoint, loaded), flush=True)
             return 0

@@ -38,20 +38,22 @@ def restore_into(
     step: int,
     key: str,
     use: Callable[[int], str] = lambda step: f"step={step}",
+    ema: bool = False,
 ) -> nnx.Module:
-    """Set ``model``'s parameters and model state to checkpoint ``step``'s (in place). A
-    damaged checkpoint is a ``CheckpointError`` naming ``key``, the checkpoint and the newest
-    intact one (``use(step)``: how the caller picks that one)."""
+    """Set ``model``'s parameters and model state to checkpoint ``step``'s (in place); ``ema``:
+    its parameters' moving average (``train.ema_decay``) as the parameters. A damaged
+    checkpoint is a ``CheckpointError`` naming ``key``, the checkpoint and the newest intact
+    one (``use(step)``: how the caller picks that one)."""
     _, params, model_state = split_model(model)
     weights = {"params": params, "model_state": model_state}
     with damage_named(ckpts, step, lambda _: weights, key, use):
-        missing, differ = mismatched_weights(ckpts.weight_shapes(step), weights)
+        missing, differ = mismatched_weights(ckpts.weight_shapes(step, ema), weights)
         if missing or differ:
             raise ConfigError(
                 f"{key}: checkpoint {ckpts.directory / str(step)} does not fit this model: "
                 f"{describe_mismatch(missing, differ)}"
             )
-        restored = jax.tree.map(jnp.asarray, ckpts.restore_weights(step, weights))
+        restored = jax.tree.map(jnp.asarray, ckpts.restore_weights(step, weights, ema))
     nnx.update(model, restored["params"], restored["model_state"])
     return model
 
@@ -69,17 +71,21 @@ def model_config(saved: dict[str, Any]) -> config_lib.Config:
     return config_lib.from_dict({"model": saved.get("model", {}), "train": precision})
 
 
-def load(path: PathLike, step: int | None = None, *, model: nnx.Module | None = None):
+def load(
+    path: PathLike, step: int | None = None, *, model: nnx.Module | None = None, ema: bool = False
+):
     """The trained model of a run, in eval mode, on the default device.
 
     ``path``: a workdir (its newest checkpoint, or ``step``) or one checkpoint folder
     (``workdir/checkpoints/<step>``). The model is built as the checkpoint's config says
     (``model.name``, ``model.num_classes``, ...); for a model passed to :func:`jddp.fit` that the
     config cannot build, pass a freshly built ``model`` of the same architecture as a template:
-    its arrays are replaced in place and it is returned. Raises :class:`ConfigError` when there
-    is no such checkpoint or the model does not fit it (naming the arrays).
+    its arrays are replaced in place and it is returned. ``ema``: the parameters' exponential
+    moving average (a run with ``train.ema_decay``) in place of the parameters. Raises
+    :class:`ConfigError` when there is no such checkpoint, it holds no EMA (``ema``), or the
+    model does not fit it (naming the arrays).
     """
-    return load_run(path, step, model=model).model
+    return load_run(path, step, model=model, ema=ema).model
 
 
 @dataclass
@@ -102,6 +108,7 @@ def load_run(
     model: nnx.Module | None = None,
     key: str = "path",
     use: Callable[[int], str] = lambda step: f"step={step}",
+    ema: bool = False,
 ) -> LoadedRun:
     """:func:`load` and how the run fed its model (:class:`LoadedRun`). Errors name ``key`` (a
     CLI's ``--workdir``) and, for a damaged checkpoint, how to pick the intact one
@@ -117,7 +124,7 @@ def load_run(
             saved_norm = ckpts.saved_pixel_norm(step)
             task = ckpts.saved_task(step)
             saved = ckpts.saved_config(step)
-            loaded = _restored_model(ckpts, step, model, key)
+            loaded = _restored_model(ckpts, step, model, key, ema)
     finally:
         ckpts.close()
     loaded.eval()
@@ -134,14 +141,14 @@ def _model_of(ckpts: Checkpoints, step: int) -> nnx.Module:
 
 
 def _restored_model(
-    ckpts: Checkpoints, step: int, model: nnx.Module | None, key: str = "path"
+    ckpts: Checkpoints, step: int, model: nnx.Module | None, key: str = "path", ema: bool = False
 ) -> nnx.Module:
     """``model`` (or the model checkpoint ``step``'s config names) with the step's weights."""
     if model is not None:
-        return restore_into(model, ckpts, step, key=key)
+        return restore_into(model, ckpts, step, key=key, ema=ema)
     model = _model_of(ckpts, step)
     try:
-        return restore_into(model, ckpts, step, key=key)
+        return restore_into(model, ckpts, step, key=key, ema=ema)
     except ConfigError as e:
         name = model_config(ckpts.saved_config(step)).model.name
         raise ConfigError(
@@ -150,12 +157,16 @@ def _restored_model(
         ) from None
 
 
-def as_model(model_or_workdir: nnx.Module | PathLike, step: int | None = None) -> LoadedRun:
+def as_model(
+    model_or_workdir: nnx.Module | PathLike, step: int | None = None, ema: bool = False
+) -> LoadedRun:
     """``model_or_workdir`` itself if it is a module (no known normalisation, eval transform or
-    task), else :func:`load_run` of it."""
+    task), else :func:`load_run` of it (``ema``: its parameters' moving average)."""
     if isinstance(model_or_workdir, nnx.Module):
+        if ema:
+            raise TypeError("ema=True reads a run's checkpoint: pass a workdir, not a module")
         return LoadedRun(model_or_workdir, task="unknown")
-    return load_run(model_or_workdir, step)
+    return load_run(model_or_workdir, step, ema=ema)
 
 
 def pixel_norm_of(mean: Any, std: Any, default: PixelNorm | None) -> PixelNorm:
@@ -200,8 +211,10 @@ def predict(
     std: Any = None,
     step: int | None = None,
     forward: Callable[[nnx.Module, Any], Any] | None = None,
+    ema: bool = False,
 ) -> Any:
-    """The model's outputs for ``images`` (or any task's inputs), in input order.
+    """The model's outputs for ``images`` (or any task's inputs), in input order. ``ema``: a
+    run's parameters' moving average (``train.ema_decay``) in place of its parameters.
 
     **Image classification** (a run trained on images, or a module given one image array or an
     image source): logits ``[N, K]`` (``logits.argmax(-1)``: the labels). ``images``:
@@ -225,7 +238,7 @@ def predict(
     is padded, so one program serves every batch); no inputs give outputs with a leading 0.
     The model passed is not changed.
     """
-    run = as_model(model_or_workdir, step)
+    run = as_model(model_or_workdir, step, ema)
     custom = run.task == "custom" or (run.task == "unknown" and not _is_images(images))
     if custom or forward is not None:
         source = as_tree_source(images, "inputs", label="inputs", allow_empty=True)

@@ -128,18 +128,29 @@ def append_metrics(folder: RunFolder, step: int, values: dict[str, Any]) -> None
         f.write(json.dumps(_row(step, values)) + "\n")
 
 
-def describe_eval(metrics: dict[str, Any], weight_unit: str | None = None) -> str:
-    """``loss 0.1234, accuracy 0.9876, top-5 0.9990 over N examples``: the loss, then each of the
-    task's metrics, then the examples (and the loss weights' sum, ``weight_unit``)."""
-    parts = [f"loss {metrics['eval/loss']:.4f}"]
+def _eval_means(metrics: dict[str, Any], prefix: str, weight_unit: str | None) -> str:
+    parts = [f"loss {metrics[prefix + 'loss']:.4f}"]
     for key, value in metrics.items():
-        name = key.removeprefix("eval/")
+        if not key.startswith(prefix):
+            continue
+        name = key.removeprefix(prefix)
         if name in ("loss", "count", "data", weight_unit) or not isinstance(value, float):
             continue
         parts.append(f"{EVAL_LABELS.get(name, name)} {value:.4f}")
+    return ", ".join(parts)
+
+
+def describe_eval(metrics: dict[str, Any], weight_unit: str | None = None) -> str:
+    """``loss 0.1234, accuracy 0.9876, top-5 0.9990 over N examples``: the loss, then each of the
+    task's metrics, then the examples (and the loss weights' sum, ``weight_unit``); with an EMA
+    of the parameters (``eval_ema/...``) also ``; EMA weights: loss ..., accuracy ...``."""
     weights = metrics.get(f"eval/{weight_unit}") if weight_unit else None
     total = f" ({weights:.0f} {weight_unit})" if weights is not None else ""
-    return ", ".join(parts) + f" over {metrics['eval/count']} examples{total}"
+    line = _eval_means(metrics, "eval/", weight_unit)
+    line += f" over {metrics['eval/count']} examples{total}"
+    if "eval_ema/loss" in metrics:
+        line += f"; EMA weights: {_eval_means(metrics, 'eval_ema/', weight_unit)}"
+    return line
 
 
 EVAL_LABELS = {"top5_accuracy": "top-5"}  # how a metric is named in console lines

@@ -92,9 +92,12 @@ class ShardLayout:
         return jax.tree.map(self.spec, tree)
 
     def state_specs(self, state: TrainState) -> TrainState:
-        """The train state's layout between steps: the optimizer state split, the rest whole."""
+        """The train state's layout between steps: the optimizer state (and the parameters'
+        EMA, read only by evals) split, the rest whole."""
         whole = jax.tree.map(lambda _: P(), state)
-        return whole.replace(opt_state=self.specs(state.opt_state))
+        return whole.replace(
+            opt_state=self.specs(state.opt_state), ema_params=self.specs(state.ema_params)
+        )
 
     def split_share(self, state: TrainState) -> float:
         """The share of the state's bytes split over the devices (the rest stays whole)."""

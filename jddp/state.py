@@ -36,6 +36,8 @@ class TrainState:
     model_state: nnx.State  # BatchNorm statistics, RNG counters, custom variables
     opt_state: optax.OptState
     skipped_steps: jax.Array  # steps whose update was dropped for a non-finite loss/gradient
+    # train.ema_decay: an exponential moving average of ``params`` (same tree), None when off
+    ema_params: nnx.State | None = None
 
 
 def _is_key(x: Any) -> bool:
@@ -76,7 +78,11 @@ def split_model(model: nnx.Module) -> tuple[ModelDef, nnx.State, nnx.State]:
 
 
 def abstract_train_state(
-    params: nnx.State, model_state: nnx.State, tx: optax.GradientTransformation
+    params: nnx.State,
+    model_state: nnx.State,
+    tx: optax.GradientTransformation,
+    *,
+    ema: bool = False,
 ) -> TrainState:
     """The train state :func:`create_train_state` would make, as shape structs: nothing is
     allocated (the optimizer state's shapes come from ``jax.eval_shape``)."""
@@ -90,13 +96,26 @@ def abstract_train_state(
         model_state=jax.tree.map(shape, model_state),
         opt_state=jax.eval_shape(tx.init, params),
         skipped_steps=jax.ShapeDtypeStruct((), jnp.int32),
+        ema_params=jax.tree.map(shape, params) if ema else None,
     )
 
 
+def with_ema(state: TrainState, ema: bool) -> TrainState:
+    """``state`` with an EMA of its parameters starting at the parameters themselves (``ema``),
+    or with none."""
+    if not ema:
+        return state.replace(ema_params=None)
+    if state.ema_params is not None:
+        return state
+    return state.replace(ema_params=jax.tree.map(jnp.copy, state.params))
+
+
 def create_train_state(
-    model: nnx.Module, tx: optax.GradientTransformation, mesh: Mesh
+    model: nnx.Module, tx: optax.GradientTransformation, mesh: Mesh, *, ema: bool = False
 ) -> tuple[ModelDef, TrainState]:
     """Split ``model``, initialise the optimizer, and replicate the state on every device.
+    ``ema``: keep an exponential moving average of the parameters too (``train.ema_decay``),
+    starting at the initial parameters.
 
     Every process must build ``model`` identically (same seed): each one supplies the copies
     for its own devices.
@@ -109,4 +128,4 @@ def create_train_state(
         opt_state=jax.jit(tx.init)(params),  # one compilation, not one per leaf
         skipped_steps=jnp.zeros((), jnp.int32),
     )
-    return put_replicated(model_def, mesh), put_replicated(state, mesh)
+    return put_replicated(model_def, mesh), put_replicated(with_ema(state, ema), mesh)

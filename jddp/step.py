@@ -126,12 +126,25 @@ def injected_lr(opt_state: Any) -> jax.Array | None:
 CLIPPED_KEY = "train/clipped"  # 1.0 when this step's gradient was clipped (optim.clip_grad_norm)
 
 
+def ema_decay_at(step: jax.Array, decay: float, warmup: bool) -> jax.Array:
+    """The EMA's decay for the update after ``step`` updates: ``decay``, or with ``warmup``
+    ``min(decay, (1 + step) / (10 + step))`` (TensorFlow's ``ExponentialMovingAverage`` with
+    ``num_updates``): the first updates move the average most."""
+    d = jnp.asarray(decay, jnp.float32)
+    if warmup:
+        n = step.astype(jnp.float32)
+        d = jnp.minimum(d, (1 + n) / (10 + n))
+    return d
+
+
 def _make_update_stage(
     tx: optax.GradientTransformation,
     schedule: optax.Schedule | None,
     tree_norm: Callable[[Any], jax.Array],
     all_finite: Callable[[Any], jax.Array],
     clip_grad_norm: float | None = None,
+    ema_decay: float = 0.0,
+    ema_warmup: bool = True,
 ):
     """The optimizer stage: ``(state, grads, model_state, metrics) -> (state, metrics)``.
 
@@ -169,6 +182,14 @@ def _make_update_stage(
             (state.params, state.opt_state, state.model_state),
         )
         skipped = state.skipped_steps + (~finite).astype(jnp.int32)
+        ema = state.ema_params
+        if ema is not None:  # elementwise: on whole arrays or on this device's slices alike
+            decay = ema_decay_at(state.step, ema_decay, ema_warmup)
+            ema = jax.tree.map(
+                lambda e, p: jnp.where(finite, e + (1 - decay).astype(e.dtype) * (p - e), e),
+                ema,
+                params,
+            )
         metrics = {
             **metrics,
             NONFINITE_KEY: (~finite).astype(jnp.float32),
@@ -186,6 +207,7 @@ def _make_update_stage(
             model_state=stats,
             opt_state=opt_state,
             skipped_steps=skipped,
+            ema_params=ema,
         )
         return new_state, metrics
 
@@ -290,6 +312,8 @@ def make_train_step(
     layout: Any = None,
     shard_update: Any = None,
     clip_grad_norm: float | None = None,
+    ema_decay: float = 0.0,
+    ema_warmup: bool = True,
 ) -> TrainStep:
     """Build the data-parallel train step ``(state, batch) -> (state, metrics)``.
 
@@ -321,7 +345,10 @@ def make_train_step(
     reduce-scattered, and every array updated and kept as slices (``full``); the steps are the
     same. ``shard_update``: the older name of ``layout``. ``clip_grad_norm``: the averaged
     gradient is scaled to at most this global L2 norm before ``tx`` sees it
-    (``optim.clip_grad_norm``; ``train/clipped`` is 1 where it was).
+    (``optim.clip_grad_norm``; ``train/clipped`` is 1 where it was). ``ema_decay``,
+    ``ema_warmup``: how the state's ``ema_params`` (when it has them, :func:`jddp.state.
+    create_train_state`) follow the parameters (:func:`ema_decay_at`; a dropped update leaves
+    them too).
     """
     task = _classification(task, loss_fn, metrics_fn, compute_dtype, pixel_norm)
     layout = layout or shard_update or ReplicatedLayout(mesh)
@@ -347,7 +374,7 @@ def make_train_step(
     grads_stage = layout.grads_stage(per_device_batch, comm)
     update_stage = layout.update_stage(
         lambda tree_norm, all_finite: _make_update_stage(
-            tx, schedule, tree_norm, all_finite, clip_grad_norm
+            tx, schedule, tree_norm, all_finite, clip_grad_norm, ema_decay, ema_warmup
         )
     )
     return TrainStep(grads_stage, update_stage, comm.compose(grads_stage, update_stage))
@@ -387,7 +414,10 @@ def make_eval_step(
         return jax.lax.psum(sums, DATA_AXIS)
 
     per_batch = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P())
-    # The optimizer state stays out: unused here, and split over devices under dist.shard
+    # The optimizer state (and the EMA: evaluated as the params of a state of its own) stays
+    # out: unused here, and split over devices under dist.shard
     # optimizer or full (P() would gather it). Split parameters (full) are gathered whole
     # for the eval by the P() in_spec: an eval holds no gradients or optimizer state.
-    return jax.jit(lambda state, batch: per_batch(state.replace(opt_state=None), batch))
+    return jax.jit(
+        lambda state, batch: per_batch(state.replace(opt_state=None, ema_params=None), batch)
+    )

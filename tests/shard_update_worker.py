@@ -91,7 +91,8 @@ def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainS
     )
     comm = XlaComm(cfg.dist.grad_allreduce_dtype)
     tx, schedule = make_optimizer(cfg.optim, rows, STEPS)
-    model_def, state = create_train_state(SmallCnn(nnx.Rngs(0)), tx, mesh)
+    ema = cfg.train.ema_decay > 0
+    model_def, state = create_train_state(SmallCnn(nnx.Rngs(0)), tx, mesh, ema=ema)
     layout = build_layout(cfg, mesh, comm)
     if kind.endswith("-gloo"):  # the path processes on CPUs take (gloo): one packed psum
         layout = dataclasses.replace(layout, reduce_scatter=False)
@@ -99,10 +100,17 @@ def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainS
     step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
     where = batch_layout(mesh, rows)
     out: dict = {"loss": [], "grad_norm": [], "param_norm": [], "nonfinite": [], "clipped": []}
+    params_per_step = [flat(state.params)]  # with an EMA: what it averages, step by step
     for batch in batches(rows):
         state, metrics = step(state, place_batch(batch, mesh, where))
         for key in out:
             out[key].append(float(metrics.get(f"train/{key}", -1)))
+        if ema:
+            params_per_step.append(flat(state.params))
+    if ema:
+        out["params_per_step"] = params_per_step
+        out["ema"] = flat(state.ema_params)
+        out["ema_specs"] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(state.ema_params)})
     params = to_host(state.params)
     out["params"] = np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)]).tolist()
     opt = to_host(state.opt_state)  # assembled whole, as a checkpoint's manifest reads it
@@ -115,6 +123,11 @@ def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainS
     out["state_bytes_per_device"] = state_bytes_per_device(state)
     out["state_bytes_total"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(to_host(state)))
     return out, state
+
+
+def flat(tree) -> list[float]:
+    """Every leaf of ``tree``, assembled whole on the host, as one flat list."""
+    return np.concatenate([np.ravel(x) for x in jax.tree.leaves(to_host(tree))]).tolist()
 
 
 def round_trip(saved: TrainState, like: TrainState, folder: Path) -> bool:

@@ -37,7 +37,8 @@ from tests.user_models import TinyMLP
 
 WORKER = Path(__file__).with_name("shard_update_worker.py")
 CASES = {
-    "sgd-accum": "optim.lr=0.05,train.grad_accum_steps=2",
+    # with an EMA of the parameters (its warm-up decays: 0.1, 0.18, 0.25, -, 0.36)
+    "sgd-accum": "optim.lr=0.05,train.grad_accum_steps=2,train.ema_decay=0.6",
     "lamb-bf16": "optim.name=lamb,optim.lr=0.01,optim.weight_decay=0.01,"
     "dist.grad_allreduce_dtype=bfloat16",
     "lars": "optim.name=lars,optim.lr=0.5,optim.decay_bn_and_bias=false",
@@ -112,6 +113,29 @@ def test_fully_sharded_takes_the_replicated_steps(four_devices, case):
     assert replicated["state_bytes_per_device"] == replicated["state_bytes_total"]
     # a quarter, plus the whole 10-class bias, BatchNorm statistics and counters
     assert full["state_bytes_per_device"] < replicated["state_bytes_total"] / 4 + 400
+
+
+@pytest.mark.slow
+def test_the_ema_follows_the_parameters_in_every_layout(four_devices):
+    """train.ema_decay: after each update ema += (1 - d_n) (params - ema), d_n the warmed-up
+    decay min(0.6, (1 + n) / (10 + n)); the dropped (NaN) update leaves it too. Split like the
+    parameters' optimizer state (optimizer) or like the parameters (full), the same values."""
+    runs = four_devices["sgd-accum"]
+    replicated = runs["replicated"]
+    per_step = [np.asarray(p) for p in replicated["params_per_step"]]
+    want = per_step[0]
+    for n, params in enumerate(per_step[1:]):
+        if replicated["nonfinite"][n]:
+            assert np.array_equal(params, per_step[n])  # the update was dropped
+            continue
+        decay = np.float32(min(0.6, (1 + n) / (10 + n)))
+        want = want + (1 - decay) * (params - want)
+    assert rel_l2(replicated["ema"], want) <= 1e-6
+    assert rel_l2(replicated["ema"], replicated["params"]) > 1e-3  # it lags them
+    for label in ("sharded", "full", "full-gloo"):
+        assert rel_l2(runs[label]["ema"], replicated["ema"]) <= 1e-6, label
+        assert "P(None, None, None, 'data')" in runs[label]["ema_specs"], label
+    assert replicated["ema_specs"] == ["P()"]
 
 
 @pytest.mark.slow

@@ -104,12 +104,14 @@ def _rows(named: list[tuple[str, Any]], saved: dict[str, list[Any]]) -> list[lis
 
 
 WEIGHT_PREFIXES = (".params", ".model_state")
+EMA_PREFIX = ".ema_params"  # train.ema_decay: the parameters' moving average, named as they are
 
 
 def weight_leaves(weights: dict[str, Any]) -> list[tuple[str, Any]]:
-    """``(manifest name, leaf)`` of every leaf of ``{"params": ..., "model_state": ...}``."""
+    """``(manifest name, leaf)`` of every leaf of ``{"params": ..., "model_state": ...}`` (or
+    of another of the state's fields, e.g. ``ema_params``, in place of ``params``)."""
     out = []
-    for top in ("params", "model_state"):
+    for top in weights:
         flat, _ = jax.tree_util.tree_flatten_with_path(weights[top])
         out += [(f".{top}{jax.tree_util.keystr(path)}", leaf) for path, leaf in flat]
     return out

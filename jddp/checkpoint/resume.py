@@ -29,6 +29,8 @@ FREE_KEYS = (
     "data.worker_kind",
     "train.eval_every_steps",
     "train.on_nonfinite",
+    "train.ema_decay",  # the EMA follows the parameters; it changes none of them
+    "train.ema_warmup",
     "train.max_skipped_fraction",
     "train.compilation_cache_dir",
     "dist.backend",

@@ -24,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jddp.checkpoint.manifest import (
+    EMA_PREFIX,
     WEIGHT_PREFIXES,
     check_same_model,
     manifest,
@@ -34,7 +35,13 @@ from jddp.checkpoint.orbax_quiet import (
     quiet_orbax_errors,
     silence_late_read_callbacks,
 )
-from jddp.errors import CheckpointDamaged, CheckpointError, CheckpointGone, JddpError
+from jddp.errors import (
+    CheckpointDamaged,
+    CheckpointError,
+    CheckpointGone,
+    ConfigError,
+    JddpError,
+)
 from jddp.state import TrainState
 from jddp.workdir import RunFolder
 
@@ -175,16 +182,21 @@ class Checkpoints:
     def _restore_newest_good(self, abstract, like, steps, damaged, agree, check_config):
         for step in reversed(steps):
             where = self.directory / str(step)
+            read = {"like": like, "abstract": abstract}  # as the checkpoint holds the EMA
 
-            def accept(saved: list[list[Any]], step: int = step, where: Path = where) -> None:
+            def accept(
+                saved: list[list[Any]], step: int = step, where: Path = where, read: dict = read
+            ) -> None:
                 if check_config is not None:
                     check_config(step, self.saved_config(step))
-                check_same_model(saved, like, where)
+                read["like"] = _ema_as_saved(like, saved)
+                if read["like"] is not like:
+                    read["abstract"] = jax.tree.map(ocp.utils.to_shape_dtype_struct, read["like"])
+                check_same_model(saved, read["like"], where)
 
-            def restore(step: int = step) -> TrainState:
-                return self._manager.restore(
-                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-                )["state"]
+            def restore(step: int = step, read: dict = read) -> TrainState:
+                args = ocp.args.Composite(state=ocp.args.StandardRestore(read["abstract"]))
+                return self._manager.restore(step, args=args)["state"]
 
             state, problem = None, None
             try:
@@ -269,11 +281,26 @@ class Checkpoints:
             step, "manifest", lambda: self._manager.restore(step, args=args)["manifest"]
         )
 
-    def weight_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+    def weight_shapes(self, step: int, ema: bool = False) -> dict[str, tuple[int, ...]]:
         """``{name: shape}`` of the parameters and model state saved at ``step`` (from its
-        manifest; names as :func:`jddp.checkpoint.manifest.weight_leaves` spells them)."""
+        manifest; names as :func:`jddp.checkpoint.manifest.weight_leaves` spells them).
+        ``ema``: the parameters' moving average in place of the parameters, under their names
+        (``ConfigError`` when the checkpoint holds none)."""
         saved = self._manifest(step)["leaves"]
-        return {p: tuple(shape) for p, shape, *_ in saved if p.startswith(WEIGHT_PREFIXES)}
+        shapes = {p: tuple(shape) for p, shape, *_ in saved if p.startswith(WEIGHT_PREFIXES)}
+        if not ema:
+            return shapes
+        averaged = {
+            ".params" + p.removeprefix(EMA_PREFIX): tuple(shape)
+            for p, shape, *_ in saved
+            if p.startswith(EMA_PREFIX)
+        }
+        if not averaged:
+            raise ConfigError(
+                f"checkpoint {self.directory / str(step)} holds no EMA of the parameters (its "
+                "run had train.ema_decay=0): read its parameters (ema=False, no --ema)"
+            )
+        return {p: s for p, s in shapes.items() if not p.startswith(".params")} | averaged
 
     def saved_pixel_norm(self, step: int) -> dict[str, Any] | None:
         """The pixel normalisation checkpoint ``step`` was trained with (``PixelNorm.to_json``);
@@ -285,21 +312,28 @@ class Checkpoints:
         checkpoints written before jddp recorded it: every run was one then)."""
         return self._manifest(step).get("task", "classification")
 
-    def restore_weights(self, step: int, like: dict[str, Any]) -> dict[str, Any]:
+    def restore_weights(self, step: int, like: dict[str, Any], ema: bool = False) -> dict[str, Any]:
         """Only ``params`` and ``model_state`` of checkpoint ``step`` (the optimizer state is
         not read), as host numpy arrays in the structure of ``like`` (``{"params": ...,
         "model_state": ...}``, whose leaves give each array's shape and dtype), checked against
         the checkpoint's checksums. :class:`CheckpointDamaged` (naming the checkpoint and the
         cause) when it cannot be read or its arrays differ; :class:`CheckpointGone` when it was
-        deleted while being read."""
+        deleted while being read. ``ema``: the parameters' moving average
+        (``train.ema_decay``) read in place of the parameters."""
+        if ema:
+            self.weight_shapes(step, ema=True)  # a checkpoint without one: said in one line
+            like = {"ema_params": like["params"], "model_state": like["model_state"]}
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like)
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), like)
         args = ocp.args.Composite(
             state=ocp.args.PyTreeRestore(item=abstract, restore_args=as_numpy, partial_restore=True)
         )
-        return self._verified(
+        weights = self._verified(
             step, lambda: self._manager.restore(step, args=args)["state"], weights_manifest
         )
+        if ema:
+            return {"params": weights["ema_params"], "model_state": weights["model_state"]}
+        return weights
 
     def newest_intact(self, like_of: Callable[[int], dict[str, Any]], but: int) -> int | None:
         """The newest checkpoint other than step ``but`` whose weights restore and match their
@@ -369,6 +403,15 @@ class Checkpoints:
 
 
 _DISK_FULL = ("No space left on device", "Disk quota exceeded")
+
+
+def _ema_as_saved(like: TrainState, saved: list[list[Any]]) -> TrainState:
+    """``like`` with an EMA of the parameters exactly when checkpoint rows ``saved`` hold one
+    (``train.ema_decay`` turned on or off since: the caller adds or drops it after reading)."""
+    has_ema = any(row[0].startswith(".ema_params") for row in saved)
+    if has_ema == (like.ema_params is not None):
+        return like
+    return like.replace(ema_params=like.params if has_ema else None)
 
 
 def _size(nbytes: float) -> str:

@@ -36,34 +36,43 @@ def warm_start(
     mesh: Mesh,
     console: Console,
     num_outputs: int | None,
+    ema: bool = False,
 ) -> TrainState:
     """``checkpoint.init_from``: ``state`` at step 0 with another run's params and model state
     (or a torchvision/timm ResNet's tensors: ``FILE.safetensors``/``.pth``,
     :mod:`jddp.checkpoint.pretrained`) and a fresh optimizer state. Arrays the source lacks, or
     of other shapes, are refused (``ConfigError`` naming them), except an output layer whose
     class dimension changed: that one keeps its fresh initialisation (and the message says
-    so)."""
+    so). ``ema`` (``checkpoint.init_from_ema``): another run's EMA of its parameters instead of
+    its parameters. An EMA this run keeps starts at the weights started from."""
     key = "checkpoint.init_from"
     fresh = to_host({"params": state.params, "model_state": state.model_state})
     if is_pretrained_file(path):
+        if ema:
+            raise ConfigError(
+                f"checkpoint.init_from_ema: {path} is a file of tensors, not a run with an EMA"
+            )
         weights, differ, head = pretrained_weights(path, fresh, num_outputs, key)
         source = f"the tensors of {path}"
     else:
-        weights, differ, head, where = _run_weights(path, fresh, num_outputs, key)
-        source = f"the params and model state of {where}"
+        weights, differ, head, where = _run_weights(path, fresh, num_outputs, key, ema)
+        what = "the EMA of the params" if ema else "the params"
+        source = f"{what} and model state of {where}"
     console.say(
         f"jddp: {key}: starting at step 0 from {source} (optimizer state fresh)"
         f"{head_note(differ, head)}"
     )
+    params = put_replicated(weights["params"], mesh)
     return state.replace(
-        params=put_replicated(weights["params"], mesh),
+        params=params,
         model_state=put_replicated(weights["model_state"], mesh),
         opt_state=put_replicated(tx.init(weights["params"]), mesh),
+        ema_params=None if state.ema_params is None else put_replicated(weights["params"], mesh),
     )
 
 
 def _run_weights(
-    path: str, fresh: dict[str, Any], num_outputs: int | None, key: str
+    path: str, fresh: dict[str, Any], num_outputs: int | None, key: str, ema: bool = False
 ) -> tuple[dict[str, Any], list[tuple[str, tuple, tuple]], list[str], Path]:
     """The weights of another run's checkpoint at ``path`` in the structure of ``fresh``, with
     a re-initialised head kept fresh: ``(weights, differ, head, checkpoint folder)``."""
@@ -78,7 +87,7 @@ def _run_weights(
             return f"{key}={ckpts.directory / str(step)}"
 
         with damage_named(ckpts, step, like_of, key, use):
-            saved = ckpts.weight_shapes(step)
+            saved = ckpts.weight_shapes(step, ema)
             missing, differ = mismatched_weights(saved, fresh)
             head = head_to_keep(missing, differ, num_outputs)
             if head is None:
@@ -86,7 +95,8 @@ def _run_weights(
                     f"{key}: checkpoint {where} does not fit this model: "
                     f"{describe_mismatch(missing, differ)} {HEAD_ONLY}"
                 )
-            restored = dict(weight_leaves(ckpts.restore_weights(step, with_shapes(fresh, saved))))
+            like = with_shapes(fresh, saved)
+            restored = dict(weight_leaves(ckpts.restore_weights(step, like, ema)))
     finally:
         ckpts.close()
     keep_fresh = set(head)

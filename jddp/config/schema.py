@@ -212,6 +212,19 @@ class TrainConfig:
         "early stopping: an improvement must beat the best by more than this (>= 0)",
         bound=NON_NEGATIVE,
     )
+    ema_decay: float = _f(
+        0.0,
+        "keep an exponential moving average of the parameters (ema = d*ema + (1-d)*params "
+        "after each update, in the train state and its checkpoints, laid out like the "
+        "parameters under any dist.shard); every eval also reports eval_ema/<metric>; "
+        "jddp.load/predict/evaluate/export read it with ema=True (--ema). 0: off",
+        bound=BELOW_ONE,
+    )
+    ema_warmup: bool = _f(
+        True,
+        "the EMA's decay at update n is min(ema_decay, (1+n)/(10+n)) (TensorFlow's "
+        "num_updates warm-up), so early weights fade fast; false: ema_decay from the first step",
+    )
     precision: Literal["float32", "bfloat16"] = _f(
         "float32", "compute dtype; parameters and BatchNorm statistics stay float32"
     )
@@ -350,6 +363,11 @@ class CheckpointConfig:
         "run (its workdir or one checkpoint folder) or from a torchvision/timm ResNet's weights "
         "(FILE.safetensors, or FILE.pth with torch installed); a head of another num_classes "
         "is re-initialised; ignored when workdir holds a checkpoint to resume",
+    )
+    init_from_ema: bool = _f(
+        False,
+        "checkpoint.init_from reads that run's EMA of the parameters (its train.ema_decay) "
+        "instead of its parameters",
     )
 
 

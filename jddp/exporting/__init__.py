@@ -250,6 +250,7 @@ def export_model(
     batch_size: int | None = None,
     step: int | None = None,
     example: Any = None,
+    ema: bool = False,
 ) -> Exported:
     """Write the trained model for inference to ``out``: ``format`` ``"stablehlo"``
     (``jax.export``, serialized: ``jax.export.deserialize(open(out, "rb").read()).call(*x)``)
@@ -262,11 +263,12 @@ def export_model(
     else, or when given, those of ``example``, a batch of the model's inputs (an array:
     ``model(x)``; a tuple: ``model(*x)``; a dict: ``model(**x)``; ``jax.ShapeDtypeStruct``
     leaves will do). ``batch_size``: the batch the program takes (None: any). The export is run
-    on random inputs and compared with the model before it is written.
+    on random inputs and compared with the model before it is written. ``ema``: a run's
+    parameters' moving average (``train.ema_decay``) in place of them.
     """
     from jddp.inference import as_model
 
-    run = as_model(model_or_workdir, step)
+    run = as_model(model_or_workdir, step, ema)
     if run.model is model_or_workdir:
         if example is None:
             raise TypeError("export: pass example= (a batch of the model's inputs) with a module")
@@ -287,6 +289,7 @@ def export_checkpoint(
     fmt: str,
     batch_size: int | None = None,
     input_shape: str | None = None,
+    ema: bool = False,
 ) -> tuple[Exported, Path, Any]:
     """The CLI's export (:mod:`jddp.export`): checkpoint ``step`` (default: the newest) of the
     run at ``path``; ``input_shape`` (:func:`parse_input_shape`) replaces the inputs the run's
@@ -297,7 +300,7 @@ def export_checkpoint(
 
     directory, step = find_checkpoint(path, step, "--workdir", "--step")
     example = None if input_shape is None else parse_input_shape(input_shape)
-    run = load_run(path, step, key="--workdir", use=lambda s: f"--step {s}")
+    run = load_run(path, step, key="--workdir", use=lambda s: f"--step {s}", ema=ema)
     signature = run_signature(path, run, example)
     exported = export_signature(run.model, signature, out, fmt, batch_size, _single_output(run))
     return exported, directory / str(step), run

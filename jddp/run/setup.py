@@ -37,7 +37,7 @@ from jddp.config import Config
 from jddp.data.loader import BatchLayout, TrainBatches
 from jddp.data.source import Splits, is_image_source
 from jddp.errors import ConfigError
-from jddp.evaluation import EvalRun
+from jddp.evaluation import EvalRun, WithEma
 from jddp.mesh import to_host
 from jddp.metrics import Console, MetricsLog, Progress, read_metrics
 from jddp.optimizer import make_optimizer
@@ -61,6 +61,7 @@ from jddp.state import (
     abstract_train_state,
     create_train_state,
     split_model,
+    with_ema,
 )
 from jddp.step import TrainStep
 from jddp.tasks.classification import PixelNorm
@@ -103,7 +104,7 @@ class Run:
     train_step: TrainStep
     state_layout: Any  # dist.shard: where the state's arrays live (jddp.layout)
     eval_step: Any
-    evaluate: EvalRun
+    evaluate: EvalRun | WithEma
     # What it writes: the run folder, console lines, checkpoints, metrics.jsonl, progress.
     folder: RunFolder
     console: Console
@@ -186,7 +187,7 @@ def build_run(
     progress, meter, reporter = _reporting(
         cfg, comm, mesh, steps, start_step, batches, console, task, log, ckpts
     )
-    evaluate = EvalRun(
+    evaluate: Any = EvalRun(
         eval_step,
         splits.eval,
         cfg.data.global_batch_size,
@@ -197,6 +198,8 @@ def build_run(
         weight_unit=cfg.log.weight_unit,
         on_batch=watchdog.progress,
     )
+    if cfg.train.ema_decay > 0:
+        evaluate = WithEma(evaluate)
     reporter.timed_saves = timed_saves
     return Run(
         cfg=cfg,
@@ -283,11 +286,13 @@ def _model_and_state(
     # Before anything is placed: a state that cannot fit is one line, not an out-of-memory.
     _, params, model_state = split_model(model)
     budget = device_budget(cfg.dist.device_memory_bytes, mesh.local_devices[0])
-    check_state_fits(abstract_train_state(params, model_state, tx), state_layout, budget)
+    ema = cfg.train.ema_decay > 0
+    abstract = abstract_train_state(params, model_state, tx, ema=ema)
+    check_state_fits(abstract, state_layout, budget)
     if state_layout.kind != "none":  # each process places its slices of its own copy
         check_same_init(comm, params, state_layout.kind)
     del params, model_state
-    model_def, state = create_train_state(model, tx, mesh)
+    model_def, state = create_train_state(model, tx, mesh, ema=ema)
     del model
     if state_layout.kind != "none" and state_layout.split_share(state) == 0:
         devices = len(mesh.local_devices) * comm.process_count
@@ -374,8 +379,25 @@ def _restored_state(
     step, laid out as ``dist.shard`` says and the same on every process."""
     state = state_layout.place(state)  # before restoring: orbax reads each device's slice
     state, start_step = restore(cfg, ckpts, state, comm, console, steps)
+    ema = cfg.train.ema_decay > 0
+    if start_step > 0 and (state.ema_params is not None) != ema:
+        console.say(
+            f"jddp: the checkpoint of step {start_step} has no EMA of the parameters: the EMA "
+            f"(train.ema_decay={cfg.train.ema_decay}) starts from its parameters"
+            if ema
+            else "jddp: train.ema_decay=0: the checkpoint's EMA of the parameters is dropped"
+        )
+        state = state_layout.place(with_ema(state, ema))
     if start_step == 0 and cfg.checkpoint.init_from:  # a fresh run; a resume keeps its own
-        state = warm_start(cfg.checkpoint.init_from, state, tx, mesh, console, num_outputs)
+        state = warm_start(
+            cfg.checkpoint.init_from,
+            state,
+            tx,
+            mesh,
+            console,
+            num_outputs,
+            ema=cfg.checkpoint.init_from_ema,
+        )
         state = state_layout.place(state)
     return comm.broadcast_state(state, mesh), start_step
 
