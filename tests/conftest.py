@@ -12,10 +12,13 @@ timed out in gloo's 30 s set-up (2026-11-24), so those never share the machine. 
 ``--dist loadgroup``: with pytest 9.2 and xdist 3.8.0 it ignored the groups.)
 """
 
+import contextlib
 import fcntl
 import json
 import os
+import resource
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -94,16 +97,50 @@ def pytest_runtest_protocol(item, nextitem):
     global _LOCK
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run_id is None:  # one process: nothing runs beside anything
-        return (yield)
+        with _usage(item):
+            return (yield)
     if _LOCK is None:
         _LOCK = _Exclusive(run_id)
     if not _LOCK.exclusive:
         _LOCK.hold(_serial(item))
     try:
-        return (yield)
+        with _usage(item):
+            return (yield)
     finally:
         if not (_serial(item) and _serial(nextitem)):
             _LOCK.release()
+
+
+@contextlib.contextmanager
+def _usage(item):
+    """With ``JDDP_TEST_USAGE=FILE``: one JSON line per test appended to FILE, its wall time
+    and the CPU seconds of this process and of the processes it waited for (jddp runs, their
+    ranks; not Ray's or SLURM's daemons), set-up and tear-down included: what the suite's time
+    goes to (CONTRIBUTING.md)."""
+    path = os.environ.get("JDDP_TEST_USAGE")
+    if not path:
+        yield
+        return
+    start, own, children = (time.time(), resource.getrusage(resource.RUSAGE_SELF),
+                            resource.getrusage(resource.RUSAGE_CHILDREN))  # fmt: skip
+    try:
+        yield
+    finally:
+
+        def cpu(now, before):
+            return now.ru_utime + now.ru_stime - before.ru_utime - before.ru_stime
+
+        row = {
+            "test": item.nodeid,
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "-"),
+            "serial": _serial(item),
+            "start": round(start, 2),
+            "wall_s": round(time.time() - start, 2),
+            "cpu_s": round(cpu(resource.getrusage(resource.RUSAGE_SELF), own), 2),
+            "children_cpu_s": round(cpu(resource.getrusage(resource.RUSAGE_CHILDREN), children), 2),
+        }
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 @pytest.fixture(scope="session")
