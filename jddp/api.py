@@ -19,9 +19,10 @@ from flax import nnx
 from jddp import config as config_lib
 from jddp import distributed
 from jddp.build import Parts, user_splits
-from jddp.config import Config
+from jddp.config import Config, FitConfig
 from jddp.data.source import as_source  # noqa: F401 - jddp.as_source
-from jddp.errors import PREEMPTED, Preempted
+from jddp.errors import PREEMPTED, ConfigError, Preempted
+from jddp.optimizer import describe_optax
 from jddp.run.callbacks import Callback, EarlyStopping  # noqa: F401 - jddp.Callback, ...
 from jddp.run.trainer import RunResult, train_and_evaluate
 
@@ -52,6 +53,15 @@ def initialize(config: ConfigLike = None) -> None:
     i.e. before building your model, when running under ``jddp.launch``, SLURM or mpirun.
     A plain single process needs no call."""
     distributed.initialize(load_config(config).dist)
+
+
+def python_name(obj: Any) -> str | None:
+    """``module:qualified.name`` of a class or function (None for None)."""
+    if obj is None:
+        return None
+    obj = getattr(obj, "func", obj)  # a functools.partial: what it calls
+    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{getattr(obj, '__module__', None) or type(obj).__module__}:{name}"
 
 
 def fit(
@@ -137,6 +147,22 @@ def fit(
             "fit: loss= (any task) and loss_fn=/metrics_fn= (the classification shorthand) "
             "exclude each other; pass one form"
         )
+    if cfg.train.precision != "float32":  # nothing would apply it: said, not recorded
+        raise ConfigError(
+            f"train.precision={cfg.train.precision}: a model given to jddp.fit computes in the "
+            "dtype it was built with; build it in bfloat16 (flax layers' dtype=jnp.bfloat16, "
+            "param_dtype stays float32) and leave train.precision at float32 (it sets the "
+            "dtype of the built-in models and of model.name factories)"
+        )
+    cfg.fit = FitConfig(  # config.yaml says what came from Python (jddp.config.refuse_fit_run)
+        model=python_name(type(model)),
+        optimizer=None
+        if optimizer is None
+        else describe_optax(optimizer, nnx.state(model, nnx.Param)),
+        loss=python_name(loss or loss_fn),
+        metrics=python_name(metrics or metrics_fn),
+        data=None if train_data is None else python_name(type(train_data)),
+    )
     if train_data is not None:
         parts.splits = user_splits(train_data, eval_data, parts.custom)
     exit_75_on_uncaught_preemption()

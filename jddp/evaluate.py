@@ -61,11 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:] if argv is None else argv
         from jddp.checkpoint.find import find_checkpoint
         from jddp.cli import Session, run
+        from jddp.config import refuse_fit_run
         from jddp.evaluation import evaluate_checkpoint, run_config
 
         def body(session: Session) -> int:
             args = parse_args(argv)
             cfg = run_config(Path(args.workdir), args.overrides)
+            refuse_fit_run(cfg, "python -m jddp.evaluate")
             find_checkpoint(args.workdir, args.step, "--workdir", "--step")  # before JAX starts
             evaluate_checkpoint(
                 cfg, args.workdir, args.step, session.start_jax(cfg.dist), ema=args.ema

@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
 
             check_versions()
             apply_cpu_flags()
+            from jddp.config import refuse_fit_run
+            from jddp.evaluation import run_config
+
+            refuse_fit_run(run_config(Path(args.workdir)), "python -m jddp.export")
             from jddp.exporting import describe_inputs, export_checkpoint
 
             exported, checkpoint, loaded = export_checkpoint(

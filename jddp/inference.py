@@ -134,8 +134,13 @@ def load_run(
 
 
 def _model_of(ckpts: Checkpoints, step: int) -> nnx.Module:
-    """A fresh model as checkpoint ``step``'s config names it."""
-    cfg = model_config(ckpts.saved_config(step))
+    """A fresh model as checkpoint ``step``'s config names it (a ``ConfigError`` saying what to
+    do for a model that was given to ``jddp.fit``)."""
+    saved = ckpts.saved_config(step)
+    fit = config_lib.from_dict({"fit": saved.get("fit") or {}})
+    fit.workdir = str(ckpts.directory.parent)
+    config_lib.refuse_fit_run(fit, "jddp.load/predict/export without model=")
+    cfg = model_config(saved)
     channels = _in_channels(ckpts.weight_shapes(step))
     return build_model(cfg, nnx.Rngs(0), in_channels=channels)
 

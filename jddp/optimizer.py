@@ -179,3 +179,21 @@ def make_optimizer(
     else:
         tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
     return tx, schedule
+
+
+def describe_optax(tx: optax.GradientTransformation, params: Any) -> str:
+    """An optax optimizer, named as well as it can be from outside: the types of its state
+    (``ScaleByAdamState+EmptyState``) and the first update it makes of a unit gradient at unit
+    parameters (its learning rate, for most), computed on one element per array. The same
+    optimizer gives the same text; another transformation or learning rate, another one."""
+    probe = jax.tree.map(lambda x: jnp.ones((1,) * jnp.ndim(x), jnp.result_type(x)), params)
+    try:
+        state = tx.init(probe)
+        updates, _ = tx.update(probe, state, probe)
+        first = next((float(jnp.ravel(u)[0]) for u in jax.tree.leaves(updates)), None)
+    except Exception:  # noqa: BLE001 - a transformation that needs real shapes: name it only
+        state, first = jax.eval_shape(tx.init, params), None
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "_fields"))
+    types = "+".join(type(n).__name__ for n in nodes if hasattr(n, "_fields")) or "stateless"
+    update = "" if first is None else f", a unit gradient's first update {first:.6g}"
+    return f"optax {types}{update}"

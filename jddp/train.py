@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             print(config_lib.dump(cfg), end="")
             return 0
+        config_lib.refuse_fit_run(cfg, "python -m jddp.train")
         job = session.start_jax(cfg.dist)  # before any computation
         from jddp.run.trainer import train_and_evaluate  # flax: after start_jax's version check
 

@@ -84,11 +84,21 @@ def test_a_resume_with_another_optimizer_says_so(tmp_path):
     import jddp
     from tests.user_models import TinyMLP
 
-    """A run saved under adam, rerun with sgd: one line naming the optimizer state (it named
-    '.opt_state[0].count ... .skipped_steps', as if the model had changed)."""
+    """A run saved under adam, rerun with sgd, or with adam at another learning rate: one line
+    naming both optimizers (it named '.opt_state[0].count ... .skipped_steps', as if the model
+    had changed; a changed learning rate resumed silently). Its config.yaml said so already
+    (fit.optimizer)."""
     run = tmp_path / "run"
-    jddp.fit(TinyMLP(192, 10, nnx.Rngs(0)), optax.adam(0.01), _mlp_data(),
-             config={"workdir": str(run)}, overrides=[*_MLP, "train.steps=2"])  # fmt: skip
-    with pytest.raises(jddp.ConfigError, match="holds another optimizer's state"):
-        jddp.fit(TinyMLP(192, 10, nnx.Rngs(0)), optax.sgd(0.01), _mlp_data(),
-                 config={"workdir": str(run)}, overrides=[*_MLP, "train.steps=4"])  # fmt: skip
+
+    def fit(tx, steps):
+        jddp.fit(TinyMLP(192, 10, nnx.Rngs(0)), tx, _mlp_data(), config={"workdir": str(run)},
+                 overrides=[*_MLP, f"train.steps={steps}"])  # fmt: skip
+
+    fit(optax.adam(0.01), 2)
+    with pytest.raises(jddp.ConfigError) as e:
+        fit(optax.sgd(0.01), 4)
+    # adam's first update of a unit gradient: -lr / (1 + eps)
+    assert 'fit.optimizer: "optax ScaleByAdamState+EmptyState, a unit gradient' in str(e.value)
+    assert 'update -0.00999993" there, "optax EmptyState+EmptyState, a unit' in str(e.value)
+    with pytest.raises(jddp.ConfigError, match=r'-0\.00999993" there, .* -0\.0199999\d*" now'):
+        fit(optax.adam(0.02), 4)

@@ -31,6 +31,7 @@ FREE_KEYS = (
     "train.on_nonfinite",
     "train.ema_decay",  # the EMA follows the parameters; it changes none of them
     "train.ema_warmup",
+    "fit.data",  # its type only (a tuple or a dict of the same arrays): not what changes
     "train.max_skipped_fraction",
     "train.compilation_cache_dir",
     "dist.backend",

@@ -30,6 +30,7 @@ from jddp.config.schema import (
     Config,
     DataConfig,
     DistConfig,
+    FitConfig,
     LogConfig,
     ModelConfig,
     OptimConfig,
@@ -45,6 +46,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DistConfig",
+    "FitConfig",
     "LogConfig",
     "ModelConfig",
     "OptimConfig",
@@ -52,6 +54,7 @@ __all__ = [
     "apply_overrides",
     "dump",
     "from_dict",
+    "refuse_fit_run",
     "help_text",
     "iter_keys",
     "load",
@@ -264,3 +267,17 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 def dump(cfg: Config) -> str:
     """The resolved config as YAML text; ``load`` of it gives the same config back."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def refuse_fit_run(cfg: Config, command: str) -> None:
+    """``ConfigError`` when ``cfg`` is a ``jddp.fit`` run's (its model came from Python, which
+    ``command`` cannot build), saying what to do instead."""
+    if cfg.fit.model is None:
+        return
+    where = f" {cfg.workdir}" if cfg.workdir else ""
+    raise ConfigError(
+        f"fit.model: this config is a jddp.fit run's{where} (its model, {cfg.fit.model}, was "
+        f"given to jddp.fit, not built from model.*): {command} cannot build it; rerun the "
+        "script, or in Python pass a freshly built one: jddp.evaluate(jddp.load(W, "
+        "model=...), data), jddp.export(jddp.load(W, model=...), OUT, example=...)"
+    )

@@ -226,7 +226,10 @@ class TrainConfig:
         "num_updates warm-up), so early weights fade fast; false: ema_decay from the first step",
     )
     precision: Literal["float32", "bfloat16"] = _f(
-        "float32", "compute dtype; parameters and BatchNorm statistics stay float32"
+        "float32",
+        "compute dtype of the built-in models and of model.name factories (their dtype=); "
+        "parameters and BatchNorm statistics stay float32 (a model given to jddp.fit computes "
+        "in the dtype it was built with: bfloat16 is refused there)",
     )
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss", bound=BELOW_ONE)
     loss: str | None = _f(
@@ -407,6 +410,28 @@ class LogConfig:
 
 
 @dataclass
+class FitConfig:
+    """What a ``jddp.fit`` run was given from Python (written by it; null in a CLI run)."""
+
+    model: str | None = _f(
+        None,
+        "written by jddp.fit: the class of the model given to it (module:Class); the model.* "
+        "keys did not build it, so python -m jddp.train/evaluate/export refuse such a config "
+        "(rerun the script, or jddp.load(W, model=...))",
+    )
+    optimizer: str | None = _f(
+        None,
+        "written by jddp.fit: the optax optimizer given to it (its state's types and a unit "
+        "gradient's first update); a resume under another one is refused, naming both",
+    )
+    loss: str | None = _f(None, "written by jddp.fit: the loss given to it (module:name)")
+    metrics: str | None = _f(None, "written by jddp.fit: the metrics given to it (module:name)")
+    data: str | None = _f(
+        None, "written by jddp.fit: the train data given to it (its type); data.name unused"
+    )
+
+
+@dataclass
 class Config:
     workdir: str | None = _f(None, "run folder (default runs/<config file name>)")
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -416,6 +441,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    fit: FitConfig = field(default_factory=FitConfig)
 
 
 def key_ranges() -> dict[str, str]:
