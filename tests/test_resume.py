@@ -45,6 +45,19 @@ def test_trajectory_keys_are_refused_naming_each_key_and_both_values():
     assert "checkpoint.allow_config_change=true" in message and "--allow-config-change" in message
 
 
+def test_an_options_key_added_or_removed_is_a_change():
+    """model.options/data.options are the user's own keys: one added or removed changes the
+    run as a changed value does (it was accepted silently); EMA keys are free (the EMA changes
+    none of the parameters)."""
+    saved = resolved("model.options.depth=4")
+    now = resolved("model.options.depth=4", "model.options.width=8", "train.ema_decay=0.9")
+    assert changed_keys(saved, now) == [("model.options.width", "(not set)", 8)]
+    gone = resolved("data.options.seq_len=64")
+    assert changed_keys(gone, resolved()) == [("data.options.seq_len", 64, "(not set)")]
+    with pytest.raises(ConfigError, match=r"data.options.seq_len: 64 there, '\(not set\)' now"):
+        check_resume_config(gone, resolved(), 4, 10, "ckpt")
+
+
 def test_allow_config_change_lets_the_run_continue():
     saved = resolved("optim.lr=0.1")
     now = resolved("optim.lr=0.2", "checkpoint.allow_config_change=true")

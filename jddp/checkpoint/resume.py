@@ -65,15 +65,34 @@ def _free(key: str) -> bool:
     return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FREE_KEYS)
 
 
+# Free-form sections (the user's own model and data keys): a key added or removed there is a
+# change, unlike a schema key an older jddp did not write.
+OPEN_SECTIONS = ("model.options", "data.options")
+ABSENT = "(not set)"
+
+
 def changed_keys(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """``(key, saved value, new value)`` for every trajectory-changing key that differs (keys
-    the saved config lacks, from an older jddp, count as their current default: not compared)."""
+    the saved config lacks, from an older jddp, count as their current default: not compared;
+    in ``model.options``/``data.options`` a key set on one side only differs, its absent
+    value shown as ``(not set)``)."""
     before, after = _flatten(saved), _flatten(now)
-    return [
+    open_keys = {
+        k
+        for k in before.keys() | after.keys()
+        if k.startswith(tuple(f"{s}." for s in OPEN_SECTIONS))
+    }
+    changes = [
         (key, before[key], value)
         for key, value in after.items()
         if key in before and before[key] != value and not _free(key) and key not in LENGTH_KEYS
     ]
+    changes += [
+        (key, before.get(key, ABSENT), after.get(key, ABSENT))
+        for key in sorted(open_keys)
+        if (key in before) != (key in after)
+    ]
+    return changes
 
 
 def check_resume_config(
