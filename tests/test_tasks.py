@@ -135,6 +135,9 @@ def test_evaluate_and_predict_a_custom_task(fitted):
     # A custom task's data without its loss: one line saying what to pass.
     with pytest.raises(TypeError, match="custom task's batch: give its loss \\(jddp.fit\\(loss="):
         jddp.evaluate(model, evals)
+    # ... and as (inputs, labels) with the inputs a dict (a raw KeyError: 'label' before)
+    with pytest.raises(TypeError, match=r"train_data: \(dict of arrays, labels\) is a custom"):
+        jddp.fit(model, None, ({"x": evals["x"]}, np.zeros(len(evals["x"]), np.int32)))
 
 
 def test_every_data_form_gives_the_same_run(tmp_path):

@@ -354,11 +354,22 @@ def as_source(
     who = label or name
     if hasattr(data, "get_batch"):
         return data
-    if isinstance(data, dict):
+    pytree_inputs = (
+        isinstance(data, tuple)
+        and len(data) == 2
+        and isinstance(data[0], dict | list | tuple)
+        and hasattr(data[1], "shape")
+    )
+    if isinstance(data, dict) or pytree_inputs:
+        what = (
+            "a dict of arrays"
+            if isinstance(data, dict)
+            else (f"({type(data[0]).__name__} of arrays, labels)")
+        )
         raise TypeError(
-            f"{who}: a dict of arrays is a custom task's batch: give its loss (jddp.fit(loss=...), "
+            f"{who}: {what} is a custom task's batch: give its loss (jddp.fit(loss=...), "
             "or train.loss=pkg.module:function on the command line); image classification "
-            "takes (images, labels)"
+            "takes (images, labels), images one array"
         )
     if isinstance(data, list | tuple) and not data:
         raise DataConfigError(f"{who}: no examples (an empty {type(data).__name__})")
