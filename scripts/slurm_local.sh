@@ -44,9 +44,9 @@ AuthType=auth/munge
 # A requeued job waits cred_expire s before it may start again (default 120); 20 s is still
 # ample for a one-node step launch.
 AuthInfo=cred_expire=20
-# ... and then until the backfill scheduler's next pass (bf_interval, default 30 s): every 1 s
-# here (one node, a handful of jobs), so a requeued job starts as soon as it may.
-SchedulerParameters=bf_interval=1
+# ... and then until a scheduler's next pass (sched_interval 60 s, bf_interval 30 s by
+# default): every second here (one node, a handful of jobs), so it starts as soon as it may.
+SchedulerParameters=bf_interval=1,sched_interval=1
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres

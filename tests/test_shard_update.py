@@ -172,9 +172,11 @@ def test_resume_switching_the_layout_and_the_topology(tmp_path, two_by_two):
     """The shared replicated 2 x 2 run's checkpoint 12 resumed fully sharded (orbax reads each
     device's slice of the full-shape arrays): its losses to 1e-5 (through gloo each gathered
     parameter's gradient is all-reduced, then sliced: a reduce-scatter there corrupts large
-    shares, jax issue 40830); that run's checkpoint 16 resumed fully sharded on 4 x 1: to 1e-4
-    (another topology may add in another order, as tests/test_multiprocess.py allows). The
-    switch said once; the older spelling: test_the_older_spelling_and_bad_values."""
+    shares, jax issue 40830); that run's checkpoint 16 resumed fully sharded by one process
+    of 4 devices: to 1e-4 (another topology may add in another order, as
+    tests/test_multiprocess.py allows; 1 x 4, not 4 x 1: the same change of process count,
+    3 fewer processes to start on CI's 2 cores). The switch said once; the
+    older spelling: test_the_older_spelling_and_bad_values."""
     reference, _ = two_by_two
     want = read_losses(reference)
     wd = tmp_path / "run"
@@ -195,7 +197,7 @@ def test_resume_switching_the_layout_and_the_topology(tmp_path, two_by_two):
     assert all(x.is_fully_addressable for x in jax.tree.leaves(loaded))
 
     shutil.rmtree(wd / "checkpoints" / "20")
-    out = run(launch_cmd(4, 1, wd, *TWO_BY_TWO, "dist.shard=full"))
+    out = run(launch_cmd(1, 4, wd, *TWO_BY_TWO, "dist.shard=full"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "at step 16" in out.stdout
     assert "when the checkpoint was written" not in out.stdout  # the same layout: no word
