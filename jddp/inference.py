@@ -137,7 +137,7 @@ def _model_of(ckpts: Checkpoints, step: int) -> nnx.Module:
     """A fresh model as checkpoint ``step``'s config names it (a ``ConfigError`` saying what to
     do for a model that was given to ``jddp.fit``)."""
     saved = ckpts.saved_config(step)
-    fit = config_lib.from_dict({"fit": saved.get("fit") or {}})
+    fit = config_lib.from_dict({"fit": saved.get("fit") or {}, "model": saved.get("model") or {}})
     fit.workdir = str(ckpts.directory.parent)
     config_lib.refuse_fit_run(fit, "jddp.load/predict/export without model=")
     cfg = model_config(saved)

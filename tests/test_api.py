@@ -197,6 +197,7 @@ def test_a_fit_runs_config_says_what_came_from_python(tmp_path):
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and "this config is a jddp.fit run's" in lines[0], out.stderr
         assert f"{cmd[1]} cannot build it" in lines[0]
+    # with model.name a factory that builds it, the commands build it (tests/test_export.py)
 
 
 def test_sigterm_to_a_fit_script_exits_75_in_one_line_as_the_cli(tmp_path):

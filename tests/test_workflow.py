@@ -52,7 +52,11 @@ def test_fit_leaves_the_trained_weights_in_the_passed_model_and_load_gives_them_
         jddp.load(workdir, step=7, model=TinyMLP(192, 2, nnx.Rngs(7)))
     with pytest.raises(jddp.ConfigError, match="other shapes.*out"):
         jddp.load(workdir, model=TinyMLP(192, 3, nnx.Rngs(7)))
-    with pytest.raises(jddp.ConfigError, match=r"model.name=resnet18: .*jddp.load\(\.\.\., model="):
+    # a model given to fit: its config.yaml says so (fit.model), and load says what to pass
+    with pytest.raises(
+        jddp.ConfigError,
+        match=r"given to jddp.fit; model.name=resnet18 did not .*jddp.load\(W, model=\.\.\.\)",
+    ):
         jddp.load(workdir)  # fit's model: the config cannot build it
 
 

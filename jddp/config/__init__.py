@@ -270,14 +270,18 @@ def dump(cfg: Config) -> str:
 
 
 def refuse_fit_run(cfg: Config, command: str) -> None:
-    """``ConfigError`` when ``cfg`` is a ``jddp.fit`` run's (its model came from Python, which
-    ``command`` cannot build), saying what to do instead."""
-    if cfg.fit.model is None:
+    """``ConfigError`` when ``cfg`` is a ``jddp.fit`` run's whose model came from Python and
+    ``command`` cannot build it from ``model.*``, saying what to do instead. Not when
+    ``model.name`` names a ``pkg.module:factory`` (the run said how to build it) or the model
+    was one of jddp's own (``model.*`` may describe it: the arrays' shapes will say)."""
+    model = cfg.fit.model
+    if model is None or ":" in cfg.model.name or model.startswith("jddp."):
         return
     where = f" {cfg.workdir}" if cfg.workdir else ""
     raise ConfigError(
-        f"fit.model: this config is a jddp.fit run's{where} (its model, {cfg.fit.model}, was "
-        f"given to jddp.fit, not built from model.*): {command} cannot build it; rerun the "
+        f"fit.model: this config is a jddp.fit run's{where} (its model, {model}, was given "
+        f"to jddp.fit; model.name={cfg.model.name} did not build it): {command} cannot build "
+        "it; rerun the "
         "script, or in Python pass a freshly built one: jddp.evaluate(jddp.load(W, "
         "model=...), data), jddp.export(jddp.load(W, model=...), OUT, example=...)"
     )
