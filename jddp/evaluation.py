@@ -119,10 +119,12 @@ class WithEma:
 
     def __call__(self, state: TrainState) -> dict:
         """``eval/...`` of ``state``'s parameters, then ``eval_ema/...`` of its EMA."""
-        out = self.run(state)
-        averaged = self.run(state.replace(params=state.ema_params))
-        out.update({f"eval_ema/{k.removeprefix('eval/')}": v for k, v in averaged.items()})
-        return out
+        return self.run(state) | as_ema_metrics(self.run(state.replace(params=state.ema_params)))
+
+
+def as_ema_metrics(metrics: dict) -> dict:
+    """An eval's ``eval/...`` keys as ``eval_ema/...``: the metrics of the EMA weights."""
+    return {f"eval_ema/{k.removeprefix('eval/')}": v for k, v in metrics.items()}
 
 
 def build_eval_run(
@@ -339,7 +341,7 @@ def evaluate_checkpoint(
     weights = " (the EMA of its parameters)" if ema else ""
     description = describe_eval(metrics, cfg.log.weight_unit)
     if ema:  # logged beside the run's own eval_ema/ lines
-        metrics = {f"eval_ema/{k.removeprefix('eval/')}": v for k, v in metrics.items()}
+        metrics = as_ema_metrics(metrics)
     Console(comm.is_writer).say(
         f"jddp: evaluated checkpoint {directory / str(step)}{weights} on {cfg.data.name} "
         f"({len(splits.eval)} eval examples): {description}\n"

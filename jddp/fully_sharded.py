@@ -121,13 +121,9 @@ class FullShardLayout(ShardLayout):
     kind = "full"
 
     def state_specs(self, state: TrainState) -> TrainState:
-        """Parameters, their EMA and the optimizer state split, the rest whole."""
-        whole = jax.tree.map(lambda _: P(), state)
-        return whole.replace(
-            params=self.specs(state.params),
-            opt_state=self.specs(state.opt_state),
-            ema_params=self.specs(state.ema_params),
-        )
+        """:class:`ShardLayout`'s (the optimizer state and the EMA split) with the parameters
+        split too; the rest whole."""
+        return super().state_specs(state).replace(params=self.specs(state.params))
 
     def grads_io(self, params: PyTree, comm: Any) -> GradsIO:
         """Split parameters gathered where used (and again in the backward pass); their
