@@ -5,8 +5,9 @@ The few public names: :func:`fit` and :func:`initialize` to train your own model
 write it for inference (StableHLO or ONNX);
 :func:`load_pretrained` for torchvision/timm ResNet weights;
 the building blocks :func:`make_mesh`, :func:`create_train_state`, :func:`make_train_step`,
-:func:`make_eval_step`; the models in :mod:`jddp.models`; :class:`Config` and
-:func:`load_config`. Imports are lazy so ``python -m jddp.train --help`` stays fast;
+:func:`make_eval_step`; :class:`Metric` (a metric that is a sum, max or min); the models in
+:mod:`jddp.models`; :class:`Config` and :func:`load_config`. Imports are lazy so
+``python -m jddp.train --help`` stays fast;
 ``_EXPORTS`` maps a name to ``"module"`` (the same name there) or ``"module:attribute"``.
 This module imports nothing that takes time (not even ``typing``): ``python -m jddp.evaluate``
 runs it before the command's own first statement, which installs the Ctrl-C handler.
@@ -31,6 +32,7 @@ _EXPORTS = {
     "RunResult": "jddp.run.trainer",
     "Callback": "jddp.run.callbacks",
     "EarlyStopping": "jddp.run.callbacks",
+    "Metric": "jddp.weighted",
     "Config": "jddp.config",
     "ConfigError": "jddp.config",
     "make_mesh": "jddp.mesh",

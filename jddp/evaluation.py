@@ -79,10 +79,11 @@ class EvalRun:
     def __call__(self, state: TrainState) -> dict:
         """``eval/loss`` and ``eval/<metric>`` for each of the task's metrics (image
         classification: ``eval/accuracy``, ``eval/top5_accuracy`` for models with more than 5
-        outputs), weighted means over every example of the source exactly once (the last batch
-        is padded and masked), summed over every process; ``eval/count``, the examples; and
+        outputs), weighted means (or the sums, maxima, minima a metric asks for) over every
+        example of the source exactly once (the last batch is padded and masked), over every
+        process; ``eval/count``, the examples; and
         ``eval/<weight_unit>``, the loss weights' sum, when a unit is set."""
-        totals: dict[str, float] = {}
+        totals: dict[str, Any] = {}
         batches = eval_batches(
             self.source,
             self.global_batch_size,
@@ -91,15 +92,14 @@ class EvalRun:
             pipeline=self.pipeline or PipelineOptions(),
         )
         for batch in batches:
-            sums = to_host(self.eval_step(state, batch))
-            for k, v in sums.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
+            sums = {k: np.float64(v) for k, v in to_host(self.eval_step(state, batch)).items()}
+            totals = weighted.combine(totals, sums, np) if totals else sums
             if self.on_batch is not None:
                 self.on_batch()
         totals = self.comm.sum_across_processes(totals)
         count = totals.pop("count", 0.0)
         with np.errstate(invalid="ignore", divide="ignore"):  # weights summing to 0: NaN
-            means, weights = weighted.divide({k: np.float64(v) for k, v in totals.items()})
+            means, weights = weighted.divide({k: np.float64(v) for k, v in totals.items()}, np)
         # The loss first, then the task's metrics by name (the step's sums come back sorted).
         out = {"eval/loss": float(means.pop("loss"))}
         out.update({f"eval/{k}": float(v) for k, v in sorted(means.items())})

@@ -87,8 +87,9 @@ def _sync_model_state(comm: Comm, model_state: Any) -> Any:
 
 
 def _accumulate(local_grads: Callable, params, model_state, data, k: int):
-    """``local_grads`` over ``k`` micro-batches of this device's rows: gradients and metric
-    terms are means over them, the model state carries from one micro-batch to the next."""
+    """``local_grads`` over ``k`` micro-batches of this device's rows: gradients and mean
+    terms are means over them (sums add, extremes stay extremes: :func:`jddp.weighted.combine`),
+    the model state carries from one micro-batch to the next."""
     if k == 1:
         return local_grads(params, model_state, data)
 
@@ -98,16 +99,21 @@ def _accumulate(local_grads: Callable, params, model_state, data, k: int):
     def body(carry, mb):
         g_sum, stats, m_sum = carry
         g, stats, m = local_grads(params, stats, mb)
-        return (jax.tree.map(jnp.add, g_sum, g), stats, jax.tree.map(jnp.add, m_sum, m)), None
+        return (jax.tree.map(jnp.add, g_sum, g), stats, weighted.combine(m_sum, m)), None
 
     first = jax.tree.map(lambda x: x[0], micro(data))
     shapes = jax.eval_shape(local_grads, params, model_state, first)
     zeros = jax.tree.map(lambda a: to_varying(jnp.zeros(a.shape, a.dtype)), shapes)
+    # The metric terms start from each kind's identity (0 for sums, -inf for maxima, ...).
+    metrics0 = {
+        key: to_varying(jnp.full(a.shape, weighted.identity(weighted.reduction_of(key)), a.dtype))
+        for key, a in shapes[2].items()
+    }
     (grads, stats, metrics), _ = jax.lax.scan(
-        body, (zeros[0], to_varying(model_state), zeros[2]), micro(data)
+        body, (zeros[0], to_varying(model_state), metrics0), micro(data)
     )
-    grads, metrics = jax.tree.map(lambda x: x / k, (grads, metrics))
-    return grads, stats, metrics
+    grads = jax.tree.map(lambda x: x / k, grads)
+    return grads, stats, weighted.scale_means(metrics, 1 / k)
 
 
 def injected_lr(opt_state: Any) -> jax.Array | None:
@@ -257,14 +263,14 @@ def _classification(
 def task_terms(
     task: Task, model_of: Callable[[], nnx.Module], data: Any, training: bool
 ) -> tuple[weighted.Named, nnx.Module]:
-    """The task's loss and metrics on ``data`` as ``{name: (value_B, weight_B)}`` (the loss
-    under ``"loss"``), and the model the loss ran on (its state as the forward pass left it).
-    ``model_of()`` builds a fresh model in the right mode: the loss gets one, the metrics another
-    from the same state (their forward passes are the same computation, which XLA merges; the
-    metrics' state changes are dropped)."""
+    """The task's loss and metrics on ``data`` as ``{name: Metric(value_B, weight_B, reduce)}``
+    (the loss, a mean, under ``"loss"``), and the model the loss ran on (its state as the forward
+    pass left it). ``model_of()`` builds a fresh model in the right mode: the loss gets one, the
+    metrics another from the same state (their forward passes are the same computation, which
+    XLA merges; the metrics' state changes are dropped)."""
     model = model_of()
     loss_B, weight_B, aux = task.loss_terms(model, data)
-    named = {"loss": (loss_B, weight_B)}
+    named = {"loss": weighted.Metric(loss_B, weight_B)}
     named.update(task.metric_terms(model_of, data, aux, training))
     return named, model
 
@@ -285,7 +291,7 @@ def _local_grads_fn(model_def: ModelDef, comm: Comm, task: Task, io: GradsIO) ->
 
             named, model = task_terms(task, model_of, data, training=True)
             terms = weighted.means({f"train/{k}": v for k, v in named.items()})
-            _, weight_B = named["loss"]
+            weight_B = named["loss"].weights
             if weight_B is not None:
                 terms[NEGATIVE_WEIGHT_KEY] = jnp.any(weight_B < 0).astype(jnp.float32)
             return terms["train/loss"], (nnx.state(model, MODEL_STATE), terms)
@@ -324,7 +330,8 @@ def make_train_step(
     normalised on the device by ``pixel_norm``, or float, cast to ``compute_dtype``) and
     ``labels`` [B]. Each device splits its slice into ``grad_accum_steps`` micro-batches, sums
     their gradients, and the averaged gradient is applied once. Returned metrics are weighted
-    means over the whole global batch (``Σ w·x / Σ w``, w = 1 unless the task gives weights):
+    means over the whole global batch (``Σ w·x / Σ w``, w = 1 unless the task gives weights;
+    a metric's sum, max or min where the task says so, :class:`jddp.weighted.Metric`):
     ``train/loss``, ``train/<metric>`` for each of the task's metrics, ``train/nonfinite`` (1
     when the update was dropped because the loss or a gradient was not finite),
     ``train/skipped_steps``, ``train/grad_norm`` (of the averaged gradient), ``train/param_norm``
@@ -369,7 +376,7 @@ def make_train_step(
         for key in FLAG_KEYS:  # any process asking: the mean over devices is > 0
             if key in batch:
                 metrics[key] = jnp.max(batch[key]).astype(jnp.float32)
-        return grads, stats, comm.average(metrics)
+        return grads, stats, comm.reduce_terms(metrics)
 
     grads_stage = layout.grads_stage(per_device_batch, comm)
     update_stage = layout.update_stage(
@@ -378,6 +385,9 @@ def make_train_step(
         )
     )
     return TrainStep(grads_stage, update_stage, comm.compose(grads_stage, update_stage))
+
+
+_EVAL_COLLECTIVE = {"max": jax.lax.pmax, "min": jax.lax.pmin}
 
 
 def make_eval_step(
@@ -394,9 +404,11 @@ def make_eval_step(
     ``batch`` carries ``mask`` [B] (1 for real examples, 0 for padding), so a padded last batch
     counts each real example exactly once. Returns global *sums* over the batch
     (:func:`jddp.weighted.masked_sums`): ``loss`` and ``loss~w`` (``Σ m·w·loss``, ``Σ m·w``), the
-    same pair for each of the task's metrics (the classification task: ``accuracy``, and
-    ``top5_accuracy`` when the model has more than 5 outputs), and ``count`` (``Σ m``); the
-    caller adds them over batches and divides after the last (:func:`jddp.weighted.divide`).
+    same pair for each of the task's mean metrics (the classification task: ``accuracy``, and
+    ``top5_accuracy`` when the model has more than 5 outputs), ``name~sum``, ``name~max``,
+    ``name~min`` for its other metrics, and ``count`` (``Σ m``); the caller combines them over
+    batches (:func:`jddp.weighted.combine`) and divides after the last
+    (:func:`jddp.weighted.divide`).
     The model runs in eval mode. Without ``task``: the classification task of ``loss_fn``.
     """
     task = _classification(task, loss_fn, None, compute_dtype, pixel_norm)
@@ -411,7 +423,10 @@ def make_eval_step(
         mask = batch[MASK_KEY].astype(jnp.float32)
         sums = weighted.masked_sums(named, mask)
         sums["count"] = mask.sum()
-        return jax.lax.psum(sums, DATA_AXIS)
+        groups = weighted.split(sums)
+        for kind, group in groups.items():  # sums add over devices, extremes stay extremes
+            groups[kind] = _EVAL_COLLECTIVE.get(kind, jax.lax.psum)(group, DATA_AXIS)
+        return weighted.merge(groups)
 
     per_batch = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P())
     # The optimizer state (and the EMA: evaluated as the params of a state of its own) stays

@@ -209,6 +209,16 @@ CASES = [
         2,
         ["train.metrics=tests.user_tasks:clashing_metrics", "'loss'", "clashes"],
     ),
+    (
+        "metric with an unknown reduction",
+        task("train.metrics=tests.user_tasks:median_metrics"),
+        2,
+        [
+            "train.metrics=tests.user_tasks:median_metrics['spread']",
+            "reduce='median'",
+            "mean, sum, max, min",
+        ],
+    ),
 ]
 
 

@@ -19,6 +19,8 @@ from tests import user_tasks
 from tests.helpers import (
     assert_losses_match,
     fake_devices,
+    launch_cmd,
+    mpirun_cmd,
     read_losses,
     read_metrics,
     run,
@@ -45,14 +47,23 @@ def fit(workdir, loss, metrics=None, steps=12, data=None):
 
 
 def weighted_numpy(model, split, w=None):
-    """``Σ w·x / Σ w`` of the squared and absolute errors of ``model`` over a whole split."""
+    """``Σ w·x / Σ w`` of the squared and absolute errors of ``model`` over a whole split, and
+    the sums, maxima and minima of ``tests.user_tasks.error_metrics``."""
     error = np.asarray(model(jnp.asarray(split["x"])), np.float64) - split["y"]
     w = np.ones_like(error) if w is None else np.asarray(w, np.float64)
     return {
         "loss": (w * error**2).sum() / w.sum(),
         "mae": np.abs(error).mean(),
         "wmse": (split["w"] * error**2).sum() / split["w"].sum(),
+        "wsse": (split["w"] * error**2).sum(),
+        "max_error": error.max(),
+        "max_error_w3": error[split["w"] == 3].max(),
+        "min_error": error.min(),
+        "big_errors": float((np.abs(error) > 1).sum()),
     }
+
+
+METRIC_KEYS = ("loss", "mae", "wmse", "wsse", "max_error", "max_error_w3", "min_error")
 
 
 def test_weighted_means_of_unequal_devices_are_the_global_mean():
@@ -63,13 +74,40 @@ def test_weighted_means_of_unequal_devices_are_the_global_mean():
     x = rng.normal(size=32).astype(np.float32)
     w = np.concatenate([np.full(16, 5.0), np.full(16, 0.5)]).astype(np.float32)
     halves = (slice(0, 16), slice(16, 32))
-    terms = [weighted.means({"v": (jnp.asarray(x[d]), jnp.asarray(w[d]))}) for d in halves]
+    terms = [
+        weighted.means({"v": weighted.Metric(jnp.asarray(x[d]), jnp.asarray(w[d]))}) for d in halves
+    ]
     averaged = {k: (terms[0][k] + terms[1][k]) / 2 for k in terms[0]}
     values, weights = weighted.divide(averaged)
     assert float(values["v"]) == pytest.approx((w * x).sum() / w.sum(), rel=1e-6)
     assert float(weights["v"]) == pytest.approx(w.mean())
     per_device_means = np.mean([(w[:16] * x[:16]).sum() / 80, (w[16:] * x[16:]).sum() / 8])
     assert abs(per_device_means - float(values["v"])) > 1e-3  # the wrong way is really wrong
+
+
+def test_sums_and_extremes_combine_by_their_own_operation():
+    """Two devices' (or micro-batches') terms of each reduction, combined: the sum, max and min
+    of all rows; a zero weight leaves a row out of a max or min; a max of no rows is NaN (as a
+    mean whose weights sum to 0)."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=32).astype(np.float32)
+    w = (np.arange(32) % 3).astype(np.float32)  # 0, 1, 2, ...
+    named = lambda d: {  # noqa: E731
+        "s": weighted.Metric(jnp.asarray(x[d]), jnp.asarray(w[d]), "sum"),
+        "hi": weighted.Metric(jnp.asarray(x[d]), reduce="max"),
+        "hi_w": weighted.Metric(jnp.asarray(x[d]), jnp.asarray(w[d]), "max"),
+        "lo": weighted.Metric(jnp.asarray(x[d]), reduce="min"),
+        "none": weighted.Metric(jnp.asarray(x[d]), jnp.zeros(16), "max"),
+        "m": weighted.Metric(jnp.asarray(x[d])),
+    }
+    halves = [weighted.means(named(d)) for d in (slice(0, 16), slice(16, 32))]
+    assert set(weighted.split(halves[0])) == {"mean", "sum", "max", "min"}
+    both = weighted.scale_means(weighted.combine(*halves), 1 / 2)
+    values, _ = weighted.divide(both)
+    assert float(values["s"]) == pytest.approx((w * x).sum(), rel=1e-6)
+    assert float(values["hi"]) == x.max() and float(values["lo"]) == x.min()
+    assert float(values["hi_w"]) == x[w != 0].max() and np.isnan(float(values["none"]))
+    assert float(values["m"]) == pytest.approx(x.mean(), rel=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +128,9 @@ def test_fit_any_task_logs_the_exact_weighted_means(fitted):
     initial = user_tasks.Linear(nnx.Rngs(0))
     rows1 = {k: v[batch] for k, v in train.items()}
     want = weighted_numpy(initial, rows1, rows1["w"])
-    for key in ("loss", "mae", "wmse"):
+    for key in METRIC_KEYS:
         assert first[f"train/{key}"] == pytest.approx(want[key], rel=1e-5), key
+    assert first["train/big_errors"] == want["big_errors"]
     # The task's own keys only: no accuracy, no images.
     assert "train/accuracy" not in first
     assert all("img_per_s" not in r and "eval/accuracy" not in r for r in rows)
@@ -100,8 +139,9 @@ def test_fit_any_task_logs_the_exact_weighted_means(fitted):
     final = result.eval
     want = weighted_numpy(result.model, evals, evals["w"])
     assert final["eval/count"] == user_tasks.EVAL
-    for key in ("loss", "mae", "wmse"):
+    for key in METRIC_KEYS:  # sums, maxima, minima: the padding rows never count
         assert final[f"eval/{key}"] == pytest.approx(want[key], rel=1e-5), key
+    assert final["eval/big_errors"] == want["big_errors"]
     assert result.eval == {k: v for k, v in rows[-1].items() if k != "step"}
 
 
@@ -334,3 +374,39 @@ def test_dropout_same_device_count_same_losses_and_resume(tmp_path):
     out = run([*train, f"workdir={one_by_one}", "train.steps=2"], env=fake_devices(1), cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert read_losses(one_by_one)[1] != pytest.approx(read_losses(one_by_two)[1], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sums_and_extremes_are_exact_on_2x2_with_micro_batches_and_under_mpi(tmp_path):
+    """The task's sums, maxima and minima (``jddp.Metric``) over each step's global batch and
+    over every eval example once: 2 processes x 2 devices with 2 micro-batches each (gloo), and
+    the same under mpirun with the MPI backend, against numpy."""
+    overrides = [*CLI_TASK, "train.steps=6", "train.grad_accum_steps=2", "checkpoint.every_steps=2"]
+    xla = tmp_path / "xla"
+    out = run(launch_cmd(2, 2, xla, *overrides, base=[]), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(xla)
+    sys.path.insert(0, str(ROOT))  # the factories, as the CLI imported them
+    train, evals = user_tasks.data({})
+    # Step 5 ran the model of checkpoint 4 on rows 64..79 of epoch 0's order.
+    order = epoch_permutation(0, 0, user_tasks.TRAIN)[64:80]
+    rows5 = {k: v[order] for k, v in train.items()}
+    want = weighted_numpy(jddp.load(xla, step=4), rows5, rows5["w"])
+    step5 = next(r for r in rows if r["step"] == 5 and "train/loss" in r)
+    for key in METRIC_KEYS:
+        assert step5[f"train/{key}"] == pytest.approx(want[key], rel=1e-5), key
+    assert step5["train/big_errors"] == want["big_errors"]
+    final = [r for r in rows if "eval/loss" in r][-1]
+    want = weighted_numpy(jddp.load(xla), evals, evals["w"])
+    for key in METRIC_KEYS:
+        assert final[f"eval/{key}"] == pytest.approx(want[key], rel=1e-5), key
+    assert final["eval/big_errors"] == want["big_errors"]
+    mpi = tmp_path / "mpi"
+    out = run(mpirun_cmd(2, mpi, *overrides, "dist.backend=mpi", base=[]), env=fake_devices(2))
+    assert out.returncode == 0, out.stderr[-3000:]
+    task_keys = {
+        f"{split}/{k}" for split in ("train", "eval") for k in (*METRIC_KEYS, "big_errors")
+    }
+    for got, theirs in zip(read_metrics(mpi), rows, strict=True):
+        keys = task_keys & set(theirs)
+        assert {k: got[k] for k in keys} == pytest.approx({k: theirs[k] for k in keys}, rel=1e-5)

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jddp
+
 TRAIN, EVAL = 96, 40  # 40: the eval set ends in a padded batch of 16
 
 
@@ -48,16 +50,30 @@ def weighted_loss(model, batch):
     return loss(model, batch), batch["w"]
 
 
+def error_metrics(error, w):
+    """Means, sums and extremes of the errors: the mean absolute error (unweighted), the
+    weighted mean and sum of squares, the largest and smallest error (the largest among the
+    rows of weight 3 alone: a weight masks a max), the count of errors above 1."""
+    return {
+        "mae": jnp.abs(error),
+        "wmse": (error**2, w),
+        "wsse": jddp.Metric(error**2, w, reduce="sum"),
+        "max_error": jddp.Metric(error, reduce="max"),
+        "max_error_w3": jddp.Metric(error, w == 3, reduce="max"),
+        "min_error": jddp.Metric(error, reduce="min"),
+        "big_errors": jddp.Metric(jnp.abs(error) > 1, reduce="sum"),
+    }
+
+
 def metrics(model, batch):
-    """Absolute error (unweighted) and the weighted squared error."""
-    error = model(batch["x"]) - batch["y"]
-    return {"mae": jnp.abs(error), "wmse": (error**2, batch["w"])}
+    """:func:`error_metrics` of the model's errors."""
+    return error_metrics(model(batch["x"]) - batch["y"], batch["w"])
 
 
 def loss_and_metrics(model, batch):
     """The weighted loss and :func:`metrics` from one forward pass."""
     error = model(batch["x"]) - batch["y"]
-    return error**2, batch["w"], {"mae": jnp.abs(error), "wmse": (error**2, batch["w"])}
+    return error**2, batch["w"], error_metrics(error, batch["w"])
 
 
 # -- broken pieces -----------------------------------------------------------------------------
@@ -101,6 +117,10 @@ def nan_loss(model, batch):
 
 def clashing_metrics(model, batch):
     return {"loss": loss(model, batch)}
+
+
+def median_metrics(model, batch):
+    return {"spread": jddp.Metric(loss(model, batch), reduce="median")}
 
 
 def list_metrics(model, batch):

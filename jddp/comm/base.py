@@ -19,12 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jddp import weighted
 from jddp.distributed import Job
 from jddp.mesh import DATA_AXIS, DTYPES
 
 PyTree = Any
 GradsStage = Callable[[PyTree, PyTree], tuple[PyTree, ...]]
 UpdateStage = Callable[..., tuple[PyTree, PyTree]]
+_MESH_COLLECTIVE = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
 
 
 def allreduce_bytes(grads: PyTree, wire_dtype: str) -> int:
@@ -113,6 +115,17 @@ class Comm(ABC):
             return jax.lax.pmean(tree, DATA_AXIS)
         return fused(lambda flat: jax.lax.pmean(flat, DATA_AXIS), tree)
 
+    def reduce_terms(self, terms: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """A train step's metric terms over the ``data`` mesh axis, each kind by its own
+        collective (:mod:`jddp.weighted`): means averaged (:meth:`average`), sums added,
+        maxima and minima kept."""
+        groups = weighted.split(terms)
+        for kind, group in groups.items():
+            groups[kind] = (
+                self.average(group) if kind == "mean" else _MESH_COLLECTIVE[kind](group, DATA_AXIS)
+            )
+        return weighted.merge(groups)
+
     @abstractmethod
     def device_index(self) -> jax.Array:
         """This device's index among all devices of the job (inside the step)."""
@@ -133,7 +146,8 @@ class Comm(ABC):
 
     @abstractmethod
     def sum_across_processes(self, values: dict[str, float]) -> dict[str, float]:
-        """Host totals over every process."""
+        """Host totals over every process: added, but eval maxima and minima (the terms
+        ``name~max``, ``name~min`` of :mod:`jddp.weighted`) kept."""
 
     @abstractmethod
     def allgather_int(self, value: int) -> list[int]:

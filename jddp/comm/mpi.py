@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jddp import weighted
 from jddp.comm.base import Comm, GradsStage, PyTree, UpdateStage, fused
 from jddp.config import DistConfig
 from jddp.distributed import Job, current_job, mpi_world
@@ -75,6 +76,20 @@ class MpiComm(Comm):
         # One MPI call per dtype (mpi4jax stages each call through the host on GPUs).
         return fused(reduce, tree)
 
+    def _allreduce_others(self, groups: dict[str, dict]) -> dict[str, dict]:
+        """Metric sums added across ranks, maxima and minima kept (:mod:`jddp.weighted`)."""
+        import mpi4jax
+
+        ops = {"sum": self._MPI.SUM, "max": self._MPI.MAX, "min": self._MPI.MIN}
+        return {
+            kind: group
+            if kind == "mean"
+            else jax.tree.map(
+                lambda x, op=ops[kind]: mpi4jax.allreduce(x, op=op, comm=self.world), group
+            )
+            for kind, group in groups.items()
+        }
+
     def bf16_allreduce_sum(self, x: jax.Array) -> jax.Array:
         """Sum over ranks with bfloat16 on the wire: reduce-scatter then all-gather.
 
@@ -106,7 +121,9 @@ class MpiComm(Comm):
 
         def reduce_and_update(state, grads, stats, metrics):
             grads = self._allreduce_mean(grads, wire)
-            stats, metrics = self._allreduce_mean((stats, metrics))
+            terms = weighted.split(metrics)  # means with the model state, in one call
+            stats, terms["mean"] = self._allreduce_mean((stats, terms.get("mean", {})))
+            metrics = weighted.merge(self._allreduce_others(terms))
             return update_stage(state, grads, stats, metrics)
 
         update_jit = jax.jit(reduce_and_update)
@@ -126,7 +143,11 @@ class MpiComm(Comm):
 
     def sum_across_processes(self, values: dict[str, float]) -> dict[str, float]:
         """Totals over all ranks (mpi4py, on the host)."""
-        return {k: self.world.allreduce(float(v)) for k, v in values.items()}
+        ops = {"max": self._MPI.MAX, "min": self._MPI.MIN}
+        return {
+            k: self.world.allreduce(float(v), op=ops.get(weighted.reduction_of(k), self._MPI.SUM))
+            for k, v in values.items()
+        }
 
     def allgather_int(self, value: int) -> list[int]:
         """``value`` from every rank, in rank order."""

@@ -241,7 +241,8 @@ class TrainConfig:
     metrics: str | None = _f(
         None,
         "'pkg.module:function' for a custom task: metrics(model, batch) -> {name: values [B]} "
-        "or {name: (values [B], weights [B])}, logged as train/<name> and eval/<name>",
+        "or {name: (values [B], weights [B])} (weighted means) or {name: jddp.Metric(values, "
+        "weights, reduce='sum'|'max'|'min')}, logged as train/<name> and eval/<name>",
     )
     compilation_cache_dir: str | None = _f(
         "~/.cache/jddp/jax",

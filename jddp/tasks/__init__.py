@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # no JAX import here at run time: the plot CLI reads RESERVED_METRICS
-    from jddp.weighted import Named  # {name: (value_B, weight_B or None)}
+    from jddp.weighted import Named  # {name: Metric(value_B, weight_B or None, reduce)}
 
 # What jddp itself logs under train/ and eval/: a task's metric may not take these names.
 RESERVED_METRICS = frozenset(
@@ -60,6 +60,7 @@ class Task(Protocol):
     def metric_terms(
         self, fresh_model: Callable[[], Any], data: Any, aux: Any, training: bool
     ) -> Named:
-        """``{name: (value_B, weight_B or None)}``. ``fresh_model()`` is the model as the loss
-        saw it, before its forward pass changed any state (its own changes are dropped)."""
+        """``{name: Metric(value_B, weight_B or None, reduce)}``. ``fresh_model()`` is the model
+        as the loss saw it, before its forward pass changed any state (its own changes are
+        dropped)."""
         ...

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import optax
 
 from jddp.errors import DataConfigError
-from jddp.weighted import Named
+from jddp.tasks.custom import named_metrics
+from jddp.weighted import Metric, Named
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 MetricsFn = Callable[[jax.Array, jax.Array], dict[str, jax.Array]]
@@ -125,10 +126,11 @@ class ClassificationTask:
         """Accuracy, top-5 (eval; more than 5 outputs) and ``metrics_fn``'s, from the loss's
         logits."""
         labels_B = data["labels"]
-        out: Named = {"accuracy": (jnp.argmax(logits_BxK, -1) == labels_B, None)}
+        out: Named = {"accuracy": Metric(jnp.argmax(logits_BxK, -1) == labels_B)}
         if not training and logits_BxK.shape[-1] > 5:
             top5_Bx5 = jax.lax.top_k(logits_BxK, 5)[1]
-            out["top5_accuracy"] = (jnp.any(top5_Bx5 == labels_B[:, None], axis=-1), None)
+            out["top5_accuracy"] = Metric(jnp.any(top5_Bx5 == labels_B[:, None], axis=-1))
         if self.metrics_fn is not None:
-            out.update({k: (v, None) for k, v in self.metrics_fn(logits_BxK, labels_B).items()})
+            mine = self.metrics_fn(logits_BxK, labels_B)
+            out.update(named_metrics(mine, labels_B.shape[0], "metrics_fn"))
         return out

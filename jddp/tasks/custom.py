@@ -2,8 +2,10 @@
 
 ``loss`` returns per-example losses ``[B]``, or ``(loss_B, weight_B)``, or ``(loss_B, weight_B or
 None, metrics)`` where ``metrics`` is what ``metrics`` would return, computed from the same
-forward pass; ``metrics`` returns ``{name: value_B}`` or ``{name: (value_B, weight_B)}``. jddp
-turns them into exact weighted means over the global batch (:mod:`jddp.weighted`).
+forward pass; ``metrics`` returns ``{name: value_B}``, ``{name: (value_B, weight_B)}`` or
+``{name: jddp.Metric(value_B, weight_B, reduce=...)}`` (a sum, max or min instead of a mean).
+jddp turns them into exact weighted means (sums, extremes) over the global batch
+(:mod:`jddp.weighted`).
 
 Why metrics may come from the loss: a separate ``metrics`` function runs the model once more.
 XLA merges that second forward pass with the loss's when the two compile to the same operations
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 
 from jddp.errors import TaskError
 from jddp.tasks import RESERVED_METRICS
-from jddp.weighted import WEIGHT_SUFFIX, Named
+from jddp.weighted import REDUCTIONS, TERM_MARK, Metric, Named
 
 LossFn = Callable[[Any, Any], Any]
 MetricsFn = Callable[[Any, Any], Mapping[str, Any]]
@@ -93,17 +95,32 @@ def value_and_weight(
     return per_example(out, rows, what, floating), None
 
 
+def as_metric(out: Any, rows: int, what: str) -> Metric:
+    """One metric's ``value_B``, ``(value_B, weight_B)`` or :class:`~jddp.weighted.Metric`,
+    checked (see :func:`per_example`), as a ``Metric``."""
+    if isinstance(out, Metric):
+        if out.reduce not in REDUCTIONS:
+            raise TaskError(
+                f"{what}: jddp.Metric(reduce={out.reduce!r}) is not a reduction jddp knows; use "
+                f"one of {', '.join(REDUCTIONS)}"
+            )
+        value, weight = value_and_weight((out.values, out.weights), rows, what, False)
+        return Metric(value, weight, out.reduce)
+    return Metric(*value_and_weight(out, rows, what, False))
+
+
 def named_metrics(out: Any, rows: int, where: str) -> Named:
-    """A metrics dict ``{name: value_B | (value_B, weight_B)}``, checked: names, shapes, types."""
+    """A metrics dict ``{name: value_B | (value_B, weight_B) | jddp.Metric}``, checked: names,
+    shapes, types."""
     if not isinstance(out, Mapping):
         raise TaskError(
             f"{where}: got a {type(out).__name__}; expected a dict "
-            "{name: values [B]} or {name: (values [B], weights [B])}"
+            "{name: values [B]}, {name: (values [B], weights [B])} or {name: jddp.Metric(...)}"
         )
     named: Named = {}
     for name, value in out.items():
         check_metric_name(name, where)
-        named[name] = value_and_weight(value, rows, f"{where}[{name!r}]", False)
+        named[name] = as_metric(value, rows, f"{where}[{name!r}]")
     return named
 
 
@@ -135,7 +152,7 @@ class CustomTask:
         self, fresh_model: Callable[[], Any], data: Any, aux: Named, training: bool
     ) -> Named:
         """The metrics the loss returned (``aux``), then ``metrics(model, data)``'s, as
-        ``{name: (value_B, weight_B or None)}``."""
+        ``{name: Metric}``."""
         if self.metrics is None:
             return aux
         more = named_metrics(self.metrics(fresh_model(), data), rows_of(data), self.metrics_name)
@@ -150,10 +167,10 @@ class CustomTask:
 
 def check_metric_name(name: Any, where: str) -> None:
     """A metric's name: a non-empty string that is none of jddp's own keys."""
-    if not isinstance(name, str) or not name.strip() or WEIGHT_SUFFIX in name:
+    if not isinstance(name, str) or not name.strip() or TERM_MARK in name:
         raise TaskError(
             f"{where}: metric name {name!r} is not allowed; use a non-empty string without "
-            f"{WEIGHT_SUFFIX!r} (it is logged as train/<name> and eval/<name>)"
+            f"{TERM_MARK!r} (it is logged as train/<name> and eval/<name>)"
         )
     if name in RESERVED_METRICS:
         raise TaskError(
