@@ -144,6 +144,10 @@ def test_a_hub_folder_with_validation_and_test_evaluates_on_validation(tmp_path)
     train, evals = split_files("parquet", str(hub), test, (".parquet",), "")
     assert [p.name for p in train] == ["train-00000-of-00001.parquet"]
     assert [p.name for p in evals] == ["test-00000-of-00001.parquet"]
+    # train-* alone: refused as an image folder without val/ is (it evaluated on the train set)
+    only_train = str(hub / "train-*.parquet")
+    with pytest.raises(DataConfigError, match=r"only train shards \(train-\*\): no eval split"):
+        split_files("parquet", only_train, None, (".parquet",), "")
 
 
 @pytest.mark.slow

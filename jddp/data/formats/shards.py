@@ -101,7 +101,8 @@ def split_files(
 ) -> tuple[list[Path], list[Path] | None]:
     """The train and eval shards: ``data.eval_path`` names the eval ones if given, else the
     shards of ``data.path`` are split by their names (:func:`split_of`); None for eval when
-    none is named so (the train shards are then evaluated, as the caller says)."""
+    no shard is named as a split (one unnamed set: the caller evaluates the train shards).
+    Train shards without eval shards are refused, as an image folder without ``val/`` is."""
     if path is None or str(path) == "":
         raise DataConfigError(f"data.path is required for data.name={name!r}: {hint}")
     files = find_files(str(path), suffixes, "data.path", hint)
@@ -119,6 +120,12 @@ def split_files(
         raise DataConfigError(
             f"data.path={path!r}: no shard is named as a train split (train-*, */train/*; found "
             f"{files[0].name!r}...): name them so, or give the eval shards as data.eval_path"
+        )
+    if "eval" not in by_split and None not in by_split:  # as an image folder without val/
+        raise DataConfigError(
+            f"data.path={path!r}: only train shards (train-*): no eval split "
+            f"({', '.join(f'{n}-*' for n in EVAL_SPLIT_NAMES)}) to evaluate on; give the eval "
+            "shards as data.eval_path"
         )
     unnamed = by_split.get(None, [])
     if unnamed:
