@@ -43,6 +43,7 @@ from jddp.errors import (
     CheckpointGone,
     ConfigError,
     DataConfigError,
+    DataError,
     NonFiniteLoss,
     one_line,
 )
@@ -52,7 +53,7 @@ from jddp.metrics import Console, append_metrics, describe_eval, nonfinite_eval
 from jddp.preflight import check_same_config, output_shape
 from jddp.proc.xla import enable_compilation_cache
 from jddp.state import TrainState, create_train_state
-from jddp.step import make_eval_step
+from jddp.step import NEGATIVE_WEIGHT_KEY, make_eval_step
 from jddp.tasks import Task
 from jddp.tasks.classification import PixelNorm
 from jddp.workdir import RunFolder
@@ -100,6 +101,11 @@ class EvalRun:
         count = totals.pop("count", 0.0)
         with np.errstate(invalid="ignore", divide="ignore"):  # weights summing to 0: NaN
             means, weights = weighted.divide({k: np.float64(v) for k, v in totals.items()}, np)
+        if means.pop(NEGATIVE_WEIGHT_KEY, 0.0) > 0:  # as training refuses them
+            raise DataError(
+                "the loss returned negative weights on the eval data (weights count what each "
+                "example's loss stands for, e.g. its tokens: they must be >= 0); not a result"
+            )
         # The loss first, then the task's metrics by name (the step's sums come back sorted).
         out = {"eval/loss": float(means.pop("loss"))}
         out.update({f"eval/{k}": float(v) for k, v in sorted(means.items())})

@@ -406,8 +406,9 @@ def make_eval_step(
     (:func:`jddp.weighted.masked_sums`): ``loss`` and ``loss~w`` (``Σ m·w·loss``, ``Σ m·w``), the
     same pair for each of the task's mean metrics (the classification task: ``accuracy``, and
     ``top5_accuracy`` when the model has more than 5 outputs), ``name~sum``, ``name~max``,
-    ``name~min`` for its other metrics, and ``count`` (``Σ m``); the caller combines them over
-    batches (:func:`jddp.weighted.combine`) and divides after the last
+    ``name~min`` for its other metrics, ``count`` (``Σ m``), and with a weighted loss
+    ``sys/negative_weight~max`` (1 when a real row's weight was negative); the caller combines
+    them over batches (:func:`jddp.weighted.combine`) and divides after the last
     (:func:`jddp.weighted.divide`).
     The model runs in eval mode. Without ``task``: the classification task of ``loss_fn``.
     """
@@ -423,6 +424,10 @@ def make_eval_step(
         mask = batch[MASK_KEY].astype(jnp.float32)
         sums = weighted.masked_sums(named, mask)
         sums["count"] = mask.sum()
+        loss_weight = named["loss"].weights
+        if loss_weight is not None:  # 1 where a real row's weight is negative (refused)
+            negative = jnp.any((mask > 0) & (loss_weight < 0)).astype(jnp.float32)
+            sums[weighted.term_key(NEGATIVE_WEIGHT_KEY, "max")] = negative
         groups = weighted.split(sums)
         for kind, group in groups.items():  # sums add over devices, extremes stay extremes
             groups[kind] = _EVAL_COLLECTIVE.get(kind, jax.lax.psum)(group, DATA_AXIS)

@@ -172,6 +172,11 @@ def test_evaluate_and_predict_a_custom_task(fitted):
     got = jddp.predict(model, inputs, batch_size=16)
     np.testing.assert_allclose(got, np.asarray(model(jnp.asarray(evals["x"][:37]))), rtol=1e-6)
     assert jddp.predict(model, {"x": evals["x"][:0]}).shape == (0,)
+    # A negative loss weight in the eval data: refused as training refuses it (averaged in
+    # silently before)
+    negative = {**evals, "w": np.where(np.arange(user_tasks.EVAL) == 37, -1.0, evals["w"])}
+    with pytest.raises(DataError, match="negative weights on the eval data .* must be >= 0"):
+        jddp.evaluate(model, negative, loss=user_tasks.weighted_loss, batch_size=16)
     # A custom task's data without its loss: one line saying what to pass.
     with pytest.raises(TypeError, match="custom task's batch: give its loss \\(jddp.fit\\(loss="):
         jddp.evaluate(model, evals)
