@@ -24,7 +24,7 @@ from jddp.errors import (
     Preempted,
     WorkdirLost,
 )
-from jddp.proc.signals import StopRequest
+from jddp.proc.signals import SECOND_CTRL_C, StopRequest
 from tests.helpers import (
     TINY,
     data,
@@ -166,12 +166,33 @@ def test_every_stop_signal_is_recorded(sig):
         assert stop.flags(2)["sys/finish"].tolist() == [0.0, 0.0]
 
 
-def test_a_second_ctrl_c_interrupts_at_once():
-    with StopRequest() as stop:
-        signal.raise_signal(signal.SIGINT)  # returns after the handler ran
-        assert stop.signal_name == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):
-            signal.raise_signal(signal.SIGINT)
+SECOND_CTRL_C_IN_A_STEP = """
+import signal, time
+import jax, jax.numpy as jnp
+from jddp.proc.signals import SECOND_CTRL_C, StopRequest
+
+def host_code(x):  # the step's own host callback: the second Ctrl-C arrives inside the step
+    signal.raise_signal(signal.SIGINT)
+    return x
+
+with StopRequest() as stop:
+    signal.raise_signal(signal.SIGINT)  # the first: recorded (the run stops at its next step)
+    assert stop.signal_name == "SIGINT"
+    step = jax.jit(lambda x: jax.pure_callback(host_code, jax.ShapeDtypeStruct((), x.dtype), x))
+    step(jnp.float32(1)).block_until_ready()
+    time.sleep(60)
+print("not reached")
+"""
+
+
+def test_a_second_ctrl_c_inside_a_step_ends_the_process_in_one_line():
+    """The second Ctrl-C ends the process at once: one line, exit 130 (raised as
+    KeyboardInterrupt inside a JAX call it came out as a 13-line traceback and a 2,000-character
+    JaxRuntimeError, exit 1)."""
+    out = run_python("-c", SECOND_CTRL_C_IN_A_STEP, timeout=120)
+    assert out.returncode == 130, out.stderr[-2000:]
+    assert out.stderr.strip() == f"jddp: interrupted{SECOND_CTRL_C}", out.stderr[-2000:]
+    assert "not reached" not in out.stdout
 
 
 @pytest.fixture

@@ -17,10 +17,11 @@ import signal
 from jddp.errors import INTERRUPTED
 
 
-def exit_interrupted(signum: int, frame: object) -> None:
-    """The SIGINT handler: write one line and end the process at once with exit 130 (no
-    ``KeyboardInterrupt`` that library code could swallow or turn into a traceback)."""
-    os.write(2, b"jddp: interrupted\n")
+def exit_interrupted(signum: int, frame: object, why: str = "") -> None:
+    """The SIGINT handler: write one line (``jddp: interrupted``, then ``why``) and end the
+    process at once with exit 130 (no ``KeyboardInterrupt`` that library code could swallow or
+    turn into a traceback)."""
+    os.write(2, f"jddp: interrupted{why}\n".encode())
     os._exit(INTERRUPTED)
 
 

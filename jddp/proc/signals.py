@@ -15,10 +15,12 @@ from typing import Any
 import numpy as np
 
 from jddp.errors import STOP_SIGNALS
+from jddp.proc.interrupt import exit_interrupted
 
 STOP_KEY = "sys/stop"  # per-row stop request in a batch; > 0 in the metrics if any process asked
 FINISH_KEY = "sys/finish"  # per-row "end the run as finished" (a callback's wish)
 SAVE_KEY = "sys/save"  # per-row "a checkpoint is due by the clock" (checkpoint.every_minutes)
+SECOND_CTRL_C = " again: stopped at once, not saved (the last checkpoint is kept)"
 
 
 class TimedSaves:
@@ -52,8 +54,9 @@ class TimedSaves:
 class StopRequest:
     """Records SIGTERM/SIGUSR1 (SLURM's warning before a time-out), Ctrl-C (SIGINT) and SIGHUP
     (:data:`~jddp.errors.STOP_SIGNALS`) while installed; every batch carries the flag so all
-    processes agree on the step at which to stop and save. A second SIGINT raises
-    ``KeyboardInterrupt`` at once (no checkpoint)."""
+    processes agree on the step at which to stop and save. A second SIGINT ends the process at
+    once: one line, exit 130, no checkpoint (a ``KeyboardInterrupt`` raised inside a JAX call
+    came out as a traceback and a 2,000-character ``JaxRuntimeError``, exit 1)."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
@@ -74,8 +77,8 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if signum == signal.SIGINT and self.signal_name == name:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        if signum == signal.SIGINT and self.signal_name == name:  # the second Ctrl-C: now
+            exit_interrupted(signum, frame, SECOND_CTRL_C)
         self.signal_name = name
 
     def __exit__(self, *exc: Any) -> None:
