@@ -1,8 +1,8 @@
 """jddp: a JAX data-parallel trainer for Flax NNX models.
 
 The few public names: :func:`fit` and :func:`initialize` to train your own model, loss and data;
-:func:`load`, :func:`predict` and :func:`evaluate` to use a trained model, :func:`export` to
-write it for inference (StableHLO or ONNX);
+:func:`load`, :func:`predict`, :func:`class_names` and :func:`evaluate` to use a trained model,
+:func:`export` to write it for inference (StableHLO or ONNX);
 :func:`load_pretrained` for torchvision/timm ResNet weights;
 the building blocks :func:`make_mesh`, :func:`create_train_state`, :func:`make_train_step`,
 :func:`make_eval_step`; :class:`Metric` (a metric that is a sum, max or min); the models in
@@ -27,6 +27,7 @@ _EXPORTS = {
     "load": "jddp.inference",
     "evaluate": "jddp.evaluation:evaluate_model",
     "predict": "jddp.inference",
+    "class_names": "jddp.inference",
     "export": "jddp.exporting:export_model",
     "load_pretrained": "jddp.checkpoint.pretrained",
     "RunResult": "jddp.run.trainer",

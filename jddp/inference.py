@@ -92,13 +92,15 @@ def load(
 class LoadedRun:
     """A run's trained model (eval mode) and how training fed it: the pixel normalisation
     (None for checkpoints that predate its recording, and for custom tasks), ``data.augment``
-    (which picks the eval transform, e.g. imagenet's centre crop) and the task kind
-    (``"classification"`` or ``"custom"``, :mod:`jddp.tasks`)."""
+    (which picks the eval transform, e.g. imagenet's centre crop), the task kind
+    (``"classification"`` or ``"custom"``, :mod:`jddp.tasks`) and the class names of its train
+    data (output ``k`` is ``classes[k]``; None where the data named none)."""
 
     model: nnx.Module
     pixel_norm: PixelNorm | None = None
     augment: str = "none"
     task: str = "classification"
+    classes: list[str] | None = None
 
 
 def load_run(
@@ -123,6 +125,7 @@ def load_run(
         with damage_named(ckpts, step, like_of, key, use):
             saved_norm = ckpts.saved_pixel_norm(step)
             task = ckpts.saved_task(step)
+            classes = ckpts.saved_classes(step)
             saved = ckpts.saved_config(step)
             loaded = _restored_model(ckpts, step, model, key, ema)
     finally:
@@ -130,7 +133,20 @@ def load_run(
     loaded.eval()
     norm = None if saved_norm is None else PixelNorm.from_json(saved_norm)
     augment = str((saved.get("data") or {}).get("augment", "none"))
-    return LoadedRun(loaded, norm, augment, task)
+    return LoadedRun(loaded, norm, augment, task, classes)
+
+
+def class_names(path: PathLike, step: int | None = None) -> list[str] | None:
+    """The class names of a run's train data in label order, so that output ``k`` of
+    :func:`predict`'s logits is ``class_names(run)[k]``: the image folder's class folders, the
+    Hub's ``ClassLabel`` names, a pack's classes. None where the data named none (arrays, a
+    custom task) or the checkpoint predates their recording. ``path`` and ``step`` as for
+    :func:`load`; nothing but the checkpoint's manifest is read."""
+    ckpts, step = open_checkpoint(path, step, key="path")
+    try:
+        return ckpts.saved_classes(step)
+    finally:
+        ckpts.close()
 
 
 def _model_of(ckpts: Checkpoints, step: int) -> nnx.Module:

@@ -322,3 +322,42 @@ def test_a_folder_it_cannot_write_is_said_before_any_work(tmp_path, monkeypatch)
     monkeypatch.setattr(command.os, "access", lambda path, mode: False)
     with pytest.raises(ConfigError, match=f"OUT: folder {tmp_path} is not writable"):
         command._check_out(tmp_path / "m.onnx")
+
+
+@pytest.mark.slow
+def test_class_names_go_from_the_data_to_the_checkpoint_the_export_and_the_trackers(
+    resnet_run, tmp_path, capfd
+):
+    """An image folder names its classes: a run left at model.num_classes=10 on its 2 classes
+    is said in one warning line (it trained a 10-way head without a word); the names are
+    recorded with the checkpoints (jddp.class_names), in the ONNX export's metadata and the
+    CLI's report, and in the trackers' parameters (data.classes)."""
+    from jddp.run.setup import Run
+    from tests.datafiles import write_imagefolder
+
+    write_imagefolder(tmp_path / "imf")
+    folder = ["data.name=imagefolder", f"data.path={tmp_path / 'imf'}", "data.image_size=8"]
+    folder.append("data.global_batch_size=4")
+    capfd.readouterr()
+    run = _train(tmp_path / "run", [*TINY, *folder, "train.steps=2"])
+    said = capfd.readouterr()
+    warning = (
+        "jddp: warning: model.num_classes=10 but the train data names 2 classes (cat, dog): 8 "
+        "outputs will never be a label; set model.num_classes=2"
+    )
+    assert warning in said.out.splitlines(), said.out
+    assert jddp.class_names(run) == ["cat", "dog"]
+    out = tmp_path / "model.onnx"
+    code, stdout, stderr = export(["--workdir", run, "--format", "onnx", out], capfd)
+    assert code == 0 and not stderr, stderr
+    assert "jddp: outputs are the classes, in order: cat, dog (in the ONNX metadata" in stdout
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert session.get_modelmeta().custom_metadata_map["jddp.classes"] == '["cat", "dog"]'
+    tracked = Run.tracked_config.fget(
+        mock.Mock(
+            config_dict={"data": {"name": "imagefolder"}},
+            checkpoints=mock.Mock(classes=["cat", "dog"]),
+        )
+    )
+    assert tracked["data"] == {"name": "imagefolder", "classes": "cat, dog"}
+    assert jddp.class_names(resnet_run) is None  # synthetic arrays name no classes

@@ -77,6 +77,7 @@ class Checkpoints:
         damaged_directory: str | Path,
         pixel_norm: dict[str, Any] | None = None,
         task: str = "classification",
+        classes: list[str] | None = None,
     ):
         self.directory = Path(directory).absolute()
         # How the run turns integer pixels into model input (PixelNorm.to_json), and what its
@@ -84,6 +85,7 @@ class Checkpoints:
         # that jddp.predict/evaluate of the run feed it as training did.
         self.pixel_norm = pixel_norm
         self.task = task
+        self.classes = classes  # the train data's class names, where it names them
         self.primary = primary  # process 0: moves damaged checkpoints aside
         self.damaged_directory = Path(damaged_directory)
         self.every_steps = every_steps
@@ -135,6 +137,7 @@ class Checkpoints:
             manifest=ocp.args.JsonSave(
                 {"leaves": manifest(state), "task": self.task}
                 | ({} if self.pixel_norm is None else {"pixel_norm": self.pixel_norm})
+                | ({} if self.classes is None else {"classes": self.classes})
             ),
             config=ocp.args.JsonSave(config),
         )
@@ -306,6 +309,12 @@ class Checkpoints:
         """The pixel normalisation checkpoint ``step`` was trained with (``PixelNorm.to_json``);
         None for checkpoints written before jddp recorded it."""
         return self._manifest(step).get("pixel_norm")
+
+    def saved_classes(self, step: int) -> list[str] | None:
+        """The class names of checkpoint ``step``'s train data, label order (output ``k`` is
+        ``classes[k]``); None where the data named none (arrays, a custom task) or for
+        checkpoints written before jddp recorded them."""
+        return self._manifest(step).get("classes")
 
     def saved_task(self, step: int) -> str:
         """The task kind checkpoint ``step`` was trained on (``"classification"`` for

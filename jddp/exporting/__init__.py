@@ -12,6 +12,7 @@ The CLI is :mod:`jddp.export`; the library call ``jddp.export`` is :func:`export
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +25,14 @@ import numpy as np
 from flax import nnx
 
 from jddp.errors import ConfigError, ExportError, JddpError, one_line
-from jddp.exporting.formats import FORMATS, run_onnx, run_stablehlo, to_onnx, to_stablehlo
+from jddp.exporting.formats import (
+    FORMATS,
+    run_onnx,
+    run_stablehlo,
+    to_onnx,
+    to_stablehlo,
+    with_onnx_metadata,
+)
 from jddp.exporting.inputs import (
     Input,
     PathLike,
@@ -148,11 +156,14 @@ def export_signature(
     fmt: str,
     batch_size: int | None = None,
     output_name: str = "output",
+    metadata: dict[str, str] | None = None,
 ) -> Exported:
     """Export ``model`` (eval mode) called as ``signature`` says to ``out`` in format ``fmt``
     with a batch of ``batch_size`` examples (None: any). The export is run on random inputs and
     compared with the model first (:class:`ExportError` when it differs, or when the converter
-    cannot express the model); ``out`` is written whole or not at all."""
+    cannot express the model); ``out`` is written whole or not at all. ``metadata``: ONNX
+    ``metadata_props`` (a run's class names, :func:`run_metadata`; StableHLO has no place for
+    them)."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     start = time.perf_counter()
@@ -193,6 +204,8 @@ def export_signature(
             f"{len(sample[0])} random examples differ by up to {diff:.3g} (outputs up to "
             f"{scale:.3g}); nothing was written"
         )
+    if fmt == "onnx" and metadata:
+        data = with_onnx_metadata(data, metadata)
     _write_whole(out, data)
     return Exported(
         path=out,
@@ -275,7 +288,17 @@ def export_model(
         signature = signature_of_example(run.model, example)
     else:
         signature = run_signature(model_or_workdir, run, example)
-    return export_signature(run.model, signature, out, format, batch_size, _single_output(run))
+    return export_signature(
+        run.model, signature, out, format, batch_size, _single_output(run), run_metadata(run)
+    )
+
+
+def run_metadata(run: Any) -> dict[str, str]:
+    """What an ONNX export of a run records beside the program: ``jddp.classes``, the class
+    names of its train data as a JSON list (output ``k`` is the ``k``-th), where it named
+    them."""
+    classes = getattr(run, "classes", None)
+    return {} if not classes else {"jddp.classes": json.dumps(classes)}
 
 
 def _single_output(run: Any) -> str:
@@ -302,7 +325,9 @@ def export_checkpoint(
     example = None if input_shape is None else parse_input_shape(input_shape)
     run = load_run(path, step, key="--workdir", use=lambda s: f"--step {s}", ema=ema)
     signature = run_signature(path, run, example)
-    exported = export_signature(run.model, signature, out, fmt, batch_size, _single_output(run))
+    exported = export_signature(
+        run.model, signature, out, fmt, batch_size, _single_output(run), run_metadata(run)
+    )
     return exported, directory / str(step), run
 
 
@@ -326,4 +351,7 @@ def describe_inputs(exported: Exported, checkpoint: Path, run: Any) -> str:
             std = ", ".join(f"{s:.7g}" for s in norm.std)
             how = f"(pixels / 255 - mean) / std per channel, mean=[{mean}], std=[{std}]"
         lines.append(f"jddp: images go in normalised as in training: {how}")
+    if run.classes:
+        kept = " (in the ONNX metadata as jddp.classes)" if exported.format == "onnx" else ""
+        lines.append(f"jddp: outputs are the classes, in order: {', '.join(run.classes)}{kept}")
     return "\n".join(lines)

@@ -64,6 +64,17 @@ def to_onnx(
     return proto.SerializeToString()
 
 
+def with_onnx_metadata(data: bytes, metadata: dict[str, str]) -> bytes:
+    """The serialized ONNX model ``data`` with ``metadata`` added to its ``metadata_props``
+    (what onnxruntime's ``get_modelmeta().custom_metadata_map`` returns)."""
+    import onnx
+
+    proto = onnx.load_from_string(data)
+    for key, value in metadata.items():
+        proto.metadata_props.add(key=key, value=value)
+    return proto.SerializeToString()
+
+
 @contextmanager
 def _quiet(*loggers: str) -> Iterator[None]:
     """Only errors from ``loggers`` inside this block."""

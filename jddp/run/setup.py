@@ -144,6 +144,16 @@ class Run:
         """The resolved config, as saved next to every checkpoint."""
         return config_lib.to_dict(self.cfg)
 
+    @property
+    def tracked_config(self) -> dict[str, Any]:
+        """What the trackers record as the run's parameters: :attr:`config_dict`, and the train
+        data's class names as ``data.classes`` where it names them."""
+        config = self.config_dict
+        classes = self.checkpoints.classes
+        if classes is not None:
+            config["data"] = {**config["data"], "classes": ", ".join(classes)}
+        return config
+
 
 def build_run(
     cfg: Config,
@@ -171,7 +181,19 @@ def build_run(
     task, pixel_norm, num_outputs = _checked_task(
         cfg, comm, parts, custom, splits, model_def, state, mesh
     )
-    ckpts = _checkpoints(cfg, comm, folder, task, pixel_norm)
+    classes = class_names(splits.train, num_outputs)
+    if classes is not None and num_outputs is not None and num_outputs > len(classes):
+        outputs = (
+            f"the model's {num_outputs} outputs"
+            if parts.model is not None
+            else f"model.num_classes={cfg.model.num_classes}"
+        )
+        console.say(  # fine-tuning into a larger head is allowed; a forgotten key is said
+            f"jddp: warning: {outputs} but the train data names {len(classes)} classes "
+            f"({_short(classes)}): {num_outputs - len(classes)} outputs will never be a label"
+            + ("" if parts.model is not None else f"; set model.num_classes={len(classes)}")
+        )
+    ckpts = _checkpoints(cfg, comm, folder, task, pixel_norm, classes)
     state, start_step = _restored_state(
         cfg, comm, ckpts, state, tx, mesh, console, steps, num_outputs, state_layout
     )
@@ -347,13 +369,33 @@ def _checked_task(
     return task, pixel_norm, num_outputs
 
 
+def class_names(source: Any, num_outputs: int | None) -> list[str] | None:
+    """The class names a labelled image source gives (image folders, the Hub's ``ClassLabel``,
+    packs), label order; None for a custom task (``num_outputs`` None) or unnamed classes."""
+    classes = getattr(source, "classes", None)
+    if num_outputs is None or not classes:
+        return None
+    return [str(c) for c in classes]
+
+
+def _short(names: list[str], shown: int = 5) -> str:
+    more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def _checkpoints(
-    cfg: Config, comm: Comm, folder: RunFolder, task: Any, pixel_norm: PixelNorm | None
+    cfg: Config,
+    comm: Comm,
+    folder: RunFolder,
+    task: Any,
+    pixel_norm: PixelNorm | None,
+    classes: list[str] | None,
 ) -> Checkpoints:
     """The run's checkpoints, saved with what an export or an eval of them needs."""
     return Checkpoints.of(
         folder,
         task=task.kind,
+        classes=classes,
         pixel_norm=None if pixel_norm is None else pixel_norm.to_json(),
         every_steps=cfg.checkpoint.every_steps,
         keep=cfg.checkpoint.keep,

@@ -124,7 +124,7 @@ def train_and_evaluate(
             wall_start = time.perf_counter()
             run = build_run(cfg, comm, folder, stop, parts or Parts(), watchdog)
             run.hooks.insert(0, LockCheck(lock))  # a no-op where the lock is not held
-            run.trackers.start(run.config_dict)
+            run.trackers.start(run.tracked_config)
             try:
                 return _finish(run, comm, wall_start, lock)
             except BaseException:
