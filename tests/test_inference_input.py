@@ -7,7 +7,7 @@ import pytest
 
 import jddp
 from jddp.build import load_data
-from jddp.errors import DataConfigError
+from jddp.errors import ConfigError, DataConfigError
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,19 @@ def test_a_label_out_of_range_names_the_models_classes(run):
     bad[5] = -3
     with pytest.raises(DataConfigError, match=r"outside \[0, 10\).*class indices 0\.\.9"):
         jddp.evaluate(workdir, (raw, bad))
+
+
+def test_labels_must_be_class_indices_and_a_column_of_them_is_taken(run):
+    """One-hot labels were 'ValueError: ArraySource ...: labels shape (24, 10) does not match
+    24 images' with no hint; a column [N, 1] (sklearn's habit) is the same labels as [N]."""
+    workdir, _, raw, labels = run
+    with pytest.raises(
+        ConfigError,
+        match=r"data: labels must be class indices of shape \[N\], "
+        r"got shape \[24, 10\] \(one-hot\? pass labels.argmax\(-1\)\)",
+    ):
+        jddp.evaluate(workdir, (raw, np.eye(10, dtype=np.float32)[labels]))
+    assert jddp.evaluate(workdir, (raw, labels[:, None])) == jddp.evaluate(workdir, (raw, labels))
 
 
 def test_mean_without_std_is_refused(run):

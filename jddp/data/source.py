@@ -273,9 +273,19 @@ def _is_batch_list(data: Any) -> bool:
 
 
 def class_labels(labels: Any, who: str) -> np.ndarray:
-    """``labels`` as int32 class indices; float labels with a fractional part are an error
-    (``ConfigError`` naming ``who``), not silently truncated."""
+    """``labels`` as int32 class indices ``[N]`` (``[N, 1]`` is taken as ``[N]``); float labels
+    with a fractional part are an error (``ConfigError`` naming ``who``), not silently
+    truncated, and so are other shapes (one-hot ``[N, K]``: the hint says what to pass)."""
     labels = np.asarray(labels)
+    if labels.ndim == 2 and labels.shape[1] == 1:
+        labels = labels[:, 0]
+    if labels.ndim != 1:
+        one_hot = " (one-hot? pass labels.argmax(-1))" if labels.ndim == 2 else ""
+        raise ConfigError(
+            f"{who}: labels must be class indices of shape [N], got shape "
+            f"{list(labels.shape)}{one_hot}; for other targets give a loss "
+            "to jddp.fit (loss=..., a custom task)"
+        )
     if labels.dtype.kind == "f":
         bad = labels[~np.isfinite(labels) | (labels != np.round(labels))]
         if bad.size:
