@@ -280,6 +280,7 @@ def test_bad_task_is_one_line_naming_it_before_anything_runs(
     [
         ("negative_weight_loss", DataError, ["step 1", "negative weights"]),
         ("zero_weight_loss", DataError, ["step 1", "sum to 0", "16 examples"]),
+        ("nan_weight_loss", DataError, ["step 1", "non-finite weights", "NaN or Inf weight"]),
         ("nan_loss", NonFiniteLoss, ["non-finite loss", "step 1"]),
     ],
 )

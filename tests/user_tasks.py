@@ -111,6 +111,10 @@ def zero_weight_loss(model, batch):
     return loss(model, batch), batch["w"] * 0.0
 
 
+def nan_weight_loss(model, batch):
+    return loss(model, batch), batch["w"].at[3].set(jnp.nan)
+
+
 def nan_loss(model, batch):
     return loss(model, batch) * jnp.nan
 

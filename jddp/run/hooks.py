@@ -9,6 +9,7 @@ dozen lines.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -213,6 +214,12 @@ class StepReporter:
                 "e.g. its tokens: they must be >= 0); the run stops, its last checkpoint is kept"
             )
         total = mean_weight * self.meter.global_batch_size
+        if not math.isfinite(total):  # not the zero-total hint: NaN is no padding
+            raise DataError(
+                f"{where} non-finite weights (their sum over the global batch of "
+                f"{self.meter.global_batch_size} examples is {total:g}: a NaN or Inf weight in "
+                "the data); the update was not applied"
+            )
         if not total > 0:
             raise DataError(
                 f"{where} weights that sum to {total:g} over the global batch of "
