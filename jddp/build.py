@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from jddp.data.loader import BatchLayout, PipelineOptions, batch_layout
 from jddp.data.registry import load_splits
 from jddp.data.source import Splits, as_source
 from jddp.data.trees import as_tree_source
-from jddp.errors import ConfigError, TaskError
+from jddp.errors import ConfigError, JddpError, TaskError, UserCodeError, one_line
 from jddp.fully_sharded import FullShardLayout
 from jddp.imports import import_callable
 from jddp.layout import ReplicatedLayout
@@ -129,13 +131,27 @@ def _user_model(factory: Any, name: str, config: dict, dtype: Any, rngs: nnx.Rng
         ) from None
     except ValueError:  # no signature to read (a builtin): call it and see
         pass
-    model = factory(config=config, dtype=dtype, rngs=rngs)
+    model = call_user(factory, f"model.name={name}", config=config, dtype=dtype, rngs=rngs)
     if not isinstance(model, nnx.Module):
         raise ConfigError(
             f"model.name: {name} returned {type(model).__name__}, not a flax.nnx.Module "
             "(did it forget to return the model?)"
         )
     return model
+
+
+def call_user(fn: Callable, name: str, **kwargs: Any) -> Any:
+    """``fn(**kwargs)``, the user's factory called ``name`` in errors: what it raises (but
+    jddp's own errors) becomes one line naming it, the exception and the line that raised it
+    (:class:`UserCodeError`, the exception chained)."""
+    try:
+        return fn(**kwargs)
+    except JddpError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code: name it
+        frames = traceback.extract_tb(e.__traceback__)
+        at = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+        raise UserCodeError(f"{name} raised {type(e).__name__}: {one_line(e)}{at}") from e
 
 
 def _signature(fn: Any) -> str:
@@ -232,7 +248,7 @@ def _factory_data(cfg: Config, custom: bool) -> Splits:
         factory = import_callable(cfg.data.name, "data factory")
     except ValueError as e:
         raise ConfigError(f"data.name: {e}") from None
-    out = factory(config=config_lib.to_dict(cfg)["data"], seed=cfg.train.seed)
+    out = call_user(factory, key, config=config_lib.to_dict(cfg)["data"], seed=cfg.train.seed)
     if isinstance(out, Splits):
         return out
     if isinstance(out, dict) and "train" in out:

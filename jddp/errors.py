@@ -52,6 +52,12 @@ class TaskError(ConfigError):
     names the function and what is expected (exit 2)."""
 
 
+class UserCodeError(JddpError):
+    """The user's own code that jddp calls to build the run (a ``model.name`` or ``data.name``
+    factory) raised; the message names it, the exception and where it was raised (exit 1; the
+    original exception is chained for library callers)."""
+
+
 class CheckpointError(JddpError):
     """Checkpoints exist but none can be used, or one cannot be written (exit 1)."""
 

@@ -210,6 +210,21 @@ CASES = [
         ["train.metrics=tests.user_tasks:clashing_metrics", "'loss'", "clashes"],
     ),
     (
+        "model factory that raises",
+        task("model.name=tests.user_tasks:raising_model"),
+        1,
+        [
+            "model.name=tests.user_tasks:raising_model raised RuntimeError: the factory's own bug",
+            "(at user_tasks.py:",
+        ],
+    ),
+    (
+        "data factory that raises",
+        task("data.name=tests.user_tasks:raising_data"),
+        1,
+        ["data.name=tests.user_tasks:raising_data raised KeyError: 'no such split'"],
+    ),
+    (
         "metric with an unknown reduction",
         task("train.metrics=tests.user_tasks:median_metrics"),
         2,

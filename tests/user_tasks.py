@@ -123,6 +123,14 @@ def clashing_metrics(model, batch):
     return {"loss": loss(model, batch)}
 
 
+def raising_model(config: dict, dtype, rngs: nnx.Rngs):
+    raise RuntimeError("the factory's own bug")
+
+
+def raising_data(config: dict, seed: int = 0):
+    raise KeyError("no such split")
+
+
 def median_metrics(model, batch):
     return {"spread": jddp.Metric(loss(model, batch), reduce="median")}
 
