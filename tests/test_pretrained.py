@@ -328,6 +328,15 @@ def test_a_resnet50_file_into_a_resnet18(tmp_path, small_r18):
     assert "the file holds a resnet50, this model is a resnet18" in message
 
 
+def test_a_file_of_another_architecture_is_said_to_be_no_resnet(tmp_path, small_r18):
+    """An MLP's tensors (no ResNet block) read "a ResNet of BasicBlock stages none"."""
+    _, model = small_r18
+    sd = {"fc1.weight": np.zeros((8, 4), np.float32), "fc1.bias": np.zeros(8, np.float32)}
+    message = refused(tmp_path, sd, model())
+    assert "the file holds a model that is no torchvision ResNet (no layer<stage>." in message
+    assert "this model is a resnet18" in message and "stages none" not in message
+
+
 def test_the_imagenet_stem_into_a_cifar_stem(tmp_path, small_r18):
     _, model = small_r18
     sd = torchvision_state_dict(*R18, num_classes=10, width=4, stem=7)

@@ -112,7 +112,8 @@ def torch_shape(now: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def architecture(names: Iterable[str]) -> str:
-    """The ResNet that torchvision tensor ``names`` belong to: ``"resnet50"``, or its blocks."""
+    """The ResNet that torchvision tensor ``names`` belong to: ``"resnet50"``, or its blocks;
+    names without any ResNet block are said to be no ResNet (not "a ResNet of stages none")."""
     blocks: dict[int, set[int]] = {}
     bottleneck = False
     for name in names:
@@ -120,6 +121,8 @@ def architecture(names: Iterable[str]) -> str:
             blocks.setdefault(int(m[1]), set()).add(int(m[2]))
             bottleneck |= ".conv3." in name
     sizes = tuple(len(blocks[s]) for s in sorted(blocks))
+    if not sizes:
+        return "model that is no torchvision ResNet (no layer<stage>.<block>.* tensors)"
     for arch, (block_cls, stage_sizes) in RESNET_CONFIGS.items():
         if stage_sizes == sizes and (block_cls.expansion == 4) == bottleneck:
             return arch
