@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -25,6 +26,7 @@ from jddp.errors import (
     WorkdirLost,
 )
 from jddp.proc.signals import SECOND_CTRL_C, StopRequest
+from tests import user_tasks
 from tests.helpers import (
     TINY,
     data,
@@ -164,6 +166,41 @@ def test_every_stop_signal_is_recorded(sig):
         assert stop.signal_name == signal.Signals(sig).name
         assert stop.flags(2)["sys/stop"].tolist() == [1.0, 1.0]
         assert stop.flags(2)["sys/finish"].tolist() == [0.0, 0.0]
+
+
+def test_a_stop_signal_after_the_last_step_is_said(capfd, tmp_path):
+    """During the final save and eval there is no step left to stop at: the signal is said in
+    one line (it was ignored without a word), as is one that came after the last step."""
+    with StopRequest() as stop:
+        stop.finishing("final save and eval")
+        signal.raise_signal(signal.SIGINT)
+        assert stop.signal_name == "SIGINT"
+    with StopRequest() as stop:
+        signal.raise_signal(signal.SIGTERM)
+        stop.finishing("final save and eval")
+    assert capfd.readouterr().err.splitlines() == [
+        "jddp: SIGINT after the last step: finishing the final save and eval; Ctrl-C again "
+        "stops at once",
+        "jddp: SIGTERM after the last step: finishing the final save and eval",
+    ]
+
+    class CtrlCAtTheFinalSave(jddp.Callback):
+        def on_checkpoint(self, step, path):
+            signal.raise_signal(signal.SIGINT)
+
+    train, evals = user_tasks.data({})
+    result = jddp.fit(
+        user_tasks.Linear(nnx.Rngs(0)),
+        optax.sgd(0.05),
+        train,
+        evals,
+        loss=user_tasks.loss,
+        callbacks=[CtrlCAtTheFinalSave()],
+        config={"workdir": str(tmp_path / "run"), "train": {"steps": 2}},
+        overrides=["data.global_batch_size=16", "log.progress=off"],
+    )
+    assert result.step == 2 and "eval/loss" in result.eval  # finished: saved and evaluated
+    assert "jddp: SIGINT after the last step: finishing" in capfd.readouterr().err
 
 
 SECOND_CTRL_C_IN_A_STEP = """

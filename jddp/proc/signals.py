@@ -7,6 +7,7 @@ commands that save nothing (evaluate, export) turn Ctrl-C into exit 130 instead:
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -51,6 +52,12 @@ class TimedSaves:
         self.last = time.monotonic()
 
 
+def _say_finishing(name: str, what: str) -> None:
+    """One line on stderr (from a signal handler: ``os.write``, no buffered stream)."""
+    again = "; Ctrl-C again stops at once" if name == "SIGINT" else ""
+    os.write(2, f"jddp: {name} after the last step: finishing the {what}{again}\n".encode())
+
+
 class StopRequest:
     """Records SIGTERM/SIGUSR1 (SLURM's warning before a time-out), Ctrl-C (SIGINT) and SIGHUP
     (:data:`~jddp.errors.STOP_SIGNALS`) while installed; every batch carries the flag so all
@@ -62,6 +69,7 @@ class StopRequest:
         self.signal_name: str | None = None
         self.finish_reason: str | None = None  # a callback's early end (saved, exit 0)
         self._previous: dict[int, Any] = {}
+        self._finishing: str | None = None  # what the run does after its last step
 
     def __enter__(self) -> StopRequest:
         self.install()
@@ -80,8 +88,19 @@ class StopRequest:
         if signum == signal.SIGINT and self.signal_name == name:  # the second Ctrl-C: now
             exit_interrupted(signum, frame, SECOND_CTRL_C)
         self.signal_name = name
+        if self._finishing is not None:  # no step left to stop at: say what happens instead
+            _say_finishing(name, self._finishing)
+
+    def finishing(self, what: str) -> None:
+        """The run has taken its last step and now does ``what`` (its final save and eval): a
+        stop signal from here on (or one that came after the last step) no longer stops it
+        at a step; it is said in one line (it was ignored without a word)."""
+        self._finishing = what
+        if self.signal_name is not None:
+            _say_finishing(self.signal_name, what)
 
     def __exit__(self, *exc: Any) -> None:
+        self._finishing = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 

@@ -178,6 +178,7 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
             )
             raise Preempted(step)
         check_some_step_counted(run, state, step)
+        run.stop.finishing("final save and eval")
         # The final checkpoint before the final eval: an eval that fails (a corrupt image, OOM,
         # a kill) must not take the training with it.
         saved = ckpts.save(step, state, run.config_dict)
