@@ -9,12 +9,15 @@ temporary name and renamed once complete and verified; the manifest is written l
 interrupted pack never reads as complete, and rerunning the same command continues it.
 
 Exit codes: 0 done; 2 bad command line, unknown source layout, or an ``OUT`` that holds
-something else; 1 an unreadable image (without ``--skip-bad``) or any other failure.
+something else; 1 an unreadable image (without ``--skip-bad``) or any other failure; 75
+stopped by SIGTERM, SIGHUP or SIGUSR1 and 130 by Ctrl-C (one line; the shards written are
+kept, and rerunning the same command continues).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ from jddp.cli import OneLineParser, run
 from jddp.data.pack_format import MANIFEST
 from jddp.data.pack_source import FORMATS
 from jddp.data.pack_writer import pack
-from jddp.errors import ConfigError
+from jddp.errors import PREEMPTED, STOP_SIGNALS, ConfigError, JddpError
 
 USAGE = (
     "python -m jddp.pack SRC OUT [--format imagefolder|cifar10|mnist|npz|parquet|webdataset] "
@@ -40,9 +43,25 @@ def positive_int(text: str) -> int:
     return value
 
 
+class PackStopped(JddpError):
+    """A stop signal (SIGTERM, SIGHUP, SIGUSR1) ended the pack; a rerun continues it (exit 75,
+    as a preempted training run)."""
+
+    exit_code = PREEMPTED
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise PackStopped(
+        f"pack: stopped by {signal.Signals(signum).name}; the shards written so far are kept: "
+        "rerun the same command to continue"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    # Ctrl-C stays KeyboardInterrupt: "jddp: interrupted", 130
+    previous = {sig: signal.signal(sig, _stopped) for sig in STOP_SIGNALS if sig != signal.SIGINT}
 
     def body(session: Any) -> int:
         del session
@@ -96,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pack: wrote {str(Path(args.out) / MANIFEST)!r} (pack id {manifest['pack_id']})")
         return 0
 
-    return run(body)
+    try:
+        return run(body)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -181,6 +182,36 @@ def test_packed_batches_are_the_same_for_any_workers(tmp_path):
 # ---------------------------------------------------------------------------- the pack command
 def shard_files(out: Path) -> list[Path]:
     return sorted(out.glob("*.array_record"))
+
+
+def test_a_stop_signal_ends_a_pack_in_one_line_and_a_rerun_continues(tmp_path, monkeypatch, capfd):
+    """SIGTERM to python -m jddp.pack: one line, exit 75, the shards written kept (it printed no
+    jddp line); the same command again finishes the pack."""
+    from jddp import pack as pack_cli
+
+    write_jpeg_folder(tmp_path / "jpg", per_class=4, size=(30, 20))
+    out = tmp_path / "pack"
+    real = pack_writer.write_shard
+    calls = []
+
+    def signalled_at_the_third(task):  # the scheduler's SIGTERM, while the pack writes
+        calls.append(task.file)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return real(task)
+
+    monkeypatch.setattr(pack_writer, "write_shard", signalled_at_the_third)
+    argv = [str(tmp_path / "jpg"), str(out), "--workers", "1", "--shard-mb", "0.0005"]
+    capfd.readouterr()
+    assert pack_cli.main(argv) == 75
+    assert capfd.readouterr().err.splitlines()[-1] == (
+        "jddp: error: pack: stopped by SIGTERM; the shards written so far are kept: rerun the "
+        "same command to continue"
+    )
+    assert len(shard_files(out)) == 2 and not (out / MANIFEST).exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+    monkeypatch.setattr(pack_writer, "write_shard", real)
+    assert pack_cli.main(argv) == 0 and (out / MANIFEST).exists()
 
 
 def test_interrupted_pack_continues_and_never_reads_as_complete(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
@@ -265,21 +266,28 @@ def run_tasks(tasks: list[tuple[ShardTask, int]], workers: int, progress: Progre
         initargs=(os.getpid(),),
     )
     with pool:
-        pending = {pool.submit(write_shard, task): examples for task, examples in tasks}
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_EXCEPTION)
-            for future in done:
-                examples = pending.pop(future)
-                if future.exception() is not None:
-                    for other in pending:
-                        other.cancel()
-                    raise future.exception()  # type: ignore[misc]
-                progress.update(future.result(), examples)
+        try:
+            pending = {pool.submit(write_shard, task): examples for task, examples in tasks}
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    examples = pending.pop(future)
+                    if future.exception() is not None:
+                        raise future.exception()  # type: ignore[misc]
+                    progress.update(future.result(), examples)
+        except BaseException:  # a failed shard, Ctrl-C, a stop signal: no worker goes on
+            pool.shutdown(wait=False, cancel_futures=True)
+            for worker in list((getattr(pool, "_processes", None) or {}).values()):
+                worker.terminate()  # its shard stays a temporary file: a rerun rewrites it
+            raise
 
 
 def die_with_parent(parent: int) -> None:
     """Pool worker start: SIGKILL this worker when the pack process dies (a killed pack must not
-    leave workers writing into ``OUT`` behind it; a rerun continues the pack)."""
+    leave workers writing into ``OUT`` behind it; a rerun continues the pack). Ctrl-C in a
+    terminal reaches the workers too: they leave it to the pack process, which stops them
+    (a traceback from each worker otherwise)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     lifeline.die_with_parent(lifeline.load_prctl(), parent)
 
 
