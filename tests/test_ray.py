@@ -8,6 +8,7 @@ naming the rank, nothing is left) and rerun: its 20 per-step losses equal those 
 ``python -m jddp.launch --nproc 2 --devices-per-proc 2`` bit for bit (the session's
 ``two_by_two`` run). Signals reach every rank; bad input is one line, exit 2."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -27,6 +28,7 @@ from tests.helpers import (
     assert_losses_match,
     assert_resumed_bitwise,
     read_losses,
+    read_metrics,
     run,
     run_pids,
     start,
@@ -273,6 +275,11 @@ def test_without_ray_the_error_names_the_extra(tmp_path):
         ),
         (["--num-workers", "2", "--env", "A B"], "--env 'A B': expected NAME or NAME=VALUE"),
         (["--num-workers", "2", "--placement-strategy", "X"], "--placement-strategy"),
+        (
+            ["--num-workers", "2", "--min-workers", "3"],
+            "--min-workers must be between 1 and --num-workers 2, got 3",
+        ),
+        (["--num-workers", "2", "--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
     ],
 )
 def test_bad_flags_are_one_line(flags, says):
@@ -311,3 +318,79 @@ def test_placement_shortfall_names_what_is_missing(bundle, count, strategy, says
     if strategy == "STRICT_SPREAD":
         nodes = [{"CPU": 4}, {"CPU": 1}]
     assert placement_shortfall(bundle, count, strategy, nodes) == says
+
+
+def _start_node(cluster, log: Path) -> subprocess.Popen:
+    """A second node of 2 CPUs joining ``cluster`` (its own process group, to be killed whole as
+    a lost machine is); returned once it runs."""
+    with open(log, "w") as out:
+        node = subprocess.Popen(
+            [RAY, "start", "--address", cluster.address, "--block", "--node-ip-address"]
+            + ["127.0.0.1", "--num-cpus", "2", "--object-store-memory", str(100 << 20)]
+            + ["--disable-usage-stats"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+            start_new_session=True,
+        )
+    if not wait_for(lambda: "block forever" in log.read_text() or node.poll() is not None, 90):
+        os.killpg(node.pid, signal.SIGKILL)
+        pytest.fail(f"the second Ray node did not start: {log.read_text()[-2000:]}")
+    return node
+
+
+@pytest.mark.slow
+def test_a_lost_node_restarts_the_job_on_the_workers_left_with_the_same_losses(
+    cluster, two_by_two, tmp_path
+):
+    """Elastic (--max-restarts, --min-workers): 2 workers of 2 CPUs and 2 devices, one on each
+    of two nodes; the second node is killed mid-run (its raylet, its actor and the rank on it):
+    the job restarts by itself on the 1 worker Ray can still place, resumes from the newest
+    checkpoint and finishes (exit 0); train/devices shows 4 then 2, every step is logged once,
+    and the losses are those of the uninterrupted 2 x 2 run (jddp.launch's) within 1e-5."""
+    straight, _ = two_by_two
+    node = _start_node(cluster, tmp_path / "node.log")
+    workdir = tmp_path / "run"
+    flags = ["--num-workers", "2", "--min-workers", "1", "--cpus-per-worker", "2"]
+    flags += ["--devices-per-proc", "2", "--max-restarts", "1", "--restart-delay", "0"]
+    flags += ["--kill-timeout", "3", "--address", cluster.address]
+    try:
+        job = start(ray_cmd(*flags, workdir=workdir), cwd=ROOT)
+        ready = wait_for(lambda: job.poll() is not None or 4 in steps_saved(workdir), 300)
+        assert ready and job.poll() is None, job.communicate()[1][-3000:]
+        (raylet,) = _children(node.pid, "raylet")
+        doomed = _children(raylet, "ray::RankProcess")  # the node's actor: its rank dies with it
+        os.killpg(node.pid, signal.SIGKILL)
+        for pid in doomed:
+            os.kill(pid, signal.SIGKILL)
+        out, err = job.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+    assert job.returncode == 0, err[-3000:]
+    (restart,) = [line for line in err.splitlines() if "restart 1/1" in line]
+    assert "Ray actor died" in restart and restart.endswith("on 1 worker of 2"), restart
+    assert "[rank 0] jddp: done step=20" in out
+    rows = read_metrics(workdir)
+    resumed = next(r["step"] for r in rows if "restart" in r)
+    devices = [(r["step"], r["train/devices"]) for r in rows if "train/loss" in r]
+    assert [step for step, _ in devices] == list(range(1, 21))  # every step once
+    assert [n for _, n in devices] == [4] * resumed + [2] * (20 - resumed), devices
+    assert 4 <= resumed < 20
+    assert_losses_match(read_losses(workdir), read_losses(straight), range(1, 21), rel=1e-5)
+
+
+def test_an_elastic_restart_takes_the_largest_count_that_splits_the_batch(tmp_path):
+    """From N down to M, the counts whose devices split the global batch and its micro-batches;
+    the batch is the command's own resolved config."""
+    from jddp.launch.elastic import batch_of, worker_counts
+
+    assert worker_counts(4, 1, 2, (48, 1)) == [4, 3, 2, 1]
+    assert worker_counts(4, 1, 2, (32, 1)) == [4, 2, 1]  # 3 x 2 devices do not split 32
+    assert worker_counts(4, 2, 2, (32, 4)) == [4, 2]  # 32 / (4 x 2) = 4 rows: 4 micro-batches
+    assert worker_counts(4, 3, 2, (32, 1)) == [4]
+    assert worker_counts(3, 1, 1, None) == [3, 2, 1]  # not a jddp.train command: any count
+    command = train_cmd(tmp_path / "run", *TWO_BY_TWO, "train.grad_accum_steps=2")
+    assert batch_of(command) == (16, 2)
+    assert batch_of(["python", "my_script.py"]) is None

@@ -5,7 +5,8 @@ Usage::
 
     python -m jddp.ray --num-workers N [--address ADDR] [--cpus-per-worker C]
         [--gpus-per-worker G] [--devices-per-proc K] [--placement-strategy S]
-        [--placement-timeout S] [--kill-timeout S] [--env NAME[=VALUE] ...] -- <command ...>
+        [--placement-timeout S] [--kill-timeout S] [--max-restarts K [--min-workers M]
+        [--restart-delay S]] [--env NAME[=VALUE] ...] -- <command ...>
 
 What it does, in order:
 
@@ -35,6 +36,10 @@ What it does, in order:
 
 The ranks die with their actors (``PR_SET_PDEATHSIG``), and the actors with the driver (Ray ends
 a job's actors when its driver goes), so ``kill -9`` of the driver leaves nothing running.
+
+With ``--max-restarts K`` a failed job (a rank, actor or node lost; not a preemption, bad input
+or a stop signal) starts again by itself from its newest checkpoint, on fewer workers down to
+``--min-workers`` when Ray cannot place N (:mod:`jddp.launch.elastic`).
 """
 
 from __future__ import annotations
@@ -45,12 +50,21 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from jddp.errors import FAILURE, INTERRUPTED, STOP_SIGNALS
-from jddp.launch import DEFAULT_KILL_TIMEOUT, MAX_KILL_TIMEOUT
+from jddp.launch import DEFAULT_KILL_TIMEOUT, DEFAULT_RESTART_DELAY, MAX_KILL_TIMEOUT
+from jddp.launch.elastic import batch_of, worker_counts
 from jddp.launch.ray_job import PROG, LaunchError, RayJob, first_line
+from jddp.launch.restarts import (
+    newest_checkpoint,
+    record_restart,
+    restart_line,
+    should_restart,
+    workdir_of,
+)
 from jddp.launch.supervise import Output
 
 CONNECT_TIMEOUT_S = 10.0  # how long a TCP connection to the cluster's address may take
@@ -122,6 +136,31 @@ def _build_parser() -> _Parser:
         f"(default {DEFAULT_KILL_TIMEOUT:g}, at most {MAX_KILL_TIMEOUT:g})",
     )
     add(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="when a rank, its actor or its node dies, start the job again from its newest "
+        "checkpoint, at most K times (default 0); a preemption (exit 75), bad input (2), Ctrl-C "
+        "or a stop signal to the driver is not restarted",
+    )
+    add(
+        "--min-workers",
+        type=int,
+        default=None,
+        metavar="M",
+        help="a restart may run on fewer workers, down to M, when Ray cannot place N (a lost "
+        "node): the largest count whose devices split data.global_batch_size; N again once "
+        "the cluster holds them (default: N, never fewer)",
+    )
+    add(
+        "--restart-delay",
+        type=float,
+        default=DEFAULT_RESTART_DELAY,
+        metavar="S",
+        help=f"seconds to wait before a restart (default {DEFAULT_RESTART_DELAY:g})",
+    )
+    add(
         "--env",
         action="append",
         default=[],
@@ -151,6 +190,17 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
             raise LaunchError(
                 "--devices-per-proc (fake CPU devices) and --gpus-per-worker exclude each other"
             )
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.min_workers is None:
+        args.min_workers = args.num_workers
+    if not 1 <= args.min_workers <= args.num_workers:
+        raise LaunchError(
+            f"--min-workers must be between 1 and --num-workers {args.num_workers}, got "
+            f"{args.min_workers}"
+        )
+    if not 0 <= args.restart_delay <= 3600:
+        raise LaunchError(f"--restart-delay must be in 0..3600 s, got {args.restart_delay:g}")
     if args.placement_timeout <= 0:
         raise LaunchError(f"--placement-timeout must be > 0, got {args.placement_timeout:g}")
     if not 0 <= args.kill_timeout <= MAX_KILL_TIMEOUT:
@@ -258,21 +308,37 @@ def placement_shortfall(
     return None
 
 
-def place(ray: Any, args: argparse.Namespace, out: Output) -> Any:
-    """A ready placement group of ``--num-workers`` bundles, or :class:`LaunchError` after
-    ``--placement-timeout`` seconds naming what is missing (when the cluster as it is cannot
-    hold them, a wait over 10 s says so at once: an autoscaler may still add nodes)."""
-    from ray.util.placement_group import placement_group, remove_placement_group
-
+def _bundle(args: argparse.Namespace) -> dict[str, float]:
     bundle = {"CPU": args.cpus_per_worker}
     if args.gpus_per_worker:
         bundle["GPU"] = args.gpus_per_worker
-    n, strategy, timeout = args.num_workers, args.placement_strategy, args.placement_timeout
+    return bundle
+
+
+def _alive_nodes(ray: Any) -> list[Mapping[str, float]]:
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+
+
+def place(
+    ray: Any,
+    args: argparse.Namespace,
+    out: Output,
+    count: int | None = None,
+    timeout: float | None = None,
+) -> Any:
+    """A ready placement group of ``count`` (default ``--num-workers``) bundles, or
+    :class:`LaunchError` after ``timeout`` (default ``--placement-timeout``) seconds naming what
+    is missing (when the cluster as it is cannot hold them, a wait over 10 s says so at once:
+    an autoscaler may still add nodes)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = _bundle(args)
+    n = count or args.num_workers
+    strategy, timeout = args.placement_strategy, timeout or args.placement_timeout
     what = f"{n} worker{'s' if n > 1 else ''} of {_amounts(bundle, list(bundle))} ({strategy})"
 
     def shortfall() -> str | None:
-        nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-        return placement_shortfall(bundle, n, strategy, nodes)
+        return placement_shortfall(bundle, n, strategy, _alive_nodes(ray))
 
     group = placement_group([dict(bundle)] * n, strategy=strategy)
     if group.wait(timeout_seconds=min(timeout, 1.0)):
@@ -308,29 +374,76 @@ def _stop_early(signum: int, frame: object) -> None:
     raise _Stopped(signum)
 
 
+RESTART_TRY_S = 15.0  # how long a restart waits for a larger placement before trying fewer
+
+
+def place_elastic(ray: Any, args: argparse.Namespace, out: Output, counts: list[int]) -> Any:
+    """A restart's placement group: of the first of ``counts`` (largest first) that Ray can
+    place, each but the last tried for at most :data:`RESTART_TRY_S` (a lost node may still
+    count as alive for a while), the last for ``--placement-timeout``."""
+    if not counts:
+        raise LaunchError(
+            f"no worker count from --num-workers {args.num_workers} down to --min-workers "
+            f"{args.min_workers} splits the job's data.global_batch_size over its devices "
+            "(and micro-batches) evenly"
+        )
+    for count in counts[:-1]:
+        if placement_shortfall(_bundle(args), count, args.placement_strategy, _alive_nodes(ray)):
+            continue  # the cluster as it is cannot hold that many
+        try:
+            return place(ray, args, out, count, min(args.placement_timeout, RESTART_TRY_S))
+        except LaunchError:
+            continue
+    return place(ray, args, out, counts[-1])
+
+
 def run(args: argparse.Namespace, command: list[str]) -> int:
-    """Connect, place, start and supervise the job (see the module docstring); the exit code."""
+    """Connect, place, start and supervise the job (see the module docstring), restarting it
+    after a failure with ``--max-restarts`` (:mod:`jddp.launch.elastic`); the exit code."""
     ray = import_ray()
     connect(ray, args.address)
+    out = Output("stderr")
+    workdir = workdir_of(command)
+    devices_per_worker = args.devices_per_proc or max(1, int(args.gpus_per_worker))
+    restarts = 0
     group = job = None
     # Until the ranks start, a stop signal ends the driver (128 + N); then the job forwards it.
     previous = {sig: signal.signal(sig, _stop_early) for sig in STOP_SIGNALS}
     try:
-        group = place(ray, args, Output("stderr"))
-        job = RayJob(
-            ray,
-            group,
-            command,
-            cpus=args.cpus_per_worker,
-            gpus=args.gpus_per_worker,
-            devices_per_proc=args.devices_per_proc,
-            env=forwarded_env(os.environ, args.env),
-            kill_timeout=args.kill_timeout,
-        )
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, job.on_signal)
-        job.start()
-        return job.wait()
+        group = place(ray, args, out)
+        while True:
+            job = RayJob(
+                ray,
+                group,
+                command,
+                cpus=args.cpus_per_worker,
+                gpus=args.gpus_per_worker,
+                devices_per_proc=args.devices_per_proc,
+                env=forwarded_env(os.environ, args.env),
+                kill_timeout=args.kill_timeout,
+            )
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, job.on_signal)
+            job.start()
+            code = job.wait()
+            if restarts >= args.max_restarts or not should_restart(code, job.signal_received):
+                return code
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, _stop_early)
+            cause = job.failure or f"the job exited {code}"
+            job.cleanup()
+            _remove(group)
+            job = group = None
+            restarts += 1
+            time.sleep(args.restart_delay)
+            batch = batch_of(command) if args.min_workers < args.num_workers else None
+            counts = worker_counts(args.num_workers, args.min_workers, devices_per_worker, batch)
+            group = place_elastic(ray, args, out, counts)
+            step = newest_checkpoint(workdir)
+            workers = group.bundle_count
+            on = f" on {workers} worker{'s' if workers > 1 else ''} of {args.num_workers}"
+            out.write(f"{PROG}: {restart_line(restarts, args.max_restarts, cause, step)}{on}\n")
+            record_restart(workdir, restarts, cause, step)
     except _Stopped as e:
         name = signal.Signals(e.signum).name
         print(f"{PROG}: received {name} before the ranks started; stopped", file=sys.stderr)
@@ -339,15 +452,19 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         if job is not None:
             job.cleanup()
         if group is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            try:
-                remove_placement_group(group)
-            except Exception:
-                pass
+            _remove(group)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         ray.shutdown()
+
+
+def _remove(group: Any) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(group)
+    except Exception:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,6 +85,7 @@ class RayJob:
         self.signal_received: int | None = None
         self.stop_deadline: float | None = None
         self.killed_at: float | None = None
+        self.failure: str | None = None  # the first failure, as said (a restart's cause)
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -240,6 +241,12 @@ class RayJob:
             ended = self._poll()
             bad = [i for i in ended if self.ranks[i].lost or self.ranks[i].returncode]
             if bad and failure is None and self.signal_received is None:
+                gone = [i for i in bad if self.ranks[i].lost]
+                self.failure = (  # short: Ray's own error stays in the line below
+                    f"rank {gone[0]}'s Ray actor died (node {self.ranks[gone[0]].where})"
+                    if gone
+                    else self._describe(bad)
+                )
                 self.stderr.write(f"{PROG}: {self._describe(bad)}\n")
                 lost = any(self.ranks[i].lost for i in bad)  # named first, as in _describe
                 failure = FAILURE if lost else self._first_code(bad)

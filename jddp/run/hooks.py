@@ -159,6 +159,7 @@ class StepReporter:
         self.halt_on_nonfinite = halt_on_nonfinite
         self.log, self.meter, self.progress, self.checkpoints = log, meter, progress, checkpoints
         self.ideal_img_per_s = baseline_img_per_s and num_devices * baseline_img_per_s
+        self.num_devices = num_devices  # logged as train/devices (an elastic restart shrinks it)
         self._clipped: list[float] = []  # train/clipped of the steps since the last line
         self.stop_kind: str | None = None  # preempt (a signal) or finish (a callback)
         self.timed_saves: TimedSaves | None = None  # checkpoint.every_minutes, told by the flag
@@ -191,6 +192,7 @@ class StepReporter:
                 host[CLIPPED_KEY] = sum(self._clipped) / len(self._clipped)
                 self._clipped = []
             host.update(self.meter.end_window(step))
+            host["train/devices"] = self.num_devices
             rate = host.get(self.meter.rate_key)
             if self.ideal_img_per_s and rate is not None:
                 host["train/scaling_efficiency"] = rate / self.ideal_img_per_s

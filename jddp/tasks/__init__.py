@@ -37,6 +37,7 @@ RESERVED_METRICS = frozenset(
         "scaling_efficiency",
         "count",
         "data",
+        "devices",
     }
 )
 
