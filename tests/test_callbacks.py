@@ -81,6 +81,23 @@ def test_early_stopping_stops_and_decides_the_same_after_a_resume(tmp_path):
     assert len(losses) == 10  # each step once
 
 
+def test_a_callback_that_raises_stops_the_run_with_its_own_error_and_keeps_the_checkpoint(
+    tmp_path,
+):
+    """The run stops like on any other error: the callback's exception, as raised (its
+    traceback is Python's, once), the checkpoint before it kept, the next run resumes."""
+
+    class Broken(jddp.Callback):
+        def on_log(self, step, metrics):
+            if step == 6:
+                raise ZeroDivisionError("the callback's own bug")
+
+    with pytest.raises(ZeroDivisionError, match="the callback's own bug"):
+        fit(tmp_path / "run", 20, callbacks=[Broken()])
+    assert (tmp_path / "run" / "checkpoints" / "4").is_dir()
+    assert fit(tmp_path / "run", 8).step == 8  # resumed from 4
+
+
 def test_an_unknown_early_stop_metric_is_one_line(tmp_path):
     with pytest.raises(jddp.ConfigError, match="train.early_stop_metric: 'eval/acc' is not"):
         fit(tmp_path / "run", 4, "train.early_stop_metric=eval/acc")
