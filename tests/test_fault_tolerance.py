@@ -68,6 +68,15 @@ def test_the_launcher_restarts_a_group_whose_rank_was_killed(tmp_path, straight)
     assert wait_for(lambda: steps_saved(wd), 300), "no checkpoint appeared"
     ranks = run_pids(wd, exclude=job.pid)
     os.kill(max(ranks), signal.SIGKILL)  # one rank: its peer's collectives fail, the group ends
+    killed = time.monotonic()
+
+    def resumed_step_logged() -> bool:  # a train line past the restart row: training again
+        rows = read_metrics(wd) if (wd / "metrics.jsonl").exists() else []
+        marks = [r["step"] for r in rows if "restart" in r]
+        return bool(marks) and any("train/loss" in r and r["step"] > marks[0] for r in rows)
+
+    assert wait_for(lambda: resumed_step_logged() or job.poll() is not None, 300)
+    lost_s = time.monotonic() - killed  # what a failure costs besides the steps redone
     out, err = job.communicate(timeout=600)
     assert job.returncode == 0, err[-3000:]
     restarts = [line for line in err.splitlines() if "jddp.launch: restart" in line]
@@ -80,6 +89,75 @@ def test_the_launcher_restarts_a_group_whose_rank_was_killed(tmp_path, straight)
     rows = [r for r in read_metrics(wd) if "restart" in r]
     assert [(r["step"], r["restart"]) for r in rows] == [(resumed_from, 1)]
     assert f"at step {resumed_from}" in out
+    print(f"\nkill -9 to the first resumed step logged: {lost_s:.1f} s (docs/distributed.md)")
+
+
+POISONED = [
+    "model.name=tests.user_tasks:linear",
+    "data.name=tests.user_tasks:poisoned_data",
+    "train.loss=tests.user_tasks:loss",
+    "data.global_batch_size=16",
+    "data.workers=0",
+    "checkpoint.every_steps=2",
+    "train.steps=20",
+    "log.every_steps=1",
+    "log.progress=off",
+]
+
+
+def test_the_launcher_does_not_burn_its_restarts_on_a_failure_that_repeats(tmp_path):
+    """A NaN in step 5's batch (train.on_nonfinite=halt): the restarted group fails at step 5
+    again with no checkpoint written since: one line says so and the launcher exits with the
+    failure's code after 1 restart of 3 (a deterministic bug is not retried)."""
+    wd = tmp_path / "run"
+    args = cmd_launch(1, 1, wd, base=POISONED)  # (one process: the same decision, cheaper)
+    at = args.index("--")
+    args[at:at] = ["--max-restarts", "3", "--restart-delay", "0"]
+    out = run(args)
+    assert out.returncode == 1, out.stderr[-3000:]
+    restarts = [line for line in out.stderr.splitlines() if "jddp.launch: restart" in line]
+    assert len(restarts) == 1 and restarts[0].endswith("resuming from step 4"), out.stderr
+    (loop,) = [line for line in out.stderr.splitlines() if " again after step " in line]
+    assert loop.startswith("jddp.launch: rank 0 exited with code 1 again after step 4, with no "
+                           "checkpoint since the last restart: not restarting"), loop  # fmt: skip
+    assert sorted(read_losses(wd)) == [1, 2, 3, 4]  # each step once
+
+
+def test_a_restart_budget_names_its_end_and_tells_a_loop_from_progress(tmp_path):
+    """Restarts: refused for exits a restart cannot help (0, 2, 75, 130, a stop signal); used up
+    with a line naming the last failure; a loop only when the same code comes back at the same
+    step (within 2: lines are read a step late) with no checkpoint since."""
+    from jddp.launch.restarts import Restarts
+
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+
+    def logged(step):
+        with (tmp_path / "metrics.jsonl").open("a") as f:
+            f.write(f'{{"step": {step}, "train/loss": 1.0}}\n')
+
+    assert Restarts(0, tmp_path).refusal(1, None, "x") == ""  # none asked for
+    budget = Restarts(2, tmp_path)
+    assert [budget.refusal(code, None, "x") for code in (0, 2, 75, 130)] == [""] * 4
+    assert budget.refusal(1, 15, "x") == ""  # the launcher itself was signalled
+    logged(5)
+    assert budget.refusal(137, None, "x") is None and budget.count == 1
+    logged(12)  # progress (a later step): not a loop, though no checkpoint was written
+    assert budget.refusal(137, None, "x") is None and budget.count == 2
+    assert budget.refusal(137, None, "rank 1 died") == (
+        "no restart left (--max-restarts 2); the last failure: rank 1 died"
+    )
+    loop = Restarts(5, tmp_path)
+    assert loop.refusal(1, None, "rank 0 exited with code 1") is None
+    logged(13)  # one step later, read late: the same step
+    assert "again after step 13, with no checkpoint" in loop.refusal(1, None, "rank 0 ...")
+    again = Restarts(5, tmp_path)
+    assert again.refusal(1, None, "x") is None
+    (tmp_path / "checkpoints" / "12").mkdir()  # a checkpoint since: progress, restart
+    assert again.refusal(1, None, "x") is None
+    empty = tmp_path / "empty"  # failing before any step, twice: the same
+    start = Restarts(5, empty)
+    assert start.refusal(1, None, "x") is None
+    assert "x again before its first step" in start.refusal(1, None, "x")
 
 
 @pytest.mark.parametrize("nproc, devices", [(1, 4), (1, 1)])

@@ -35,9 +35,11 @@ TASK = [
 ]
 
 
-def launch(workdir, steps):
+def launch(workdir, steps, *flags):
     return [
-        *(sys.executable, "-m", "jddp.launch", "--nproc", "2", "--devices-per-proc", "1", "--"),
+        *(sys.executable, "-m", "jddp.launch", "--nproc", "2", "--devices-per-proc", "1"),
+        *flags,
+        "--",
         *(sys.executable, "-m", "jddp.train", f"workdir={workdir}", f"train.steps={steps}"),
         *TASK,
     ]
@@ -89,6 +91,28 @@ def test_a_hung_rank_ends_the_job_in_one_line_per_rank(tmp_path, where, waited_f
         assert f"at step {newest}" in again.stdout
         assert sorted(read_losses(workdir)) == list(range(1, steps + 1))  # each step once
         assert all(p.name.isdigit() for p in (workdir / "checkpoints").iterdir())
+
+
+def test_the_launcher_restarts_a_job_whose_rank_stalled(tmp_path):
+    """jddp.launch --max-restarts after a stall (exit 124): process 1 hangs once in its input
+    pipeline; the group is restarted from the newest checkpoint and finishes: every step once,
+    the losses those of an uninterrupted run bit for bit, nothing left."""
+    workdir, straight = tmp_path / "run", tmp_path / "straight"
+    env = {
+        **os.environ,
+        "JDDP_TEST_STALL": "input",
+        "JDDP_TEST_STALL_ONCE": str(tmp_path / "stalled-once"),
+    }
+    out = run(launch(workdir, 14, "--max-restarts", "1", "--restart-delay", "0"), env=env,
+              cwd=ROOT, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (restart,) = [line for line in out.stderr.splitlines() if "jddp.launch: restart" in line]
+    assert "restart 1/1: rank " in restart and "code 124; resuming from step " in restart
+    assert len(stalled_lines(out.stderr)) == 2  # the stall, said by each rank once
+    assert sorted(read_losses(workdir)) == list(range(1, 15))  # each step once
+    assert run(launch(straight, 14), cwd=ROOT, timeout=300).returncode == 0
+    assert read_losses(workdir) == read_losses(straight)
+    assert_nothing_left(workdir)
 
 
 def test_a_stopped_rank_ends_the_job(tmp_path):

@@ -162,11 +162,23 @@ STALL_AFTER = 8
 
 
 def _stalls(where: str) -> bool:
+    """Whether process 1 stalls at ``where``; with JDDP_TEST_STALL_ONCE=FILE only while FILE
+    does not exist (it is made as the stall begins: a restarted job no longer stalls)."""
     import os
+    from pathlib import Path
 
     import jax
 
-    return os.environ.get("JDDP_TEST_STALL") == where and jax.process_index() == 1
+    if os.environ.get("JDDP_TEST_STALL") != where or jax.process_index() != 1:
+        return False
+    once = os.environ.get("JDDP_TEST_STALL_ONCE")
+    if once is None:
+        return True
+    marker = Path(once)
+    if marker.exists() and marker.read_text() != str(os.getpid()):
+        return False  # a later process: the stall happened once already
+    marker.write_text(str(os.getpid()))
+    return True
 
 
 class StallingSource:
@@ -192,6 +204,22 @@ class StallingSource:
 
     def __repr__(self):
         return f"StallingSource({self.inner!r})"
+
+
+POISONED_STEP = 5  # the step whose batch holds poisoned_data's NaN (epoch 0: steps 1..6)
+
+
+def poisoned_data(config: dict, seed: int = 0):
+    """``data.name=tests.user_tasks:poisoned_data``: :func:`data` with a NaN in the first row of
+    step POISONED_STEP's global batch of 16 (train.seed 0): that step's loss is NaN on every
+    topology, every time (a deterministic failure under train.on_nonfinite=halt)."""
+    from jddp.data.pipeline import epoch_permutation
+
+    train, evals = data(config, seed)
+    row = epoch_permutation(0, 0, TRAIN)[(POISONED_STEP - 1) * 16]  # epoch 0's order
+    train["x"] = train["x"].copy()
+    train["x"][row, 0] = np.nan
+    return train, evals
 
 
 def stalling_data(config: dict, seed: int = 0):

@@ -50,10 +50,10 @@ from typing import Any, NoReturn
 from jddp.errors import STOP_SIGNALS
 from jddp.launch.local import Launcher as _Launcher
 from jddp.launch.restarts import (
+    Restarts,
     newest_checkpoint,
     record_restart,
     restart_line,
-    should_restart,
     workdir_of,
 )
 from jddp.launch.supervise import PROG, STOP_GRACE_S, describe_exit, exit_code_for
@@ -241,18 +241,21 @@ def launch(
     duration of the call when it runs on the main thread (and restored afterwards).
     """
     workdir = workdir_of(command)
-    restarts = 0
+    restarts = Restarts(max_restarts, workdir)
     while True:
         launcher = _Launcher(list(command), nproc, kill_timeout)
         code = _launch_once(launcher, command, nproc, devices_per_proc, port)
-        if restarts >= max_restarts or not should_restart(code, launcher.signal_received):
-            return code
-        restarts += 1
         rank, returncode = launcher.first_failure or (0, code)
         cause = f"rank {rank} {describe_exit(returncode)}"
+        refusal = restarts.refusal(code, launcher.signal_received, cause)
+        if refusal is not None:
+            if refusal:
+                launcher.stderr.write(f"{PROG}: {refusal}\n")
+            return code
         step = newest_checkpoint(workdir)
-        launcher.stderr.write(f"{PROG}: {restart_line(restarts, max_restarts, cause, step)}\n")
-        record_restart(workdir, restarts, cause, step)
+        line = restart_line(restarts.count, max_restarts, cause, step)
+        launcher.stderr.write(f"{PROG}: {line}\n")
+        record_restart(workdir, restarts.count, cause, step)
         time.sleep(restart_delay)
 
 

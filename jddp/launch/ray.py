@@ -59,10 +59,10 @@ from jddp.launch import DEFAULT_KILL_TIMEOUT, DEFAULT_RESTART_DELAY, MAX_KILL_TI
 from jddp.launch.elastic import batch_of, worker_counts
 from jddp.launch.ray_job import PROG, LaunchError, RayJob, first_line
 from jddp.launch.restarts import (
+    Restarts,
     newest_checkpoint,
     record_restart,
     restart_line,
-    should_restart,
     workdir_of,
 )
 from jddp.launch.supervise import Output
@@ -405,7 +405,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     out = Output("stderr")
     workdir = workdir_of(command)
     devices_per_worker = args.devices_per_proc or max(1, int(args.gpus_per_worker))
-    restarts = 0
+    restarts = Restarts(args.max_restarts, workdir)
     group = job = None
     # Until the ranks start, a stop signal ends the driver (128 + N); then the job forwards it.
     previous = {sig: signal.signal(sig, _stop_early) for sig in STOP_SIGNALS}
@@ -426,15 +426,17 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                 signal.signal(sig, job.on_signal)
             job.start()
             code = job.wait()
-            if restarts >= args.max_restarts or not should_restart(code, job.signal_received):
+            cause = job.failure or f"the job exited {code}"
+            refusal = restarts.refusal(code, job.signal_received, cause)
+            if refusal is not None:
+                if refusal:
+                    out.write(f"{PROG}: {refusal}\n")
                 return code
             for sig in STOP_SIGNALS:
                 signal.signal(sig, _stop_early)
-            cause = job.failure or f"the job exited {code}"
             job.cleanup()
             _remove(group)
             job = group = None
-            restarts += 1
             time.sleep(args.restart_delay)
             batch = batch_of(command) if args.min_workers < args.num_workers else None
             counts = worker_counts(args.num_workers, args.min_workers, devices_per_worker, batch)
@@ -442,8 +444,9 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             step = newest_checkpoint(workdir)
             workers = group.bundle_count
             on = f" on {workers} worker{'s' if workers > 1 else ''} of {args.num_workers}"
-            out.write(f"{PROG}: {restart_line(restarts, args.max_restarts, cause, step)}{on}\n")
-            record_restart(workdir, restarts, cause, step)
+            line = restart_line(restarts.count, args.max_restarts, cause, step)
+            out.write(f"{PROG}: {line}{on}\n")
+            record_restart(workdir, restarts.count, cause, step)
     except _Stopped as e:
         name = signal.Signals(e.signum).name
         print(f"{PROG}: received {name} before the ranks started; stopped", file=sys.stderr)

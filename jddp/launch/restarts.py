@@ -9,7 +9,10 @@ run's ``metrics.jsonl`` when the command names its ``workdir=``.
 
 Not restarted: a preemption (every rank exited 75: the scheduler's business, as without the
 flag), a stop signal to the launcher, bad input (exit 2: the same command would fail the same
-way) and Ctrl-C (130).
+way) and Ctrl-C (130); nor a crash loop: the same exit code again, at the same step (within
+:data:`SAME_STEP`: process 0 logs a step one step late) with no checkpoint written since the last
+restart — a deterministic failure, on which restarts would only be burnt (:class:`Restarts`).
+When the restarts run out, the last failure is named once more with the exit.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from jddp.errors import PREEMPTED
 
 NOT_RESTARTED = {0, 2, PREEMPTED, 130}  # done, bad input, preempted, interrupted
+SAME_STEP = 2  # logged steps this close are "the same step" (lines are read one step late)
 
 
 def workdir_of(command: Sequence[str]) -> Path | None:
@@ -61,3 +65,56 @@ def record_restart(workdir: Path | None, count: int, cause: str, step: int | Non
     row = {"step": step or 0, "restart": count, "restart/cause": cause}
     with (workdir / "metrics.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def last_logged_step(workdir: Path | None) -> int | None:
+    """The newest step with a train line in ``workdir/metrics.jsonl`` (process 0's), or None."""
+    if workdir is None or not (workdir / "metrics.jsonl").exists():
+        return None
+    last = None
+    with (workdir / "metrics.jsonl").open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a torn last line
+            if isinstance(row, dict) and "train/loss" in row:
+                last = max(last or 0, int(row.get("step", 0)))
+    return last
+
+
+class Restarts:
+    """A launcher's restart budget (``--max-restarts``) and its crash-loop check, shared by
+    ``jddp.launch`` and ``jddp.ray``."""
+
+    def __init__(self, limit: int, workdir: Path | None):
+        self.limit, self.workdir = limit, workdir
+        self.count = 0
+        self._previous: tuple[int, int | None, int | None] | None = None  # code, step, ckpt
+
+    def refusal(self, code: int, signal_received: int | None, cause: str) -> str | None:
+        """None to restart after a failure (``code``, said as ``cause``); else why not: ""
+        when there is nothing to add (no restarts asked for, or nothing to restart), else the
+        line that says it (restarts used up, a crash loop)."""
+        if self.limit == 0 or not should_restart(code, signal_received):
+            return ""
+        step, checkpoint = last_logged_step(self.workdir), newest_checkpoint(self.workdir)
+        if self.count >= self.limit:
+            return f"no restart left (--max-restarts {self.limit}); the last failure: {cause}"
+        previous, self._previous = self._previous, (code, step, checkpoint)
+        if previous is not None and previous[0] == code and previous[2] == checkpoint:
+            before = previous[1]
+            same = (
+                step == before
+                if step is None or before is None
+                else abs(step - before) <= SAME_STEP
+            )
+            if same:
+                where = "before its first step" if step is None else f"after step {step}"
+                return (
+                    f"{cause} again {where}, with no checkpoint since the last restart: not "
+                    "restarting (a failure that repeats at the same step is deterministic: fix "
+                    "it, then rerun the same command, which resumes)"
+                )
+        self.count += 1
+        return None
