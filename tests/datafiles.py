@@ -114,11 +114,18 @@ def folder_examples(root: Path, split: str) -> tuple[list[Path], list[int], list
 
 
 def write_parquet_like_the_hub(
-    root: Path, out: Path, shards: int = 2, row_group_rows: int = 3, eval_name: str = "validation"
+    root: Path,
+    out: Path,
+    shards: int = 2,
+    row_group_rows: int = 3,
+    eval_name: str = "validation",
+    paths_only: bool = False,
 ) -> list[Path]:
     """The image folder ``root`` as the Hugging Face Hub writes an image data set:
     ``out/data/{train,validation}-0000i-of-0000n.parquet``, an ``image`` struct of the files'
-    bytes and paths, an int64 ``label`` and the ``ClassLabel`` names in the file metadata."""
+    bytes and paths, an int64 ``label`` and the ``ClassLabel`` names in the file metadata.
+    ``paths_only``: as ``datasets`` writes images it did not embed (``to_parquet`` of a data set
+    built from files): ``{"bytes": None, "path": <the file's absolute path>}``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -134,7 +141,12 @@ def write_parquet_like_the_hub(
             table = pa.table(
                 {
                     "image": pa.array(
-                        [{"bytes": files[i].read_bytes(), "path": files[i].name} for i in rows],
+                        [
+                            {"bytes": None, "path": str(files[i].resolve())}
+                            if paths_only
+                            else {"bytes": files[i].read_bytes(), "path": files[i].name}
+                            for i in rows
+                        ],
                         image_type,
                     ),
                     "label": pa.array([labels[i] for i in rows], pa.int64()),

@@ -101,6 +101,27 @@ def test_webdataset_json_labels_and_an_index_outside_a_read_only_folder(tmp_path
     assert len(list((tmp_path / "run" / "data-index").glob(f"*{INDEX_SUFFIX}"))) == 2
 
 
+def test_parquet_images_held_as_paths_are_read_and_a_missing_one_is_said_at_start(tmp_path):
+    """datasets writes {"bytes": None, "path": ...} for images it did not embed: the files are
+    read (the same pixels as the folder's); moved away, the source refuses at start, naming the
+    row, the path and how to embed them (it was 'row 221 has no image' at that batch)."""
+    import shutil
+
+    src = photo_folder(tmp_path / "imf")
+    write_parquet_like_the_hub(src, tmp_path / "pq", shards=2, row_group_rows=3, paths_only=True)
+    folder = load_splits("imagefolder", str(src), 16)
+    splits = load_splits("parquet", str(tmp_path / "pq"), 16)
+    for mine, theirs in ((splits.train, folder.train), (splits.eval, folder.eval)):
+        rows = np.arange(len(theirs))[::-1]
+        got, want = mine.get_batch(rows), theirs.get_batch(rows)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    shutil.move(src, tmp_path / "moved")
+    with pytest.raises(DataError, match=r"row 0: the image is not in the shard but a path, '.*imf"
+                       r"/train/.*embed them \(datasets: ds.with_format\('arrow'\)"):  # fmt: skip
+        load_splits("parquet", str(tmp_path / "pq"), 16)
+
+
 def test_shard_patterns_and_split_names(tmp_path):
     assert expand_braces("s-{08..11}.tar") == ["s-08.tar", "s-09.tar", "s-10.tar", "s-11.tar"]
     assert expand_braces("{a,b}-{0..1}") == ["a-0", "a-1", "b-0", "b-1"]

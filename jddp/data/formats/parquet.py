@@ -146,6 +146,9 @@ class ParquetSource(EncodedImageSource):
             )
         label_type = schema.field(self.label_column).type
         self._nested = pa.types.is_struct(image_type)
+        # datasets writes {"bytes": null, "path": ...} for images it did not embed (a data set
+        # built from files, load_dataset("imagefolder")): such a row is read from its path.
+        self._paths = self._nested and image_type.get_field_index("path") >= 0
         self.classes = class_names(schema, self.label_column)
         groups: list[tuple[int, int, int]] = []  # (shard, row group, rows)
         group_bytes: list[int] = []
@@ -194,6 +197,7 @@ class ParquetSource(EncodedImageSource):
         self._cached_bytes = 0
         self._files: dict[int, Any] = {}
         self._pid = os.getpid()
+        self.payloads(np.zeros(1, np.int64))  # a null image or a path not there: said at start
 
     def _labels(self, file: Any, path: Path) -> np.ndarray:
         """The label column of one shard as int64, checked for nulls and non-integers."""
@@ -240,7 +244,8 @@ class ParquetSource(EncodedImageSource):
         return file
 
     def _row_group(self, group: int) -> Any:
-        """The image bytes (an Arrow binary array) of row group ``group``, via the cache."""
+        """The image bytes (an Arrow binary array) of row group ``group`` and, where the column
+        has them, its paths (else None), via the cache."""
         shard, g, _ = (int(v) for v in self._groups[group])
         with self._lock:
             hit = self._cache.get((shard, g))
@@ -248,8 +253,9 @@ class ParquetSource(EncodedImageSource):
                 self._cache.move_to_end((shard, g))
                 return hit[0]
         column = f"{self.image_column}.bytes" if self._nested else self.image_column
+        columns = [column, f"{self.image_column}.path"] if self._paths else [column]
         try:
-            table = self._file(shard).read_row_group(g, columns=[column])
+            table = self._file(shard).read_row_group(g, columns=columns)
         except Exception as err:  # noqa: BLE001 - a damaged shard
             start = int(self._group_starts[group] - self._shard_starts[shard])
             raise DataError(
@@ -257,10 +263,11 @@ class ParquetSource(EncodedImageSource):
                 f"{start + int(self._groups[group, 2]) - 1} (row group {g}) cannot be read: "
                 f"{one_line(err)}"
             ) from err
-        values = table.column(0).combine_chunks()
-        if self._nested:
-            values = values.field("bytes") if hasattr(values, "field") else values
-        size = int(values.nbytes)
+        column = table.column(0).combine_chunks()  # a struct's chosen fields come as one
+        images = column.field("bytes") if self._nested and hasattr(column, "field") else column
+        paths = column.field("path") if self._paths and hasattr(column, "field") else None
+        values = (images, paths)
+        size = int(images.nbytes) + (int(paths.nbytes) if paths is not None else 0)
         with self._lock:
             if (shard, g) not in self._cache:
                 self._cache[(shard, g)] = (values, size)
@@ -275,13 +282,36 @@ class ParquetSource(EncodedImageSource):
         groups = np.searchsorted(self._group_starts, indices, side="right") - 1
         out: list[tuple[bytes, str]] = []
         for i, group in zip(indices, groups, strict=True):
-            values = self._row_group(int(group))
-            data = values[int(i - self._group_starts[group])].as_py()
+            values, paths = self._row_group(int(group))
+            row = int(i - self._group_starts[group])
+            data = values[row].as_py()
             where = f"parquet: {self.where(int(i))}"
+            if data is None and paths is not None and paths[row].as_py():
+                shard = int(self._groups[group, 0])
+                data = self._read_path(paths[row].as_py(), self.shards[shard], where)
             if data is None:
                 raise DataError(f"{where} has no image (null {self.image_column!r})")
             out.append((data, f"{where}: cannot decode image"))
         return out
+
+    def _read_path(self, path: str, shard: Path, where: str) -> bytes:
+        """The bytes of an image the shard holds by path: the path as it is (absolute, or from
+        the working folder), else relative to the shard's folder; a :class:`DataError` saying
+        how to embed the images when it is in neither place."""
+        tried = [Path(path).expanduser(), shard.parent / path]
+        for candidate in tried:
+            if candidate.is_file():
+                try:
+                    return candidate.read_bytes()
+                except OSError as err:
+                    raise DataError(f"{where}: image {str(candidate)!r}: {one_line(err)}") from err
+        raise DataError(
+            f"{where}: the image is not in the shard but a path, {path!r}, and no file is there "
+            f"(nor at {str(tried[1])!r}): the data set was written from files without their "
+            "bytes; embed them (datasets: ds.with_format('arrow').map(datasets.table."
+            "embed_table_storage, batched=True) before ds.to_parquet(...); push_to_hub embeds "
+            "them) or put the files at that path"
+        )
 
     def __repr__(self) -> str:
         """Stable description (no memory addresses)."""
