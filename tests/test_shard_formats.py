@@ -20,7 +20,7 @@ from jddp.data.formats.shards import expand_braces, find_files, split_of
 from jddp.data.formats.webdataset import INDEX_SUFFIX
 from jddp.data.pipeline import eval_rows, train_rows
 from jddp.data.registry import load_splits
-from jddp.errors import DataConfigError, DataError
+from jddp.errors import ConfigError, DataConfigError, DataError
 from tests.datafiles import (
     photo_folder,
     write_jpeg_folder,
@@ -402,6 +402,25 @@ def test_pack_reads_parquet_and_webdataset(tmp_path):
             rows = np.arange(len(theirs))
             np.testing.assert_array_equal(mine.get_batch(rows)[0], theirs.get_batch(rows)[0])
             np.testing.assert_array_equal(mine.get_batch(rows)[1], theirs.get_batch(rows)[1])
+
+
+def test_pack_tells_a_single_webdataset_shard_from_cifar_by_what_it_holds(tmp_path):
+    """One .tar given to jddp.pack was taken for CIFAR-10 by its name alone."""
+    import tarfile
+
+    from jddp.data.pack_source import detect_format
+    from tests.datafiles import write_cifar_folder
+
+    shard = write_webdataset(photo_folder(tmp_path / "imf"), tmp_path / "wds", shards=1)[0]
+    assert detect_format(shard) == "webdataset"
+    write_cifar_folder(tmp_path / "cifar" / "cifar-10-batches-py")
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "cifar" / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    assert detect_format(archive) == "cifar10"
+    (tmp_path / "broken.tar").write_bytes(b"not a tar")
+    with pytest.raises(ConfigError, match="is not a readable tar file"):
+        detect_format(tmp_path / "broken.tar")
 
 
 def test_a_shard_rewritten_with_its_size_and_time_is_indexed_again(tmp_path):

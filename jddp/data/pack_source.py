@@ -38,6 +38,21 @@ CLASS_NAMES = {
 }
 
 
+def _tar_format(src: Path) -> str:
+    """A tar file's format by what it holds: CIFAR-10's python batches, else a WebDataset shard
+    (a single shard was taken for CIFAR-10 by its name alone)."""
+    import tarfile
+
+    try:
+        with tarfile.open(src, "r:*") as tar:
+            for _, member in zip(range(64), tar, strict=False):
+                if "data_batch_" in member.name or "cifar-10-batches" in member.name:
+                    return "cifar10"
+    except (tarfile.TarError, OSError, EOFError) as err:
+        raise ConfigError(f"pack: SRC {str(src)!r} is not a readable tar file ({err})") from None
+    return "webdataset"
+
+
 def detect_format(src: Path) -> str:
     """The ``data.name`` whose ``data.path`` reading ``src`` matches (else :class:`ConfigError`)."""
     text = str(src)
@@ -54,7 +69,7 @@ def detect_format(src: Path) -> str:
         if src.suffix == ".npz":
             return "npz"
         if src.name.endswith((".tar.gz", ".tgz", ".tar")):
-            return "cifar10"
+            return _tar_format(src)
     else:
         if (src / "train").is_dir():
             return "imagefolder"

@@ -125,7 +125,8 @@ def split_files(
         raise DataConfigError(
             f"data.path={path!r}: only train shards (train-*): no eval split "
             f"({', '.join(f'{n}-*' for n in EVAL_SPLIT_NAMES)}) to evaluate on; give the eval "
-            "shards as data.eval_path"
+            "shards as data.eval_path (python -m jddp.pack: a SRC pattern that takes them "
+            "too, e.g. 'dir/{train,val}-*')"
         )
     unnamed = by_split.get(None, [])
     if unnamed:
