@@ -28,6 +28,7 @@ none of this runs. On CPU the cross-process collectives use gloo.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -315,6 +316,23 @@ def current_job(cfg: DistConfig) -> Job:
     return Job(Launch(kind), jax.process_index(), jax.process_count())
 
 
+HEARTBEAT_AFTER_WATCHDOG_S = 60  # the watchdog's line and its grace come before the heartbeat
+HEARTBEAT_WITHOUT_WATCHDOG_S = 100
+
+
+def heartbeat_timeout_s(cfg: DistConfig) -> int:
+    """``dist.heartbeat_timeout_s``, or its default: a minute past ``dist.step_timeout_s``, so
+    that when a rank hangs (SIGSTOP, a wedged device) its peers' watchdogs say so in one line
+    and exit 124 before JAX's heartbeat ends every process with a dump; 100 s without a step
+    timeout. (Before the first step, ``dist.first_step_timeout_s`` may be longer: a rank hung
+    then is found by the heartbeat.)"""
+    if cfg.heartbeat_timeout_s is not None:
+        return int(cfg.heartbeat_timeout_s)
+    if cfg.step_timeout_s is None:
+        return HEARTBEAT_WITHOUT_WATCHDOG_S
+    return int(math.ceil(cfg.step_timeout_s)) + HEARTBEAT_AFTER_WATCHDOG_S
+
+
 def initialize(cfg: DistConfig) -> Job:
     """Join the distributed job if this process is part of one; returns this process's Job.
 
@@ -331,7 +349,7 @@ def initialize(cfg: DistConfig) -> Job:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = dict(
         initialization_timeout=cfg.init_timeout_s,
-        heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+        heartbeat_timeout_seconds=heartbeat_timeout_s(cfg),
     )
     if launch.coordinator_address is not None:  # explicit, torchrun-style, SkyPilot
         if launch.process_id != 0:

@@ -51,6 +51,7 @@ from jddp.inference import as_model, restore_into
 from jddp.mesh import make_mesh, to_host
 from jddp.metrics import Console, append_metrics, describe_eval, nonfinite_eval
 from jddp.preflight import check_same_config, output_shape
+from jddp.proc.watchdog import StallWatchdog
 from jddp.proc.xla import enable_compilation_cache
 from jddp.state import TrainState, create_train_state
 from jddp.step import NEGATIVE_WEIGHT_KEY, make_eval_step
@@ -336,7 +337,15 @@ def evaluate_checkpoint(
         weight_unit=cfg.log.weight_unit,
     )
     del model
-    metrics = evaluate(state)
+    # A rank hung while alive (SIGSTOP, a dead mount) ends the eval in one line, exit 124, as it
+    # ends a run: the first batch compiles (dist.first_step_timeout_s), then each batch counts.
+    watchdog = StallWatchdog(
+        cfg.dist.step_timeout_s, cfg.dist.first_step_timeout_s, comm.process_index
+    )
+    watchdog.waiting("eval", step)
+    evaluate.on_batch = lambda: watchdog.progress(step_done=True)
+    with watchdog:
+        metrics = evaluate(state)
     nonfinite = nonfinite_eval(metrics)
     if nonfinite:  # not a result: say so (exit 1) instead of logging eval/loss=nan
         raise NonFiniteLoss(

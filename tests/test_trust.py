@@ -534,3 +534,46 @@ def test_a_fit_model_that_does_not_fit_the_data_is_named_as_such(tmp_path):
             overrides=["data.global_batch_size=16"],
         )
     assert "resnet18" not in str(e.value)
+
+
+def test_each_timeout_holds_its_phase_and_null_is_no_limit():
+    """dist.first_step_timeout_s until the first step, dist.step_timeout_s after it, each null
+    meaning no limit in its phase (first_step_timeout_s=null fell back to the step timeout,
+    and step_timeout_s=null switched the first-step limit off too); a finished run is watched
+    no more (a tracker's wait at the end exited 124)."""
+    from jddp.proc.watchdog import StallWatchdog
+
+    def overdue_after(watchdog, seconds):
+        return watchdog.overdue(now=watchdog.last_s + seconds)
+
+    both = StallWatchdog(10, 100)
+    assert overdue_after(both, 50) is None and overdue_after(both, 101) == (101, 100)
+    both.progress(step_done=True)
+    assert overdue_after(both, 11) == (11, 10)
+    no_first = StallWatchdog(10, None)
+    assert overdue_after(no_first, 10_000) is None  # no limit before the first step
+    no_first.progress(step_done=True)
+    assert overdue_after(no_first, 11) == (11, 10)
+    no_step = StallWatchdog(None, 100)
+    assert overdue_after(no_step, 101) == (101, 100)  # the first-step limit holds alone
+    no_step.progress(step_done=True)
+    assert overdue_after(no_step, 10_000) is None
+    with StallWatchdog(None, 100, poll_s=0.01) as watching:
+        assert watching._thread is not None and watching._thread.is_alive()
+        watching.finished()
+        watching._thread.join(timeout=60)
+        assert not watching._thread.is_alive()
+    with StallWatchdog(None, None) as off:
+        assert off._thread is None
+
+
+def test_the_heartbeat_comes_after_the_watchdog_by_default():
+    """A rank stopped with SIGSTOP was caught by JAX's heartbeat (100 s) before its peers'
+    watchdogs (600 s): SIGABRT, exit 134 and a 96-line dump instead of one line and 124."""
+    from jddp.config import load
+    from jddp.distributed import heartbeat_timeout_s
+
+    assert heartbeat_timeout_s(load(None, []).dist) == 660
+    assert heartbeat_timeout_s(load(None, ["dist.step_timeout_s=30"]).dist) == 90
+    assert heartbeat_timeout_s(load(None, ["dist.step_timeout_s=null"]).dist) == 100
+    assert heartbeat_timeout_s(load(None, ["dist.heartbeat_timeout_s=15"]).dist) == 15

@@ -191,3 +191,18 @@ def test_a_run_whose_batches_and_steps_each_take_most_of_the_timeout_finishes(tm
     assert out.returncode == 0, out.stderr[-2000:]
     assert "stalled" not in out.stderr
     assert len(read_losses(tmp_path / "run")) == 4
+
+
+def test_python_m_jddp_evaluate_ends_a_hung_eval_in_one_line(tmp_path):
+    """python -m jddp.evaluate had no watchdog: a hung eval waited for ever (or, with peers,
+    died of JAX's heartbeat with a 42-line dump). Its eval batches now count as progress: one
+    line naming what it waited for, exit 124."""
+    workdir = tmp_path / "run"
+    assert run(launch(workdir, 2)[8:], cwd=ROOT, timeout=300).returncode == 0  # one process
+    env = {**os.environ, "JDDP_TEST_STALL": "eval"}  # the eval source hangs after one batch
+    evaluate = [sys.executable, "-m", "jddp.evaluate", "--workdir", str(workdir)]
+    out = run([*evaluate, "dist.step_timeout_s=2"], env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 124, out.stderr[-3000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("jddp: error: step 2 stalled: no progress for ")
+    assert "(dist.step_timeout_s=2); process 0 was waiting for an eval batch" in line

@@ -169,7 +169,9 @@ def _stalls(where: str) -> bool:
 
     import jax
 
-    if os.environ.get("JDDP_TEST_STALL") != where or jax.process_index() != 1:
+    if os.environ.get("JDDP_TEST_STALL") != where:
+        return False
+    if where != "eval" and jax.process_index() != 1:  # eval: python -m jddp.evaluate, 1 process
         return False
     once = os.environ.get("JDDP_TEST_STALL_ONCE")
     if once is None:
@@ -182,14 +184,16 @@ def _stalls(where: str) -> bool:
 
 
 class StallingSource:
-    """``arrays`` by index; with JDDP_TEST_STALL=input, process 1's reads hang after a few."""
+    """``arrays`` by index; with JDDP_TEST_STALL=input, process 1's reads hang after a few
+    (``where="eval"``: with JDDP_TEST_STALL=eval, any process's reads after the first)."""
 
-    def __init__(self, arrays: dict):
+    def __init__(self, arrays: dict, where: str = "input", after: int = STALL_AFTER):
         from jddp.data.trees import ArrayTreeSource
 
         self.inner = ArrayTreeSource(arrays, "stalling")
         self.example = self.inner.example
         self.calls = 0
+        self.where, self.after = where, after
 
     def __len__(self):
         return len(self.inner)
@@ -198,7 +202,7 @@ class StallingSource:
         import time
 
         self.calls += 1
-        while self.calls > STALL_AFTER and _stalls("input"):
+        while self.calls > self.after and _stalls(self.where):
             time.sleep(60)
         return self.inner.get_batch(indices)
 
@@ -225,7 +229,7 @@ def poisoned_data(config: dict, seed: int = 0):
 def stalling_data(config: dict, seed: int = 0):
     """``data.name=tests.user_tasks:stalling_data``: :func:`data`, read through a StallingSource."""
     train, evals = data(config, seed)
-    return StallingSource(train), evals
+    return StallingSource(train), StallingSource(evals, "eval", after=1)
 
 
 _calls = [0]

@@ -312,21 +312,25 @@ class DistConfig:
     init_timeout_s: int = _f(
         300, "seconds to wait for all processes to join at start", bound=POSITIVE
     )
-    heartbeat_timeout_s: int = _f(
-        100,
-        "seconds without a heartbeat after which a peer counts as dead and the job stops",
+    heartbeat_timeout_s: int | None = _f(
+        None,
+        "seconds without a heartbeat after which a peer counts as dead and the job stops "
+        "(JAX's coordination service; it ends every process with a dump, not one line); null: "
+        "dist.step_timeout_s + 60, so that a rank hung while alive is said by its peers' "
+        "watchdogs first (100 when step_timeout_s is null)",
         bound=POSITIVE,
     )
     step_timeout_s: float | None = _f(
         600.0,
         "seconds without progress (a step done, an eval batch, a checkpoint) after which every "
         "process stops with one line saying what it waited for, exit 124, nothing saved "
-        "(a rank hung while alive; null: wait forever)",
+        "(a rank hung while alive; null: no limit once the first step is done)",
         bound=POSITIVE,
     )
     first_step_timeout_s: float | None = _f(
         1800.0,
-        "the same until the first step is done (restoring, loading the data, compiling)",
+        "the same until the first step is done (restoring, loading the data, compiling; "
+        "python -m jddp.evaluate: its first batch); null: no limit before it",
         bound=POSITIVE,
     )
     device_memory_bytes: int | None = _f(

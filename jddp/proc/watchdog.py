@@ -41,9 +41,11 @@ WAITING = {
 
 
 class StallWatchdog:
-    """Watches progress from a daemon thread (see the module docstring); ``timeout_s`` None is
-    off. Call :meth:`waiting` when the loop starts to wait for something, :meth:`progress` when
-    something finished; use as a context manager around the run."""
+    """Watches progress from a daemon thread (see the module docstring). ``first_timeout_s``
+    holds until the first step is done, ``timeout_s`` after it; None is no limit in that phase
+    (both None: no thread). Call :meth:`waiting` when the loop starts to wait for something,
+    :meth:`progress` when something finished, :meth:`finished` when the run's work is done (a
+    tracker's bounded wait at the end is no stall); use as a context manager around the run."""
 
     def __init__(
         self,
@@ -53,7 +55,7 @@ class StallWatchdog:
         poll_s: float = 0.5,
     ):
         self.timeout_s = timeout_s
-        self.first_timeout_s = first_timeout_s or timeout_s
+        self.first_timeout_s = first_timeout_s
         self.process_index = process_index
         self.poll_s = poll_s
         self.what = "start"
@@ -74,8 +76,12 @@ class StallWatchdog:
         self.last_s = time.monotonic()
         self.first_done = self.first_done or step_done
 
+    def finished(self) -> None:
+        """The run's work is done (trained, saved, evaluated): nothing more is watched."""
+        self._stop.set()
+
     def __enter__(self) -> StallWatchdog:
-        if self.timeout_s is not None:
+        if self.timeout_s is not None or self.first_timeout_s is not None:
             self.last_s = time.monotonic()
             self._thread = threading.Thread(target=self._watch, name="jddp-watchdog", daemon=True)
             self._thread.start()
@@ -84,12 +90,18 @@ class StallWatchdog:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
 
+    def overdue(self, now: float | None = None) -> tuple[float, float] | None:
+        """``(seconds without progress, the limit)`` when this phase's limit has passed by
+        ``now`` (default: the clock's), else None (within it, or no limit in this phase)."""
+        limit = self.timeout_s if self.first_done else self.first_timeout_s
+        stalled_s = (time.monotonic() if now is None else now) - self.last_s
+        return (stalled_s, limit) if limit is not None and stalled_s > limit else None
+
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
-            limit = self.timeout_s if self.first_done else self.first_timeout_s
-            stalled_s = time.monotonic() - self.last_s
-            if limit is not None and stalled_s > limit:
-                self._fire(stalled_s, limit)
+            due = self.overdue()
+            if due is not None:
+                self._fire(*due)
 
     def _fire(self, stalled_s: float, limit: float) -> None:
         key = "dist.step_timeout_s" if self.first_done else "dist.first_step_timeout_s"
@@ -105,5 +117,5 @@ class StallWatchdog:
         except Exception:  # noqa: BLE001 - the one line below is what matters
             pass
         os.write(2, line.encode())
-        time.sleep(min(GRACE_S, self.timeout_s or GRACE_S))
+        time.sleep(min(GRACE_S, limit))
         os._exit(STALLED)

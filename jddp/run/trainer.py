@@ -200,6 +200,7 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
     run.watchdog.progress()  # the final checkpoint is written
     run.watchdog.waiting("eval")
     eval_metrics = _final_eval(run, state, step)
+    run.watchdog.finished()  # trained, saved, evaluated: the trackers' bounded wait is no stall
     run.log.close()
     result = RunResult(
         step=step,
