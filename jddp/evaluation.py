@@ -340,7 +340,10 @@ def evaluate_checkpoint(
     # A rank hung while alive (SIGSTOP, a dead mount) ends the eval in one line, exit 124, as it
     # ends a run: the first batch compiles (dist.first_step_timeout_s), then each batch counts.
     watchdog = StallWatchdog(
-        cfg.dist.step_timeout_s, cfg.dist.first_step_timeout_s, comm.process_index
+        cfg.dist.step_timeout_s,
+        cfg.dist.first_step_timeout_s,
+        comm.process_index,
+        after="stopping (exit 124); nothing was written",
     )
     watchdog.waiting("eval", step)
     evaluate.on_batch = lambda: watchdog.progress(step_done=True)
@@ -350,8 +353,8 @@ def evaluate_checkpoint(
     if nonfinite:  # not a result: say so (exit 1) instead of logging eval/loss=nan
         raise NonFiniteLoss(
             f"checkpoint {directory / str(step)} on {cfg.data.name}: {nonfinite} over "
-            f"{metrics['eval/count']} eval examples (NaN/Inf in the eval images or the "
-            "weights); nothing was appended to metrics.jsonl"
+            f"{metrics['eval/count']} eval examples (NaN/Inf in the eval data or the weights, or "
+            "a max/min metric over no rows); nothing was appended to metrics.jsonl"
         )
     weights = " (the EMA of its parameters)" if ema else ""
     description = describe_eval(metrics, cfg.log.weight_unit)

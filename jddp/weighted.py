@@ -36,7 +36,8 @@ class Metric:
     """One metric's per-example values, with optional weights and how they combine over the
     global batch (and over every eval example): ``mean`` (``Σ w·x / Σ w``, the default),
     ``sum`` (``Σ w·x``: a count is a sum of ones), ``max`` or ``min`` (over the rows whose weight
-    is not 0: a weight masks; over no rows at all NaN, as a mean whose weights sum to 0).
+    is not 0: a weight masks; over no rows at all NaN, as a mean whose weights sum to 0, and
+    so is a max of ``-inf`` values or a min of ``inf`` ones).
 
     A task's ``metrics`` returns ``{name: values_B | (values_B, weights_B) | jddp.Metric(...)}``,
     e.g. ``{"max_error": jddp.Metric(abs_error_B, reduce="max")}``.

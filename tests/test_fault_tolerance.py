@@ -158,6 +158,11 @@ def test_a_restart_budget_names_its_end_and_tells_a_loop_from_progress(tmp_path)
     start = Restarts(5, empty)
     assert start.refusal(1, None, "x") is None
     assert "x again before its first step" in start.refusal(1, None, "x")
+    # No workdir= in the command (runs/<config name>): nothing to tell a loop by, so restarts;
+    # nor is a lost machine or Ray actor a loop of the run's
+    unknown, machines = Restarts(3, None), Restarts(3, empty)
+    assert [unknown.refusal(1, None, "x") for _ in range(3)] == [None] * 3
+    assert [machines.refusal(1, None, "x", may_loop=False) for _ in range(3)] == [None] * 3
 
 
 @pytest.mark.parametrize("nproc, devices", [(1, 4), (1, 1)])

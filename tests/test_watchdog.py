@@ -205,4 +205,6 @@ def test_python_m_jddp_evaluate_ends_a_hung_eval_in_one_line(tmp_path):
     assert out.returncode == 124, out.stderr[-3000:]
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("jddp: error: step 2 stalled: no progress for ")
-    assert "(dist.step_timeout_s=2); process 0 was waiting for an eval batch" in line
+    assert "(dist.step_timeout_s=2); process 0 was waiting for an eval batch; stopping (exit " in (
+        line
+    ) and line.endswith("124); nothing was written")

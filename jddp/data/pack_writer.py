@@ -276,8 +276,9 @@ def run_tasks(tasks: list[tuple[ShardTask, int]], workers: int, progress: Progre
                         raise future.exception()  # type: ignore[misc]
                     progress.update(future.result(), examples)
         except BaseException:  # a failed shard, Ctrl-C, a stop signal: no worker goes on
+            workers = list((getattr(pool, "_processes", None) or {}).values())  # shutdown clears it
             pool.shutdown(wait=False, cancel_futures=True)
-            for worker in list((getattr(pool, "_processes", None) or {}).values()):
+            for worker in workers:
                 worker.terminate()  # its shard stays a temporary file: a rerun rewrites it
             raise
 

@@ -427,7 +427,10 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             job.start()
             code = job.wait()
             cause = job.failure or f"the job exited {code}"
-            refusal = restarts.refusal(code, job.signal_received, cause)
+            # a stop signal that came as the job ended is still a stop: not restarted
+            stopped = job.signal_received or (job.signals[0] if job.signals else None)
+            lost = any(rank.lost for rank in job.ranks)  # a lost actor or node: no bug to loop on
+            refusal = restarts.refusal(code, stopped, cause, may_loop=not lost)
             if refusal is not None:
                 if refusal:
                     out.write(f"{PROG}: {refusal}\n")

@@ -92,16 +92,22 @@ class Restarts:
         self.count = 0
         self._previous: tuple[int, int | None, int | None] | None = None  # code, step, ckpt
 
-    def refusal(self, code: int, signal_received: int | None, cause: str) -> str | None:
+    def refusal(
+        self, code: int, signal_received: int | None, cause: str, may_loop: bool = True
+    ) -> str | None:
         """None to restart after a failure (``code``, said as ``cause``); else why not: ""
         when there is nothing to add (no restarts asked for, or nothing to restart), else the
-        line that says it (restarts used up, a crash loop)."""
+        line that says it (restarts used up, a crash loop). The crash-loop check needs the
+        command's ``workdir=`` (its steps and checkpoints) and ``may_loop`` (False for a lost
+        machine or Ray actor: no bug of the run's)."""
         if self.limit == 0 or not should_restart(code, signal_received):
             return ""
         step, checkpoint = last_logged_step(self.workdir), newest_checkpoint(self.workdir)
         if self.count >= self.limit:
             return f"no restart left (--max-restarts {self.limit}); the last failure: {cause}"
         previous, self._previous = self._previous, (code, step, checkpoint)
+        if not may_loop or self.workdir is None:
+            previous = None
         if previous is not None and previous[0] == code and previous[2] == checkpoint:
             before = previous[1]
             same = (

@@ -53,7 +53,10 @@ class StallWatchdog:
         first_timeout_s: float | None,
         process_index: int = 0,
         poll_s: float = 0.5,
+        after: str = "stopping without saving (exit 124); a rerun resumes from the newest "
+        "checkpoint",
     ):
+        self.after = after  # what the stall line says happens now
         self.timeout_s = timeout_s
         self.first_timeout_s = first_timeout_s
         self.process_index = process_index
@@ -108,8 +111,7 @@ class StallWatchdog:
         line = (
             f"jddp: error: step {self.step} stalled: no progress for {stalled_s:.0f} s "
             f"({key}={limit:g}); process {self.process_index} was waiting for "
-            f"{WAITING.get(self.what, self.what)}; stopping without saving (exit {STALLED}); "
-            "a rerun resumes from the newest checkpoint\n"
+            f"{WAITING.get(self.what, self.what)}; {self.after}\n"
         )
         FIRED.set()
         try:

@@ -241,7 +241,8 @@ def _final_eval(run: Run, state: TrainState, step: int) -> dict[str, float]:
     if nonfinite:  # not a result: exit 1, the training stays saved
         raise EvalFailed(
             f"the final eval gave {nonfinite} over {eval_metrics['eval/count']} eval examples "
-            f"(NaN/Inf in the eval data or the weights, or loss weights summing to 0); not "
+            f"(NaN/Inf in the eval data or the weights, loss weights summing to 0, or a max/min "
+            "metric over no rows); not "
             "logged; the training is saved in "
             f"checkpoint {run.checkpoints.directory / str(step)}"
         )

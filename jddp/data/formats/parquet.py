@@ -295,10 +295,11 @@ class ParquetSource(EncodedImageSource):
         return out
 
     def _read_path(self, path: str, shard: Path, where: str) -> bytes:
-        """The bytes of an image the shard holds by path: the path as it is (absolute, or from
-        the working folder), else relative to the shard's folder; a :class:`DataError` saying
+        """The bytes of an image the shard holds by path: an absolute path as it is; a relative
+        one from the shard's folder, else from the working folder; a :class:`DataError` saying
         how to embed the images when it is in neither place."""
-        tried = [Path(path).expanduser(), shard.parent / path]
+        given = Path(path).expanduser()
+        tried = [given] if given.is_absolute() else [shard.parent / given, given]
         for candidate in tried:
             if candidate.is_file():
                 try:
@@ -307,7 +308,8 @@ class ParquetSource(EncodedImageSource):
                     raise DataError(f"{where}: image {str(candidate)!r}: {one_line(err)}") from err
         raise DataError(
             f"{where}: the image is not in the shard but a path, {path!r}, and no file is there "
-            f"(nor at {str(tried[1])!r}): the data set was written from files without their "
+            f"(looked at {', '.join(repr(str(t)) for t in tried)}): the data set was written "
+            "from files without their "
             "bytes; embed them (datasets: ds.with_format('arrow').map(datasets.table."
             "embed_table_storage, batched=True) before ds.to_parquet(...); push_to_hub embeds "
             "them) or put the files at that path"
