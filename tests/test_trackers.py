@@ -342,6 +342,7 @@ def tracked(mlflow_uri, tmp_path_factory):
 
     out = run(cmd, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "log.trackers" not in out.stderr, out.stderr[-3000:]  # no tracker failed or lagged
     print(f"finished after {time.monotonic() - began:.1f} s")
     return workdir, env, after_kill, out
 

@@ -208,6 +208,7 @@ class MlflowTracker:
     the config as params, ``done/<field>`` metrics and the ``jddp.checkpoint`` tag at the end."""
 
     name, remote = "mlflow", True
+    library = "mlflow"  # imported first, one tracker thread at a time (jddp.run.trackers)
     STATUS = {"finished": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
 
     def __init__(self, experiment: str | None, run_name: str, workdir: str):
@@ -307,6 +308,7 @@ class WandbTracker:
     config, ``done/<field>`` and ``checkpoint`` in the run's summary."""
 
     name, remote = "wandb", True
+    library = "wandb"
     EXIT_CODE = {"finished": 0, "preempted": 75, "failed": 1}
 
     def __init__(self, project: str | None, run_name: str, workdir: str):

@@ -49,6 +49,13 @@ from jddp.workdir import RunFolder
 
 __all__ = ["Started", "Tracker", "Trackers", "check_installed", "scalars"]
 
+# The remote trackers' threads import their libraries (mlflow, wandb) one at a time: two threads
+# importing packages that share dependencies at once can fail in Python's import machinery
+# (a module seen half-initialised, or its deadlock detection), more likely on a loaded machine.
+# Seen once under load (2026-11-26, load 8 on 2 cores): a resumed run's MLflow thread ended
+# before its first request and the MLflow run stayed KILLED.
+_IMPORTS = threading.Lock()
+
 FINISH_WAIT_S = 60.0  # what the end of a finished run waits for a remote tracker to send
 STOP_WAIT_S = 10.0  # the same for a preempted or failed run (a preemption's grace is short)
 
@@ -169,6 +176,10 @@ class _Sender:
 
     def _serve(self, config: dict[str, Any]) -> None:
         try:
+            library = getattr(self.tracker, "library", None)  # mlflow, wandb
+            if library is not None:  # before any request: one thread at a time imports
+                with _IMPORTS:
+                    importlib.import_module(library)
             self._start_remote(config)
             while True:
                 items = [self._queue.get()]
