@@ -387,9 +387,6 @@ def make_train_step(
     return TrainStep(grads_stage, update_stage, comm.compose(grads_stage, update_stage))
 
 
-_EVAL_COLLECTIVE = {"max": jax.lax.pmax, "min": jax.lax.pmin}
-
-
 def make_eval_step(
     model_def: ModelDef,
     mesh: Mesh,
@@ -430,7 +427,7 @@ def make_eval_step(
             sums[weighted.term_key(NEGATIVE_WEIGHT_KEY, "max")] = negative
         groups = weighted.split(sums)
         for kind, group in groups.items():  # sums add over devices, extremes stay extremes
-            groups[kind] = _EVAL_COLLECTIVE.get(kind, jax.lax.psum)(group, DATA_AXIS)
+            groups[kind] = weighted.COLLECTIVE.get(kind, jax.lax.psum)(group, DATA_AXIS)
         return weighted.merge(groups)
 
     per_batch = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P())

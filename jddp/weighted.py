@@ -27,6 +27,9 @@ import jax
 import jax.numpy as jnp
 
 REDUCTIONS = ("mean", "sum", "max", "min")
+# The collective over the mesh's ``data`` axis of each kind but the means (averaged in a train
+# step, summed in an eval: the callers choose).
+COLLECTIVE = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
 WEIGHT_SUFFIX = "~w"
 TERM_MARK = "~"  # what no metric name may contain: it separates a term's name and its kind
 

@@ -26,7 +26,6 @@ from jddp.mesh import DATA_AXIS, DTYPES
 PyTree = Any
 GradsStage = Callable[[PyTree, PyTree], tuple[PyTree, ...]]
 UpdateStage = Callable[..., tuple[PyTree, PyTree]]
-_MESH_COLLECTIVE = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
 
 
 def allreduce_bytes(grads: PyTree, wire_dtype: str) -> int:
@@ -121,9 +120,8 @@ class Comm(ABC):
         maxima and minima kept."""
         groups = weighted.split(terms)
         for kind, group in groups.items():
-            groups[kind] = (
-                self.average(group) if kind == "mean" else _MESH_COLLECTIVE[kind](group, DATA_AXIS)
-            )
+            reduce = weighted.COLLECTIVE.get(kind)
+            groups[kind] = self.average(group) if reduce is None else reduce(group, DATA_AXIS)
         return weighted.merge(groups)
 
     @abstractmethod

@@ -51,9 +51,6 @@ from jddp.errors import STOP_SIGNALS
 from jddp.launch.local import Launcher as _Launcher
 from jddp.launch.restarts import (
     Restarts,
-    newest_checkpoint,
-    record_restart,
-    restart_line,
     workdir_of,
 )
 from jddp.launch.supervise import PROG, STOP_GRACE_S, describe_exit, exit_code_for
@@ -252,10 +249,7 @@ def launch(
             if refusal:
                 launcher.stderr.write(f"{PROG}: {refusal}\n")
             return code
-        step = newest_checkpoint(workdir)
-        line = restart_line(restarts.count, max_restarts, cause, step)
-        launcher.stderr.write(f"{PROG}: {line}\n")
-        record_restart(workdir, restarts.count, cause, step)
+        launcher.stderr.write(f"{PROG}: {restarts.restarting(cause)}\n")
         time.sleep(restart_delay)
 
 

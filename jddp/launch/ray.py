@@ -60,9 +60,6 @@ from jddp.launch.elastic import batch_of, worker_counts
 from jddp.launch.ray_job import PROG, LaunchError, RayJob, first_line
 from jddp.launch.restarts import (
     Restarts,
-    newest_checkpoint,
-    record_restart,
-    restart_line,
     workdir_of,
 )
 from jddp.launch.supervise import Output
@@ -444,12 +441,9 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             batch = batch_of(command) if args.min_workers < args.num_workers else None
             counts = worker_counts(args.num_workers, args.min_workers, devices_per_worker, batch)
             group = place_elastic(ray, args, out, counts)
-            step = newest_checkpoint(workdir)
             workers = group.bundle_count
             on = f" on {workers} worker{'s' if workers > 1 else ''} of {args.num_workers}"
-            line = restart_line(restarts.count, args.max_restarts, cause, step)
-            out.write(f"{PROG}: {line}{on}\n")
-            record_restart(workdir, restarts.count, cause, step)
+            out.write(f"{PROG}: {restarts.restarting(cause)}{on}\n")
     except _Stopped as e:
         name = signal.Signals(e.signum).name
         print(f"{PROG}: received {name} before the ranks started; stopped", file=sys.stderr)

@@ -124,3 +124,10 @@ class Restarts:
                 )
         self.count += 1
         return None
+
+    def restarting(self, cause: str) -> str:
+        """The restart's line (``restart 1/3: CAUSE; resuming from step 40``), its ``restart``
+        row written to the run's ``metrics.jsonl``."""
+        step = newest_checkpoint(self.workdir)
+        record_restart(self.workdir, self.count, cause, step)
+        return restart_line(self.count, self.limit, cause, step)
