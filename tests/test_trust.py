@@ -261,6 +261,10 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_older_ones(sm
     assert "checkpoints/4 could not be written (No space left on device: " in lines[0]
     assert f"{wd}/checkpoints has " in lines[0] and " free, a checkpoint needs about " in lines[0]
     assert "intact: [2]" in lines[0] and steps_saved(wd) == [2]
+    # The estimate is what checkpoint 2 takes on disk (the state's bytes were half of it).
+    need = re.search(r"needs about ([\d.]+) KiB \(the size of checkpoint 2\)", lines[0])
+    on_disk = sum(p.lstat().st_blocks * 512 for p in (wd / "checkpoints/2").rglob("*"))
+    assert need and abs(float(need[1]) * 1024 - on_disk) <= 1024, (lines[0], on_disk)
     assert sorted(p.name for p in (wd / "checkpoints").iterdir()) == ["2"]  # no half save
     fill.unlink()  # room again
     again = train(wd, "train.steps=6", "checkpoint.every_steps=2", base=TINY)

@@ -387,27 +387,46 @@ class Checkpoints:
             if self._saving is not None and self._saving not in done:
                 step = self._saving  # a save in the background failed; it surfaces now
             where = self.directory / (str(step) if step is not None else "?")
-            # orbax's list is cached: name only the checkpoints still on disk
-            intact = [s for s in done if s != step and (self.directory / str(s)).is_dir()]
+            # From the disk, not orbax's cached list (it can lag a save that just finished):
+            # a step's own folder appears only when its save is complete.
+            intact = [s for s in self._steps_on_disk() if s != step]
             if self.writes and self.primary:
                 self._remove_cut_saves(say=False)  # the failed save's half: never a step
             cause = _cause(e)
             if cause in _DISK_FULL:
-                cause += self._space_note()  # (measured with that half removed)
+                cause += self._space_note(intact)  # (measured with that half removed)
             self._failed = CheckpointError(
                 f"checkpoint {where} could not be written ({cause}); the checkpoints "
                 f"before it are intact: {intact or 'none'}"
             )
             raise self._failed from None
 
-    def _space_note(self) -> str:
-        """``: <checkpoints folder> has 4 KiB free, a checkpoint needs about 1.2 MiB``."""
+    def _steps_on_disk(self) -> list[int]:
+        """Steps whose checkpoint folder is on disk, oldest first (orbax writes a save under a
+        temporary name and renames it when complete)."""
+        try:
+            return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+        except OSError:
+            return []
+
+    def _space_note(self, intact: list[int]) -> str:
+        """``: <checkpoints folder> has 4 KiB free, a checkpoint needs about 1.2 MiB (the size
+        of checkpoint 2)``: the newest intact checkpoint's blocks on disk when there is one (the
+        training state's bytes are about half of it: orbax's metadata, the manifest and the
+        file system's blocks come on top), else at least the state's bytes."""
         try:
             free = shutil.disk_usage(self.directory).free
         except OSError:
             return ""
-        needs = getattr(self, "_state_bytes", 0)
-        need = f", a checkpoint needs about {_size(needs)}" if needs else ""
+        newest = _disk_bytes(self.directory / str(intact[-1])) if intact else 0
+        state = getattr(self, "_state_bytes", 0)
+        if newest:
+            need = f", a checkpoint needs about {_size(newest)} (the size of checkpoint "
+            need += f"{intact[-1]})"
+        elif state:
+            need = f", a checkpoint needs more than {_size(state)} (the training state's bytes)"
+        else:
+            need = ""
         return f": {self.directory} has {_size(free)} free{need}"
 
 
@@ -421,6 +440,17 @@ def _ema_as_saved(like: TrainState, saved: list[list[Any]]) -> TrainState:
     if has_ema == (like.ema_params is not None):
         return like
     return like.replace(ema_params=like.params if has_ema else None)
+
+
+def _disk_bytes(folder: Path) -> int:
+    """What the files under ``folder`` take on disk (their allocated blocks, as ``du``)."""
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            total += path.lstat().st_blocks * 512
+        except OSError:  # removed meanwhile
+            continue
+    return total
 
 
 def _size(nbytes: float) -> str:
