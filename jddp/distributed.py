@@ -321,16 +321,20 @@ HEARTBEAT_WITHOUT_WATCHDOG_S = 100
 
 
 def heartbeat_timeout_s(cfg: DistConfig) -> int:
-    """``dist.heartbeat_timeout_s``, or its default: a minute past ``dist.step_timeout_s``, so
-    that when a rank hangs (SIGSTOP, a wedged device) its peers' watchdogs say so in one line
-    and exit 124 before JAX's heartbeat ends every process with a dump; 100 s without a step
-    timeout. (Before the first step, ``dist.first_step_timeout_s`` may be longer: a rank hung
-    then is found by the heartbeat.)"""
+    """``dist.heartbeat_timeout_s``, or its default: a minute past the watchdog's longer limit
+    (``dist.step_timeout_s``, ``dist.first_step_timeout_s``), so that when a rank hangs (SIGSTOP,
+    a wedged device) — while compiling as well as mid-run — its peers' watchdogs say so in one
+    line and exit 124 before JAX's heartbeat ends every process with a dump (it came first
+    before the first step: 660 s < 1,800 s). 100 s without a step timeout: nothing else would
+    find a hung rank after the first step. (A rank that dies under ``jddp.launch``, torchrun or
+    ``srun --kill-on-bad-exit`` takes the job down at once; among plain processes the peers'
+    watchdogs or the heartbeat end it.)"""
     if cfg.heartbeat_timeout_s is not None:
         return int(cfg.heartbeat_timeout_s)
     if cfg.step_timeout_s is None:
         return HEARTBEAT_WITHOUT_WATCHDOG_S
-    return int(math.ceil(cfg.step_timeout_s)) + HEARTBEAT_AFTER_WATCHDOG_S
+    longest = max(cfg.step_timeout_s, cfg.first_step_timeout_s or 0)
+    return int(math.ceil(longest)) + HEARTBEAT_AFTER_WATCHDOG_S
 
 
 def initialize(cfg: DistConfig) -> Job:

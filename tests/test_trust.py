@@ -573,11 +573,14 @@ def test_each_timeout_holds_its_phase_and_null_is_no_limit():
 
 def test_the_heartbeat_comes_after_the_watchdog_by_default():
     """A rank stopped with SIGSTOP was caught by JAX's heartbeat (100 s) before its peers'
-    watchdogs (600 s): SIGABRT, exit 134 and a 96-line dump instead of one line and 124."""
+    watchdogs (600 s): SIGABRT, exit 134 and a 96-line dump instead of one line and 124. Both
+    phases: after the first-step limit too (1,800 s by default)."""
     from jddp.config import load
     from jddp.distributed import heartbeat_timeout_s
 
-    assert heartbeat_timeout_s(load(None, []).dist) == 660
-    assert heartbeat_timeout_s(load(None, ["dist.step_timeout_s=30"]).dist) == 90
+    assert heartbeat_timeout_s(load(None, []).dist) == 1860
+    assert heartbeat_timeout_s(load(None, ["dist.first_step_timeout_s=null"]).dist) == 660
+    first_30 = ["dist.step_timeout_s=30", "dist.first_step_timeout_s=20"]
+    assert heartbeat_timeout_s(load(None, first_30).dist) == 90
     assert heartbeat_timeout_s(load(None, ["dist.step_timeout_s=null"]).dist) == 100
     assert heartbeat_timeout_s(load(None, ["dist.heartbeat_timeout_s=15"]).dist) == 15

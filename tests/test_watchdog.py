@@ -177,6 +177,29 @@ jddp.fit(SlowMLP(192, 10, nnx.Rngs(0)), optax.sgd(0.1), SlowSource(), evals,
 """
 
 
+def test_a_stop_signal_to_a_job_whose_step_hangs_exits_75_and_says_nothing_was_saved(tmp_path):
+    """SIGTERM reaches the launcher while process 1's step hangs, and is forwarded: process 0
+    waits in the step's all-reduce, its main thread blocked in JAX, where Python runs no
+    signal handler. Its watchdog still learns of the signal (the wakeup fd) and every rank
+    exits 75, so SLURM or the sbatch script requeues the job (it exited 124); each line says
+    nothing was saved."""
+    workdir = tmp_path / "run"
+    env = {**os.environ, "JDDP_TEST_STALL": "model", "JDDP_TEST_STALL_SIGNAL": "SIGTERM"}
+    out = run(launch(workdir, 100_000), env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 75, out.stderr[-3000:]
+    lines = stalled_lines(out.stderr)
+    assert sorted(lines) == [0, 1], out.stderr[-3000:]
+    for rank, line in lines.items():
+        assert "step 9 stalled: no progress for " in line, line
+        assert f"(dist.step_timeout_s={TIMEOUT_S}); process {rank} was waiting for" in line
+        assert line.endswith(
+            "stopping without saving (exit 75, as SIGTERM asked); a rerun resumes from the "
+            "newest checkpoint"
+        ), line
+    assert steps_saved(workdir) == [4, 6, 8]  # checkpoint.keep=3
+    assert_nothing_left(workdir)
+
+
 def test_a_run_whose_batches_and_steps_each_take_most_of_the_timeout_finishes(tmp_path):
     """Every batch and every step take 0.7 x dist.step_timeout_s (a slow input pipeline read
     in the loop's thread, data.prefetch_batches=0; a host callback in the step, which makes

@@ -158,6 +158,8 @@ def string_leaf_data(config: dict, seed: int = 0):
 # -- a rank that hangs while alive (tests/test_watchdog.py) -------------------------------------
 # JDDP_TEST_STALL=input|model makes process 1 block for good after STALL_AFTER calls, in its
 # input pipeline or inside the compiled step; unset, they are the plain task.
+# JDDP_TEST_STALL_SIGNAL=SIGTERM: as the stall begins the process sends its parent (the launcher)
+# that signal, which forwards it to every rank (a scheduler stopping a job whose step hangs).
 STALL_AFTER = 8
 
 
@@ -173,6 +175,11 @@ def _stalls(where: str) -> bool:
         return False
     if where != "eval" and jax.process_index() != 1:  # eval: python -m jddp.evaluate, 1 process
         return False
+    signal_name = os.environ.pop("JDDP_TEST_STALL_SIGNAL", None)  # once
+    if signal_name:
+        import signal
+
+        os.kill(os.getppid(), signal.Signals[signal_name])
     once = os.environ.get("JDDP_TEST_STALL_ONCE")
     if once is None:
         return True

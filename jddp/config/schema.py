@@ -316,8 +316,9 @@ class DistConfig:
         None,
         "seconds without a heartbeat after which a peer counts as dead and the job stops "
         "(JAX's coordination service; it ends every process with a dump, not one line); null: "
-        "dist.step_timeout_s + 60, so that a rank hung while alive is said by its peers' "
-        "watchdogs first (100 when step_timeout_s is null)",
+        "60 past the longer of dist.step_timeout_s and dist.first_step_timeout_s, so that a "
+        "rank hung while alive is said by its peers' watchdogs first (100 when step_timeout_s "
+        "is null)",
         bound=POSITIVE,
     )
     step_timeout_s: float | None = _f(

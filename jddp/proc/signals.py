@@ -70,6 +70,9 @@ class StopRequest:
         self.finish_reason: str | None = None  # a callback's early end (saved, exit 0)
         self._previous: dict[int, Any] = {}
         self._finishing: str | None = None  # what the run does after its last step
+        self._wakeup: tuple[int, int] | None = None  # (read, write) ends of a wakeup-fd pipe
+        self._wakeup_lock = threading.Lock()
+        self._arrived: str | None = None  # seen on the pipe, before the handler ran
 
     def __enter__(self) -> StopRequest:
         self.install()
@@ -82,6 +85,47 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous.setdefault(sig, signal.signal(sig, self._handle))
+            self._watch_arrivals()
+
+    def _watch_arrivals(self) -> None:
+        """Python runs a signal's handler in the main thread between bytecodes: while that
+        thread waits in a JAX call (a step that never ends) the handler waits too. The C-level
+        handler also writes the signal's number to the wakeup fd at once: a pipe here, read by
+        :meth:`arrived` from another thread (the stall watchdog). Left alone when the process
+        has a wakeup fd already (asyncio's)."""
+        if self._wakeup is not None:
+            return
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        os.set_blocking(write_end, False)
+        try:
+            previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        except ValueError:
+            previous = None
+        if previous != -1:  # someone else's, or none possible: theirs stays
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            os.close(read_end)
+            os.close(write_end)
+            return
+        self._wakeup = (read_end, write_end)
+
+    def arrived(self) -> str | None:
+        """The stop signal this process has received, if any — from any thread, even while the
+        main thread is blocked and its handler has not run yet (then read from the wakeup
+        pipe; the handler still runs when the main thread is back)."""
+        if self.signal_name is not None:
+            return self.signal_name
+        with self._wakeup_lock:
+            if self._wakeup is not None and self._arrived is None:
+                try:
+                    numbers = os.read(self._wakeup[0], 512)
+                except OSError:  # nothing written (EAGAIN)
+                    numbers = b""
+                stops = [n for n in numbers if n in {int(sig) for sig in STOP_SIGNALS}]
+                if stops:
+                    self._arrived = signal.Signals(stops[0]).name
+        return self._arrived
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -103,6 +147,12 @@ class StopRequest:
         self._finishing = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        with self._wakeup_lock:
+            if self._wakeup is not None:
+                signal.set_wakeup_fd(-1)
+                for end in self._wakeup:
+                    os.close(end)
+                self._wakeup = None
 
     def finish(self, reason: str) -> None:
         """End the run early as a finished one (a callback's wish, e.g. early stopping)."""

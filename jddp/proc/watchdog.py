@@ -10,7 +10,10 @@ checkpoint written) and, when none came for ``dist.step_timeout_s`` seconds
 naming the stalled step, how long, and what this rank was waiting for, and exits with
 :data:`~jddp.errors.STALLED` at once: nothing more is saved (a checkpoint in flight never
 appears under a step name), the launcher or SLURM ends the other ranks, and a rerun resumes
-from the newest checkpoint. Not 75: a rerun of a job that stalls may stall again.
+from the newest checkpoint. Not 75: a rerun of a job that stalls may stall again — unless a stop
+signal (SIGTERM, SIGUSR1, …) had already asked the run to stop: then its sender (SLURM, a
+preempting scheduler) is told 75 as for any stop, the line saying that nothing was saved, and a
+job whose step stalls where the scheduler stops it is requeued (a SLURM job exiting 124 was not).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
-from jddp.errors import STALLED
+from jddp.errors import PREEMPTED, STALLED
 
 # Set once this process's watchdog has fired: what the main thread then raises (its collective
 # failing as a peer exits) is a consequence, not news (jddp.cli exits STALLED without a word).
@@ -45,7 +49,9 @@ class StallWatchdog:
     holds until the first step is done, ``timeout_s`` after it; None is no limit in that phase
     (both None: no thread). Call :meth:`waiting` when the loop starts to wait for something,
     :meth:`progress` when something finished, :meth:`finished` when the run's work is done (a
-    tracker's bounded wait at the end is no stall); use as a context manager around the run."""
+    tracker's bounded wait at the end is no stall); use as a context manager around the run.
+    ``stop_signal()`` names the stop signal the run has received, if any (then a stall exits
+    :data:`~jddp.errors.PREEMPTED`, not :data:`~jddp.errors.STALLED`)."""
 
     def __init__(
         self,
@@ -55,8 +61,10 @@ class StallWatchdog:
         poll_s: float = 0.5,
         after: str = "stopping without saving (exit 124); a rerun resumes from the newest "
         "checkpoint",
+        stop_signal: Callable[[], str | None] = lambda: None,
     ):
         self.after = after  # what the stall line says happens now
+        self.stop_signal = stop_signal
         self.timeout_s = timeout_s
         self.first_timeout_s = first_timeout_s
         self.process_index = process_index
@@ -108,10 +116,14 @@ class StallWatchdog:
 
     def _fire(self, stalled_s: float, limit: float) -> None:
         key = "dist.step_timeout_s" if self.first_done else "dist.first_step_timeout_s"
+        signal_name, code, after = self.stop_signal(), STALLED, self.after
+        if signal_name is not None:  # it was being stopped anyway: tell its sender 75
+            code = PREEMPTED
+            after = after.replace("exit 124", f"exit 75, as {signal_name} asked")
         line = (
             f"jddp: error: step {self.step} stalled: no progress for {stalled_s:.0f} s "
             f"({key}={limit:g}); process {self.process_index} was waiting for "
-            f"{WAITING.get(self.what, self.what)}; {self.after}\n"
+            f"{WAITING.get(self.what, self.what)}; {after}\n"
         )
         FIRED.set()
         try:
@@ -120,4 +132,4 @@ class StallWatchdog:
             pass
         os.write(2, line.encode())
         time.sleep(min(GRACE_S, limit))
-        os._exit(STALLED)
+        os._exit(code)

@@ -117,10 +117,17 @@ def train_and_evaluate(
     if comm.allgather_int(int(continues))[0]:  # process 0 decides for everyone
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
     try:
-        if stop is not None:
+        given_stop = stop is not None  # installed by the caller; else ours, for this run
+        if given_stop:
             stop.install()  # again: jax.distributed.initialize took SIGTERM since
-        watchdog = StallWatchdog(dist.step_timeout_s, dist.first_step_timeout_s, comm.process_index)
-        with nullcontext(stop) if stop is not None else StopRequest() as stop, watchdog:
+        stop = stop if stop is not None else StopRequest()
+        watchdog = StallWatchdog(
+            dist.step_timeout_s,
+            dist.first_step_timeout_s,
+            comm.process_index,
+            stop_signal=stop.arrived,
+        )
+        with nullcontext(stop) if given_stop else stop, watchdog:
             wall_start = time.perf_counter()
             run = build_run(cfg, comm, folder, stop, parts or Parts(), watchdog)
             run.hooks.insert(0, LockCheck(lock))  # a no-op where the lock is not held
