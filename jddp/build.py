@@ -1,6 +1,6 @@
 """Build a run's pieces from its config: mesh, data, model and steps.
 
-What training (:mod:`jddp.run.setup`), evaluation (:mod:`jddp.evaluation`) and inference
+What training (:mod:`jddp.run.setup`), evaluation (:mod:`jddp.eval_lib`) and inference
 (:mod:`jddp.inference`) share; nothing here writes files or knows about checkpoints. The
 benchmarks and test workers build their steps here too, so they time the trainer's own step.
 """

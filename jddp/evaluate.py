@@ -3,8 +3,8 @@
 Evaluates a checkpoint of a run on the configured eval split (overrides may change ``data.*``),
 on any number of devices and processes (under ``python -m jddp.launch``, SLURM or mpirun, as
 train), prints the result and appends it to ``W/metrics.jsonl``. The work is
-:func:`jddp.evaluation.evaluate_checkpoint`; the library call ``jddp.evaluate(...)`` is
-:func:`jddp.evaluation.evaluate_model` (this module is run, not imported: importing it would
+:func:`jddp.eval_lib.evaluate_checkpoint`; the library call ``jddp.evaluate(...)`` is
+:func:`jddp.eval_lib.evaluate_model` (this module is run, not imported: importing it would
 bind ``jddp.evaluate`` to the module instead of that function).
 
 Exit codes are those of train: 0 once the result is printed (a metrics.jsonl that cannot be
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         from jddp.checkpoint.find import find_checkpoint
         from jddp.cli import Session, run
         from jddp.config import refuse_fit_run
-        from jddp.evaluation import evaluate_checkpoint, run_config
+        from jddp.eval_lib import evaluate_checkpoint, run_config
 
         def body(session: Session) -> int:
             args = parse_args(argv)

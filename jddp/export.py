@@ -4,8 +4,8 @@ B|dynamic] [--input-shape SHAPE] OUT``.
 Writes the trained model of a run (its newest checkpoint, or ``--step``) for inference, in eval
 mode, as one program of the arrays the model takes (for image classification: normalised
 images, as ``jddp.load(W)``'s model takes them). The work is
-:func:`jddp.exporting.export_checkpoint`; the library call ``jddp.export(...)`` is
-:func:`jddp.exporting.export_model` (this module is run, not imported, as ``jddp.evaluate``).
+:func:`jddp.export_lib.export_checkpoint`; the library call ``jddp.export(...)`` is
+:func:`jddp.export_lib.export_model` (this module is run, not imported, as ``jddp.evaluate``).
 
 Exit codes are those of train: 0 once written; 2 for bad input (no checkpoint in the workdir, a
 ``--step`` that does not exist, an unknown format, a bad batch size, OUT's folder missing,
@@ -51,7 +51,7 @@ def _batch_size(text: str) -> int | None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """``--workdir``, ``--step``, ``--format``, ``--batch-size``, ``--input-shape`` and OUT."""
     from jddp.cli import OneLineParser
-    from jddp.exporting import FORMATS
+    from jddp.export_lib import FORMATS
 
     parser = OneLineParser(
         prog="python -m jddp.export",
@@ -113,10 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             check_versions()
             apply_cpu_flags()
             from jddp.config import refuse_fit_run
-            from jddp.evaluation import run_config
+            from jddp.eval_lib import run_config
 
             refuse_fit_run(run_config(Path(args.workdir)), "python -m jddp.export")
-            from jddp.exporting import describe_inputs, export_checkpoint
+            from jddp.export_lib import describe_inputs, export_checkpoint
 
             exported, checkpoint, loaded = export_checkpoint(
                 args.workdir,

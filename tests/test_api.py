@@ -275,7 +275,7 @@ def test_examples_run(tmp_path, launcher, script, min_accuracy):
 def test_evaluate_is_the_library_call_and_the_cli_module():
     """``jddp.evaluate`` is the documented function, and ``python -m jddp.evaluate`` finds the
     CLI module of that name (runpy resolves it without binding ``jddp.evaluate``)."""
-    from jddp.evaluation import evaluate_model
+    from jddp.eval_lib import evaluate_model
 
     assert jddp.evaluate is evaluate_model
     assert importlib.util.find_spec("jddp.evaluate").origin.endswith("jddp/evaluate.py")

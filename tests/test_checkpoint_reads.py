@@ -109,7 +109,7 @@ def test_a_damaged_init_from_checkpoint_names_it_and_the_intact_one(run_copy, tm
 
 
 def rotate_away_once(step_dir):
-    """A ``jddp.evaluation.reader`` that first deletes ``step_dir`` (a live run's rotation
+    """A ``jddp.eval_lib.reader`` that first deletes ``step_dir`` (a live run's rotation
     between evaluate's listing and its read)."""
     from jddp.checkpoint.find import reader
 
@@ -118,7 +118,7 @@ def rotate_away_once(step_dir):
             shutil.rmtree(step_dir)
         return reader(directory)
 
-    return mock.patch("jddp.evaluation.reader", rotating_reader)
+    return mock.patch("jddp.eval_lib.reader", rotating_reader)
 
 
 def test_evaluate_reads_the_newest_kept_checkpoint_when_rotation_deletes_its_pick(run_copy, capfd):

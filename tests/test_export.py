@@ -16,7 +16,7 @@ from flax import nnx
 
 import jddp
 from jddp.errors import ConfigError, ExportError
-from jddp.exporting.inputs import task_signature
+from jddp.export_lib.inputs import task_signature
 from jddp.tasks.custom import CustomTask
 from tests.helpers import TINY
 
@@ -225,19 +225,19 @@ def test_inputs_a_loss_hides_from_the_model_call_ask_for_input_shape(two_inputs_
 
 
 def test_an_export_that_computes_something_else_is_refused(two_inputs_run, tmp_path):
-    from jddp import exporting
+    from jddp import export_lib
 
     out = tmp_path / "m.stablehlo"
     model = jddp.load(two_inputs_run)
     example = (np.zeros((1, 8, 8, 1), np.float32), np.zeros((1, 16), np.float32))
-    real = exporting.run_stablehlo
+    real = export_lib.run_stablehlo
 
     def off_by_a_bit(data, arrays):  # a converter's bug, as it would look
         return [y + 1e-2 for y in real(data, arrays)]
 
-    with mock.patch.object(exporting, "run_stablehlo", off_by_a_bit):
+    with mock.patch.object(export_lib, "run_stablehlo", off_by_a_bit):
         with pytest.raises(ExportError, match=r"computes something else .* nothing was written"):
-            exporting.export_model(model, out, "stablehlo", example=example)
+            export_lib.export_model(model, out, "stablehlo", example=example)
     assert not out.exists()
     jddp.export(model, out, "stablehlo", example=example)  # the library call
     image, side = (np.ones((2, *e.shape[1:]), np.float32) for e in example)
@@ -247,7 +247,7 @@ def test_an_export_that_computes_something_else_is_refused(two_inputs_run, tmp_p
 def test_jddp_export_names_the_library_call_and_the_cli_module():
     import importlib.util
 
-    from jddp.exporting import export_model
+    from jddp.export_lib import export_model
 
     assert importlib.util.find_spec("jddp.export").origin.endswith("jddp/export.py")
     assert jddp.export is export_model

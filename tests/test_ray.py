@@ -1,4 +1,4 @@
-"""``python -m jddp.ray`` (jddp/launch/ray.py, jddp/launch/remote.py) on a real Ray cluster.
+"""``python -m jddp.ray`` (jddp/launch/ray_cluster.py, jddp/launch/remote.py) on a real Ray cluster.
 
 The module starts one head node here (``ray start --head --block``, 2 CPUs, its own temp folder
 and port) and stops it at the end by signalling that ``ray start`` only: ``ray stop`` would end
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from jddp.launch import find_free_port
-from jddp.launch.ray import placement_shortfall
+from jddp.launch.ray_cluster import placement_shortfall
 from tests.helpers import (
     TWO_BY_TWO,
     assert_losses_match,

@@ -278,7 +278,7 @@ def test_a_failing_final_eval_keeps_the_training(tmp_path, monkeypatch):
     def broken_eval(*args, **kwargs):
         raise OSError("image file is truncated (3 bytes not processed)")
 
-    monkeypatch.setattr(importlib.import_module("jddp.evaluation").EvalRun, "__call__", broken_eval)
+    monkeypatch.setattr(importlib.import_module("jddp.eval_lib").EvalRun, "__call__", broken_eval)
     wd = tmp_path / "run"
     with pytest.raises(EvalFailed) as failed:
         fit(wd, "train.steps=3")

@@ -1,7 +1,7 @@
 """The ranks of a ``python -m jddp.ray`` job on their Ray actors: start them wired for
 ``jax.distributed``, relay their output with a ``[rank i] `` prefix, forward the driver's stop
-signals, stop everyone when one fails, and clean up (:mod:`jddp.launch.ray` is the command line
-and the cluster; :mod:`jddp.launch.remote` the actor on each node)."""
+signals, stop everyone when one fails, and clean up (:mod:`jddp.launch.ray_cluster` is the
+command line and the cluster; :mod:`jddp.launch.remote` the actor on each node)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from jddp.config import Config
 from jddp.data.loader import BatchLayout, TrainBatches
 from jddp.data.source import Splits, is_image_source
 from jddp.errors import ConfigError
-from jddp.evaluation import EvalRun, WithEma
+from jddp.eval_lib import EvalRun, WithEma
 from jddp.mesh import to_host
 from jddp.metrics import Console, MetricsLog, Progress, read_metrics
 from jddp.optimizer import make_optimizer

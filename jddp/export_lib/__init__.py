@@ -2,8 +2,8 @@
 
 What is exported is the model as :func:`jddp.load` returns it, in eval mode (BatchNorm uses its
 running statistics, dropout is off), as one program of the arrays it takes
-(:mod:`jddp.exporting.inputs`), written in one of the formats of
-:mod:`jddp.exporting.formats`: the weights are constants, the batch axis is symbolic
+(:mod:`jddp.export_lib.inputs`), written in one of the formats of
+:mod:`jddp.export_lib.formats`: the weights are constants, the batch axis is symbolic
 (``batch``: any size) unless a fixed size is asked for. Each export is run once on random inputs
 and compared with the model in JAX before it is written, whole or not at all.
 
@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jddp.errors import ConfigError, ExportError, JddpError, one_line
-from jddp.exporting.formats import (
+from jddp.export_lib.formats import (
     FORMATS,
     run_onnx,
     run_stablehlo,
@@ -33,7 +33,7 @@ from jddp.exporting.formats import (
     to_stablehlo,
     with_onnx_metadata,
 )
-from jddp.exporting.inputs import (
+from jddp.export_lib.inputs import (
     Input,
     PathLike,
     Signature,

@@ -224,7 +224,7 @@ def run_signature(path: PathLike, run: Any, example: Any = None) -> Signature:
     from jddp.build import build_task, is_custom_task, load_data
     from jddp.data.pipeline import eval_batch
     from jddp.errors import DataError
-    from jddp.evaluation import run_config
+    from jddp.eval_lib import run_config
 
     if example is not None:
         signature = signature_of_example(run.model, example)
