@@ -45,7 +45,6 @@ _EXPORTS = {
     "Comm": "jddp.comm",
     "XlaComm": "jddp.comm",
     "MpiComm": "jddp.comm",
-    "build_run": "jddp.run.setup",
     "build_steps": "jddp.build",
     "models": "jddp.models",
 }

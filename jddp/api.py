@@ -42,10 +42,7 @@ def load_config(config: ConfigLike = None, overrides: Iterable[str] = ()) -> Con
         base = {}
     data = copy.deepcopy(base)  # overrides must not write into the caller's dicts
     config_lib.apply_overrides(data, overrides, once=False)  # here the last one wins
-    cfg = config_lib.from_dict(data)
-    if cfg.workdir is None:
-        cfg.workdir = "runs/default"
-    return cfg
+    return config_lib.with_default_workdir(config_lib.from_dict(data))
 
 
 def initialize(config: ConfigLike = None) -> None:

@@ -316,7 +316,6 @@ def make_train_step(
     schedule: optax.Schedule | None = None,
     pixel_norm: PixelNorm | None = None,
     layout: Any = None,
-    shard_update: Any = None,
     clip_grad_norm: float | None = None,
     ema_decay: float = 0.0,
     ema_warmup: bool = True,
@@ -350,7 +349,7 @@ def make_train_step(
     its slice with its slice of the optimizer state, the parameters all-gathered after
     (``optimizer``); or each parameter all-gathered for the forward pass, its gradient
     reduce-scattered, and every array updated and kept as slices (``full``); the steps are the
-    same. ``shard_update``: the older name of ``layout``. ``clip_grad_norm``: the averaged
+    same. ``clip_grad_norm``: the averaged
     gradient is scaled to at most this global L2 norm before ``tx`` sees it
     (``optim.clip_grad_norm``; ``train/clipped`` is 1 where it was). ``ema_decay``,
     ``ema_warmup``: how the state's ``ema_params`` (when it has them, :func:`jddp.state.
@@ -358,7 +357,7 @@ def make_train_step(
     them too).
     """
     task = _classification(task, loss_fn, metrics_fn, compute_dtype, pixel_norm)
-    layout = layout or shard_update or ReplicatedLayout(mesh)
+    layout = layout or ReplicatedLayout(mesh)
 
     def per_device(state: TrainState, data, io: GradsIO):
         local_grads = _local_grads_fn(model_def, comm, task, io)

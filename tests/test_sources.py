@@ -484,10 +484,3 @@ def test_repr_is_stable_without_addresses(tmp_path):
         text = repr(src)
         assert "0x" not in text and "\n" not in text
     assert repr(load_splits("synthetic", None, 8).train) == repr(sources[0])
-
-
-def test_old_sources_module_reexports():
-    from jddp.data import sources
-
-    assert sources.load_splits is load_splits and sources.ArraySource is ArraySource
-    assert sources.DATA_NAMES == DATA_NAMES

@@ -97,5 +97,5 @@ def reader(directory: Path) -> Checkpoints:
         async_save=False,
         writes=False,
         primary=False,
-        damaged_directory=directory.parent / "checkpoints-damaged",
+        damaged_directory=RunFolder(directory.parent).damaged_checkpoints,
     )

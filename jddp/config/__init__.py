@@ -62,6 +62,7 @@ __all__ = [
     "set_dotted",
     "to_dict",
     "validate",
+    "with_default_workdir",
 ]
 
 
@@ -234,7 +235,12 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -
         section = data.get("train")
         if key in given and other not in given and isinstance(section, dict):
             section.pop(other.split(".")[1], None)
-    cfg = from_dict(data)
+    return with_default_workdir(from_dict(data), path)
+
+
+def with_default_workdir(cfg: Config, path: str | Path | None = None) -> Config:
+    """``cfg`` with ``workdir`` set if unset: ``runs/<stem of the config file>``, or
+    ``runs/default`` without one (the one place that decides it)."""
     if cfg.workdir is None:
         cfg.workdir = str(Path("runs") / (Path(path).stem if path is not None else "default"))
     return cfg

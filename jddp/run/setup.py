@@ -43,6 +43,7 @@ from jddp.metrics import Console, MetricsLog, Progress, read_metrics
 from jddp.optimizer import make_optimizer
 from jddp.preflight import check_model_output, check_profile_steps, check_task
 from jddp.proc.signals import StopRequest, TimedSaves
+from jddp.proc.watchdog import StallWatchdog
 from jddp.run.callbacks import Callback, Callbacks, EarlyStopping, Fanout
 from jddp.run.hooks import (
     CheckpointHook,
@@ -54,7 +55,6 @@ from jddp.run.hooks import (
 )
 from jddp.run.memory import check_state_fits, device_budget
 from jddp.run.trackers import Trackers
-from jddp.run.watchdog import StallWatchdog
 from jddp.state import (
     ModelDef,
     TrainState,

@@ -24,12 +24,12 @@ from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, describe_eval, nonfinite_eval
 from jddp.preflight import check_same_config
 from jddp.proc.signals import StopRequest
+from jddp.proc.watchdog import StallWatchdog
 from jddp.proc.xla import enable_compilation_cache
 from jddp.run.hooks import LockCheck
 from jddp.run.loop import train_loop
 from jddp.run.setup import Parts, Run, build_run
 from jddp.run.trackers import check_installed
-from jddp.run.watchdog import StallWatchdog
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, WorkdirLock
 
