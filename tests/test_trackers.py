@@ -399,7 +399,7 @@ def _tensorboard_steps(folder: Path, tag: str) -> list[int]:
     files in order, a purge hiding the earlier points at or after its step."""
     from tensorboardX.proto.event_pb2 import Event, SessionLog
 
-    from jddp.run.tracker_kinds import _records
+    from jddp.run.trackers.tensorboard import _records
 
     shown: list[int] = []
     for path in sorted(folder.glob("events.out.tfevents.*")):

@@ -1,5 +1,5 @@
-"""Experiment trackers (``log.trackers``): TensorBoard, MLflow, Weights & Biases
-(:mod:`jddp.run.tracker_kinds`), driven for a run.
+"""Experiment trackers (``log.trackers``): TensorBoard, MLflow, Weights & Biases — one module
+each beside this one, one interface (:mod:`jddp.run.trackers.base`) — driven for a run.
 
 :class:`Trackers` drives them on process 0 with the values ``metrics.jsonl`` gets (train and
 eval lines, the same steps), the resolved config, the fields of the final ``jddp: done`` line
@@ -33,18 +33,18 @@ from typing import Any
 
 from jddp.errors import ConfigError
 from jddp.metrics import metrics_rows
-from jddp.run.tracker_kinds import (
+from jddp.run.trackers.base import (
     PACKAGES,
     THREAD_PREFIX,
-    MlflowTracker,
     Started,
-    TensorBoardTracker,
     Tracker,
-    WandbTracker,
     describe_failure,
     scalars,
     warn,
 )
+from jddp.run.trackers.mlflow import MlflowTracker
+from jddp.run.trackers.tensorboard import TensorBoardTracker
+from jddp.run.trackers.wandb import WandbTracker
 from jddp.workdir import RunFolder
 
 __all__ = ["Started", "Tracker", "Trackers", "check_installed", "scalars"]

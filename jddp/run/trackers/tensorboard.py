@@ -1,0 +1,82 @@
+"""TensorBoard (tensorboardX event files in ``workdir/tensorboard``), and reading them back."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from jddp.run.trackers.base import Started
+
+
+def _records(path: Path) -> Iterator[bytes]:
+    """The records of a TFRecord file (an event file), up to the first torn one (a writer
+    killed mid-record)."""
+    data = path.read_bytes()
+    at = 0
+    while at + 12 <= len(data):
+        (length,) = struct.unpack_from("<Q", data, at)
+        end = at + 12 + length + 4
+        if end > len(data):
+            return
+        yield data[at + 12 : at + 12 + length]
+        at = end
+
+
+def tensorboard_points(folder: Path) -> dict[str, set[int]]:
+    """Per scalar tag, the steps TensorBoard shows from the event files in ``folder``: the files
+    read in the order they were written, a purge (a writer started with ``purge_step``)
+    hiding every earlier point at or after its step, as TensorBoard does."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    points: dict[str, set[int]] = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        for record in _records(path):
+            try:
+                event = Event.FromString(record)
+            except Exception:  # noqa: BLE001 - a damaged record: what follows is unreadable
+                break
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                for steps in points.values():
+                    steps.difference_update({s for s in steps if s >= event.step})
+            for value in event.summary.value:
+                points.setdefault(value.tag, set()).add(int(event.step))
+    return points
+
+
+class TensorBoardTracker:
+    """Event files in ``workdir/tensorboard`` (tensorboardX), on disk within a second of each
+    log line (its writer thread flushes every second, not every 120 s). On resume, events of
+    steps after the resumed checkpoint are purged, as ``metrics.jsonl`` drops its lines, and
+    the points of earlier steps that the files lack (what a ``kill -9`` caught in the writer's
+    queue) are refilled from ``metrics.jsonl``: each step once, one value."""
+
+    name, remote = "tensorboard", False
+
+    def __init__(self, folder: Path, resume_step: int):
+        self.folder, self.resume_step = folder, resume_step
+        self._writer: Any = None
+        self._shown: dict[str, set[int]] = {}  # points up to the resumed step already there
+
+    def start(self, config: dict[str, Any], run_id: str | None) -> Started:
+        from tensorboardX import SummaryWriter
+
+        if self.resume_step > 0 and self.folder.is_dir():
+            self._shown = tensorboard_points(self.folder)
+        self._writer = SummaryWriter(
+            str(self.folder), purge_step=self.resume_step + 1, flush_secs=1
+        )
+        return Started("")
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            if step <= self.resume_step and step in self._shown.get(key, ()):
+                continue  # a refilled step the files already show
+            self._writer.add_scalar(key, value, step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def finish(self, result: dict[str, Any], checkpoint: str | None, status: str) -> None:
+        self._writer.close()
