@@ -292,7 +292,7 @@ def pipeline_options(cfg: Config) -> PipelineOptions:
 
 def per_device_rows(cfg: Config, mesh: Mesh, comm: Comm) -> int:
     """Rows of every global batch each device holds (before micro-batching)."""
-    return cfg.data.global_batch_size // (len(mesh.local_devices) * comm.process_count)
+    return cfg.data.global_batch_size // comm.num_devices(mesh)
 
 
 def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
@@ -348,6 +348,7 @@ def build_steps(
     tx: optax.GradientTransformation,
     mesh: Mesh,
     comm: Comm,
+    *,
     parts: Parts | None = None,
     schedule: optax.Schedule | None = None,
     pixel_norm: PixelNorm | None = None,

@@ -60,7 +60,7 @@ from jddp.tasks.classification import PixelNorm
 from jddp.workdir import RunFolder
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EvalRun:
     """An eval pass, ready to run on any state of its model: the eval step, the eval source,
     the global batch and where it runs. ``pipeline``: the input pipeline's options
@@ -157,7 +157,16 @@ def build_eval_run(
     if labels_of is not None and hasattr(source, "labels"):
         check_label_range(source.labels, num_logits(model_def, state, source), labels_of)
     eval_step = make_eval_step(model_def, mesh, task=task)
-    run = EvalRun(eval_step, source, global_batch_size, mesh, layout, comm, pipeline, weight_unit)
+    run = EvalRun(
+        eval_step=eval_step,
+        source=source,
+        global_batch_size=global_batch_size,
+        mesh=mesh,
+        layout=layout,
+        comm=comm,
+        pipeline=pipeline,
+        weight_unit=weight_unit,
+    )
     return run, state
 
 
@@ -208,7 +217,7 @@ def evaluate_model(
     source = _eval_source(data, cfg, custom)
     comm = make_comm(current_job(config_lib.DistConfig()), "xla")
     mesh = make_mesh()
-    devices = mesh.devices.size
+    devices = comm.num_devices(mesh)
     global_batch = -(-batch_size // devices) * devices
     layout = batch_layout(mesh, global_batch, comm.process_index, comm.process_count)
     run_cfg = cfg or config_lib.from_dict({})

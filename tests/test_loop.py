@@ -61,7 +61,15 @@ class NoCheckpoints:
 
 def reporter(log, every=2, last=5, halt=True):
     meter = ThroughputMeter(8, 0)
-    return StepReporter(every, last, halt, log, meter, Bar(), NoCheckpoints())
+    return StepReporter(
+        every=every,
+        last_step=last,
+        halt_on_nonfinite=halt,
+        log=log,
+        meter=meter,
+        progress=Bar(),
+        checkpoints=NoCheckpoints(),
+    )
 
 
 def metrics(loss=1.0, nonfinite=0.0, stop=0.0):

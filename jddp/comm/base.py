@@ -102,6 +102,11 @@ class Comm(ABC):
         """Processes in the job."""
         return self.job.process_count
 
+    def num_devices(self, mesh: Mesh) -> int:
+        """The devices of a step over all processes: ``mesh``'s devices of this process times
+        the processes (under MPI each process's mesh holds only its own devices)."""
+        return len(mesh.local_devices) * self.process_count
+
     @property
     def is_writer(self) -> bool:
         """Whether this process prints and writes the run's outputs (process 0 alone)."""

@@ -144,6 +144,7 @@ class StepReporter:
 
     def __init__(
         self,
+        *,
         every: int,
         last_step: int,
         halt_on_nonfinite: bool,

@@ -137,7 +137,7 @@ class Run:
     @property
     def num_devices(self) -> int:
         """Devices over all processes."""
-        return len(self.mesh.local_devices) * self.comm.process_count
+        return self.comm.num_devices(self.mesh)
 
     @property
     def config_dict(self) -> dict[str, Any]:
@@ -176,10 +176,17 @@ def build_run(
         h, w, c = splits.train.image_shape
         console.say(f"jddp: data.image_size=null: {cfg.data.name} images at {h}x{w}x{c}")
     model_def, state, tx, schedule, state_layout = _model_and_state(
-        cfg, comm, parts, splits, steps, mesh, console
+        cfg, comm, parts=parts, splits=splits, steps=steps, mesh=mesh, console=console
     )
     task, pixel_norm, num_outputs = _checked_task(
-        cfg, comm, parts, custom, splits, model_def, state, mesh
+        cfg,
+        comm,
+        parts=parts,
+        custom=custom,
+        splits=splits,
+        model_def=model_def,
+        state=state,
+        mesh=mesh,
     )
     classes = class_names(splits.train, num_outputs)
     if classes is not None and num_outputs is not None and num_outputs > len(classes):
@@ -195,7 +202,16 @@ def build_run(
         )
     ckpts = _checkpoints(cfg, comm, folder, task, pixel_norm, classes)
     state, start_step = _restored_state(
-        cfg, comm, ckpts, state, tx, mesh, console, steps, num_outputs, state_layout
+        cfg,
+        comm,
+        ckpts=ckpts,
+        state=state,
+        tx=tx,
+        mesh=mesh,
+        console=console,
+        steps=steps,
+        num_outputs=num_outputs,
+        state_layout=state_layout,
     )
     callbacks = Callbacks(_callbacks(cfg, parts), stop, writer)
     callbacks.start(start_step, _history(folder, start_step) if writer else [])
@@ -207,16 +223,25 @@ def build_run(
     # checkpoint.every_minutes, while checkpoint.every_steps is 0 (every_steps wins)
     timed_saves = TimedSaves(None if cfg.checkpoint.every_steps else cfg.checkpoint.every_minutes)
     progress, meter, reporter = _reporting(
-        cfg, comm, mesh, steps, start_step, batches, console, task, log, ckpts
+        cfg,
+        comm,
+        mesh=mesh,
+        steps=steps,
+        start_step=start_step,
+        batches=batches,
+        console=console,
+        task=task,
+        log=log,
+        ckpts=ckpts,
     )
     evaluate: Any = EvalRun(
-        eval_step,
-        splits.eval,
-        cfg.data.global_batch_size,
-        mesh,
-        layout,
-        comm,
-        pipeline_options(cfg),
+        eval_step=eval_step,
+        source=splits.eval,
+        global_batch_size=cfg.data.global_batch_size,
+        mesh=mesh,
+        layout=layout,
+        comm=comm,
+        pipeline=pipeline_options(cfg),
         weight_unit=cfg.log.weight_unit,
         on_batch=watchdog.progress,
     )
@@ -287,6 +312,7 @@ def _data(
 def _model_and_state(
     cfg: Config,
     comm: Comm,
+    *,
     parts: Parts,
     splits: Splits,
     steps: int,
@@ -317,7 +343,7 @@ def _model_and_state(
     model_def, state = create_train_state(model, tx, mesh, ema=ema)
     del model
     if state_layout.kind != "none" and state_layout.split_share(state) == 0:
-        devices = len(mesh.local_devices) * comm.process_count
+        devices = comm.num_devices(mesh)
         console.say(
             f"jddp: warning: dist.shard={state_layout.kind}: no array of the train state has an "
             f"axis {devices} devices divide: every device holds all of it (0.0% split)"
@@ -349,6 +375,7 @@ def check_same_init(comm: Comm, params: Any, kind: str) -> None:
 def _checked_task(
     cfg: Config,
     comm: Comm,
+    *,
     parts: Parts,
     custom: bool,
     splits: Splits,
@@ -408,6 +435,7 @@ def _checkpoints(
 def _restored_state(
     cfg: Config,
     comm: Comm,
+    *,
     ckpts: Checkpoints,
     state: TrainState,
     tx: Any,
@@ -487,6 +515,7 @@ def _outputs(
 def _reporting(
     cfg: Config,
     comm: Comm,
+    *,
     mesh: Mesh,
     steps: int,
     start_step: int,
@@ -512,15 +541,15 @@ def _reporting(
         cfg.data.global_batch_size, start_step, task.example_unit, cfg.log.weight_unit
     )
     reporter = StepReporter(
-        cfg.log.every_steps,
-        steps,
-        cfg.train.on_nonfinite == "halt",
-        log,
-        meter,
-        progress,
-        ckpts,
-        cfg.log.baseline_img_per_s,
-        len(mesh.local_devices) * comm.process_count,
+        every=cfg.log.every_steps,
+        last_step=steps,
+        halt_on_nonfinite=cfg.train.on_nonfinite == "halt",
+        log=log,
+        meter=meter,
+        progress=progress,
+        checkpoints=ckpts,
+        baseline_img_per_s=cfg.log.baseline_img_per_s,
+        num_devices=comm.num_devices(mesh),
     )
     return progress, meter, reporter
 
