@@ -7,8 +7,8 @@ multi-device tests would silently test something else. Subprocesses inherit the 
 Two pytest-xdist workers run the suite (``-n 2 --dist loadfile`` in pyproject.toml), one test
 file per worker at a time. Tests marked ``serial`` run alone: a serial test waits until the
 other worker's current test ends, and the other worker starts nothing until it is done. Only
-tests with a bound on wall time are serial (the stall watchdog's timeouts, the launcher's
-promptness, input-wait fractions, a tracker's cost, a lost lock noticed in seconds): tests that
+tests with a bound on wall time are serial (a run paced at 0.7x the stall timeout, the
+launcher's promptness, input-wait fractions, a tracker's cost, a lost lock noticed in seconds): tests that
 start several jddp processes or kill them wait for the run's own progress, not for a moment on
 the clock, so they share the machine (on 2 cores a 2-process run beside another file's compile
 once timed out in gloo's 30 s set-up, 2026-11-24; jddp now meets a step's devices while it
@@ -83,12 +83,45 @@ def _serial(item) -> bool:
     return item is not None and item.get_closest_marker("serial") is not None
 
 
+# The files whose tests take longest, longest first (wall seconds in a fresh clone's suite on the
+# 2-core VM at a560981, JDDP_TEST_USAGE): slurm, Ray and the multi-process files mostly wait
+# (for a scheduler, a requeue, a peer), so started early they overlap the other worker's
+# compiles instead of ending the suite alone; the short files fill the tail. A hint only: a
+# file not named here comes after them, in collection order.
+LONGEST_FIRST = (
+    "test_slurm.py",  # 138 s, 9 s of CPU
+    "test_ray.py",  # 124 s, 39 s of CPU
+    "test_multiprocess.py",  # 166 s, 73 s of CPU
+    "test_examples_tasks.py",  # 167 s
+    "test_mpi.py",  # 133 s
+    "test_fault_tolerance.py",  # 125 s
+    "test_bad_input.py",  # 114 s
+    "test_shard_update.py",  # 93 s
+    "test_shard_formats.py",  # 90 s
+    "test_api.py",  # 71 s
+    "test_train_cli.py",  # 63 s
+    "test_pack.py",  # 56 s
+    "test_step.py",  # 54 s
+    "test_export.py",  # 48 s
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """The files with serial tests first (each file's order kept): while they run, a serial
     test waits at most for a serial file's test, not for a minute-long compile of another
-    file; the parallel-only files then keep both workers busy to the end."""
+    file; then :data:`LONGEST_FIRST`, then the rest. pyproject.toml turns off xdist's own
+    reordering (``--no-loadscope-reorder``: files with more tests first), which had put the
+    serial files in the middle and SLURM's requeue wait at the very end (a560981: one worker
+    idle for 134 s during test_watchdog's serial tests, and 141 s of SLURM ended the suite)."""
     files_with_serial = {item.path for item in items if _serial(item)}
-    items.sort(key=lambda item: item.path not in files_with_serial)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def order(item):
+        if item.path in files_with_serial:
+            return (0, 0)
+        return (1, rank.get(item.path.name, len(rank)))
+
+    items.sort(key=order)  # stable: each file's tests keep their order
 
 
 @pytest.hookimpl(wrapper=True)

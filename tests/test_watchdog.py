@@ -16,7 +16,10 @@ import pytest
 
 from tests.helpers import read_losses, run, run_pids, start, steps_saved, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two processes, timing
+# Not serial (run beside the other xdist worker): a stall is no progress for TIMEOUT_S while
+# the other rank's steps take milliseconds, and these passed beside a second suite at load 8
+# (2026-11-26). The one whose steps take 0.7x the timeout by design runs alone.
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 6
@@ -200,6 +203,7 @@ def test_a_stop_signal_to_a_job_whose_step_hangs_exits_75_and_says_nothing_was_s
     assert_nothing_left(workdir)
 
 
+@pytest.mark.serial  # 1.5 s of margin per step and batch
 def test_a_run_whose_batches_and_steps_each_take_most_of_the_timeout_finishes(tmp_path):
     """Every batch and every step take 0.7 x dist.step_timeout_s (a slow input pipeline read
     in the loop's thread, data.prefetch_batches=0; a host callback in the step, which makes
