@@ -170,7 +170,7 @@ def pipeline_rows(args, tmp: Path) -> list[dict]:
 def shard_sets(folder: Path, tmp: Path) -> tuple[Path, Path]:
     """``folder`` as the Hub's Parquet (100 rows per row group, as ``datasets`` writes image
     sets) and as WebDataset shards (about 16 MB each): the same files' bytes."""
-    from tests.datafiles import write_parquet_like_the_hub, write_webdataset
+    from shard_writers import write_parquet_like_the_hub, write_webdataset
 
     mb = sum(f.stat().st_size for f in folder.rglob("*.jpg")) / 1e6
     shards = max(1, round(mb / 16))

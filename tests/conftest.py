@@ -8,11 +8,11 @@ Two pytest-xdist workers run the suite (``-n 2 --dist loadfile`` in pyproject.to
 file per worker at a time. Tests marked ``serial`` run alone: a serial test waits until the
 other worker's current test ends, and the other worker starts nothing until it is done. Only
 tests with a bound on wall time are serial (a run paced at 0.7x the stall timeout, the
-launcher's promptness, input-wait fractions, a tracker's cost, a lost lock noticed in seconds): tests that
-start several jddp processes or kill them wait for the run's own progress, not for a moment on
-the clock, so they share the machine (on 2 cores a 2-process run beside another file's compile
-once timed out in gloo's 30 s set-up, 2026-11-24; jddp now meets a step's devices while it
-builds the mesh, tests/test_multiprocess.py). (Not ``--dist loadgroup``: with pytest 9.2 and
+launcher's promptness, input-wait fractions, a tracker's cost, a lost lock noticed in seconds):
+tests that start several jddp processes or kill them wait for the run's own progress, not for a
+moment on the clock, so they share the machine (on 2 cores a 2-process run beside another file's
+compile once timed out in gloo's 30 s set-up, 2026-11-24; jddp now meets a step's devices while
+it builds the mesh, tests/test_multiprocess.py). (Not ``--dist loadgroup``: with pytest 9.2 and
 xdist 3.8.0 it ignored the groups.)
 """
 

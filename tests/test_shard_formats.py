@@ -15,18 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from experiments.shard_writers import write_parquet_like_the_hub, write_webdataset
 from jddp.data import augment as aug
 from jddp.data.formats.shards import expand_braces, find_files, split_of
 from jddp.data.formats.webdataset import INDEX_SUFFIX
 from jddp.data.pipeline import eval_rows, train_rows
 from jddp.data.registry import load_splits
 from jddp.errors import ConfigError, DataConfigError, DataError
-from tests.datafiles import (
-    photo_folder,
-    write_jpeg_folder,
-    write_parquet_like_the_hub,
-    write_webdataset,
-)
+from tests.datafiles import photo_folder, write_jpeg_folder
 from tests.helpers import (
     assert_losses_match,
     assert_resumed_bitwise,
