@@ -83,22 +83,23 @@ def _serial(item) -> bool:
     return item is not None and item.get_closest_marker("serial") is not None
 
 
-# The files whose tests take longest, longest first (wall seconds in a fresh clone's suite on the
-# 2-core VM at a560981, JDDP_TEST_USAGE): slurm, Ray and the multi-process files mostly wait
-# (for a scheduler, a requeue, a peer), so started early they overlap the other worker's
-# compiles instead of ending the suite alone; the short files fill the tail. A hint only: a
-# file not named here comes after them, in collection order.
+# The files whose tests take longest (wall and CPU seconds in a fresh clone's suite on the 2-core
+# VM at a560981, JDDP_TEST_USAGE), in the order the workers are to take them: a file that
+# mostly waits (for SLURM's requeue, Ray, a peer compiling 35 s later) next to one that computes,
+# so the waits overlap compiles instead of two waits sharing idle cores (25aa864: SLURM beside
+# test_watchdog, 170 s at ~0.3 cores) or a wait ending the suite alone (a560981: 141 s of
+# SLURM). A hint only: a file not named here comes after them, in collection order.
 LONGEST_FIRST = (
-    "test_slurm.py",  # 138 s, 9 s of CPU
-    "test_ray.py",  # 124 s, 39 s of CPU
-    "test_multiprocess.py",  # 166 s, 73 s of CPU
-    "test_examples_tasks.py",  # 167 s
-    "test_mpi.py",  # 133 s
-    "test_fault_tolerance.py",  # 125 s
-    "test_bad_input.py",  # 114 s
-    "test_shard_update.py",  # 93 s
-    "test_shard_formats.py",  # 90 s
-    "test_api.py",  # 71 s
+    "test_slurm.py",  # 138 s wall, 9 s CPU
+    "test_mpi.py",  # 133 s, 111 s
+    "test_ray.py",  # 124 s, 39 s
+    "test_fault_tolerance.py",  # 125 s, 118 s
+    "test_multiprocess.py",  # 166 s, 73 s
+    "test_shard_update.py",  # 93 s, 86 s
+    "test_examples_tasks.py",  # 167 s, 114 s
+    "test_bad_input.py",  # 114 s, 84 s
+    "test_shard_formats.py",  # 90 s, 66 s
+    "test_api.py",  # 71 s, 73 s
     "test_train_cli.py",  # 63 s
     "test_pack.py",  # 56 s
     "test_step.py",  # 54 s
