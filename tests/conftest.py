@@ -90,12 +90,12 @@ def _serial(item) -> bool:
 # test_watchdog, 170 s at ~0.3 cores) or a wait ending the suite alone (a560981: 141 s of
 # SLURM). A hint only: a file not named here comes after them, in collection order.
 LONGEST_FIRST = (
-    "test_slurm.py",  # 138 s wall, 9 s CPU
-    "test_mpi.py",  # 133 s, 111 s
-    "test_ray.py",  # 124 s, 39 s
+    "test_mpi.py",  # 133 s wall, 111 s CPU: beside test_watchdog (a serial file, mostly waits)
+    "test_slurm.py",  # 138 s, 9 s
     "test_fault_tolerance.py",  # 125 s, 118 s
-    "test_multiprocess.py",  # 166 s, 73 s
+    "test_ray.py",  # 124 s, 39 s
     "test_shard_update.py",  # 93 s, 86 s
+    "test_multiprocess.py",  # 166 s, 73 s
     "test_examples_tasks.py",  # 167 s, 114 s
     "test_bad_input.py",  # 114 s, 84 s
     "test_shard_formats.py",  # 90 s, 66 s
