@@ -78,17 +78,13 @@ def _program(model: nnx.Module, signature: Signature) -> Callable:
 
 def for_inference(module: nnx.Module) -> nnx.Module:
     """``module`` in eval mode, its convolutions plain: the built-in ResNets store each
-    convolution's input on XLA:CPU to speed up training's weight gradients
-    (:func:`jddp.models.resnet._conv_of_stored_input`, a division by ``1 + 0 * x``); an export
-    traced on a CPU would carry it to every platform (onnxruntime ran the ResNet-18 1.66x slower
-    with it: 0.212 s vs 0.128 s for 32 images on the 2-core VM). The values are the same."""
-    from jddp.models.resnet import _conv_of_stored_input
+    convolution's input on XLA:CPU to speed up training's weight gradients; an export traced on
+    a CPU would carry that to every platform (:func:`jddp.models.resnet.plain_convolutions`,
+    beside the workaround). The values are the same."""
+    from jddp.models.resnet import plain_convolutions
 
     module.eval()
-    for _, layer in nnx.iter_modules(module):
-        if getattr(layer, "conv_general_dilated", None) is _conv_of_stored_input:
-            layer.conv_general_dilated = jax.lax.conv_general_dilated
-    return module
+    return plain_convolutions(module)
 
 
 def _describe(name: str, spec: Any) -> str:
