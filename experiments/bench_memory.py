@@ -130,7 +130,7 @@ def measure(model: str, shard: str, remat: str, devices: int) -> dict[str, Any]:
     layout = build_layout(cfg, mesh, comm)
     model_def, state, params = abstract_state(cfg, tx, mesh, layout)
     step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
-    compiled = step.lower(state, abstract_batch(model, rows, mesh)).compile()
+    compiled = step.lower(state, {"data": abstract_batch(model, rows, mesh)}).compile()
     stats = compiled.memory_analysis()
     return {
         "model": model,

@@ -59,7 +59,7 @@ def build_steps(width: int, batch: int, image_size: int, lr: float) -> dict[str,
     layout = batch_layout(mesh, batch)
     model_def, jstate = create_train_state(model(), tx, mesh)
     jstep, _ = build_steps(load_config(), model_def, tx, mesh, XlaComm())
-    jbatch = place_batch({"images": images, "labels": labels}, mesh, layout)
+    jbatch = {"data": place_batch({"images": images, "labels": labels}, mesh, layout)}
 
     def stop_flag() -> dict[str, jax.Array]:  # what the loop adds to every batch
         rows = layout.rows.stop - layout.rows.start

@@ -98,7 +98,7 @@ def memory_worker(model: str, devices: int) -> list[dict[str, Any]]:
         if layout is not None:
             state = layout.place(state)
         step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule)
-        compiled = step.lower(state, batch(mesh)).compile()
+        compiled = step.lower(state, {"data": batch(mesh)}).compile()
         mem = compiled.memory_analysis()
         fields = (
             "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",

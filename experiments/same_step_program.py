@@ -35,7 +35,8 @@ step, _ = build_steps(cfg, model_def, tx, mesh, XlaComm())
 rng = np.random.default_rng(0)
 local = {"images": rng.integers(0, 255, (batch, 32, 32, 3), dtype=np.uint8),
          "labels": rng.integers(0, 10, batch).astype(np.int32)}
-text = step.lower(state, place_batch(local, mesh, batch_layout(mesh, batch))).compile().as_text()
+placed = {"data": place_batch(local, mesh, batch_layout(mesh, batch))}
+text = step.lower(state, placed).compile().as_text()
 text = text[text.index("\n%"):]  # the computations: no header, no source-location tables
 text = re.sub(r",?\s*stack_frame_id=\d+|,?\s*metadata=\{[^}]*\}", "", text)
 text = re.sub(r"%[\w.\-]+", "%X", text)

@@ -15,8 +15,7 @@ it would return N times the mean gradient. Casting makes autodiff return per-dev
 gradients, and the explicit ``pmean`` is then the one and only reduction.
 
 A batch is ``{"data": pytree, "sys/stop": [B] (train, optional), "mask": [B] (eval)}``; the task
-gets ``data``. A flat dict without ``"data"`` (``{"images", "labels", ...}``, as the step took
-before tasks) is taken as ``data`` minus those two keys.
+gets ``data``.
 """
 
 from __future__ import annotations
@@ -59,9 +58,13 @@ NEGATIVE_WEIGHT_KEY = "sys/negative_weight"
 
 def batch_data(batch: Batch) -> Any:
     """The task's part of a step's batch (see the module docstring)."""
-    if DATA_KEY in batch:
-        return batch[DATA_KEY]
-    return {k: v for k, v in batch.items() if k not in FLAG_KEYS + (MASK_KEY,)}
+    if not isinstance(batch, dict) or DATA_KEY not in batch:
+        keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise TypeError(
+            f"a step's batch is {{'data': <the task's batch>, ...}} (jddp.step), got {keys}: "
+            "pass {'data': batch} (a flat {'images', 'labels'} dict is no longer taken)"
+        )
+    return batch[DATA_KEY]
 
 
 NONFINITE_KEY = "train/nonfinite"  # 1.0 when this step's update was dropped

@@ -53,7 +53,7 @@ def main() -> None:
         where = batch_layout(mesh, ROWS)
         losses[kind] = []
         for batch in batches:
-            state, metrics = step(state, place_batch(batch, mesh, where))
+            state, metrics = step(state, {"data": place_batch(batch, mesh, where)})
             losses[kind].append(float(metrics["train/loss"]))
     print(json.dumps(losses))
 

@@ -34,7 +34,7 @@ def run(num_devices: int, images: np.ndarray, rate: float, accum: int, steps: in
     cfg = load_config(overrides=[f"train.grad_accum_steps={accum}"])
     step, _ = build_steps(cfg, model_def, tx, mesh, XlaComm())
     local = {"images": images, "labels": np.zeros(len(images), np.int32)}
-    batch = place_batch(local, mesh, batch_layout(mesh, len(images)))
+    batch = {"data": place_batch(local, mesh, batch_layout(mesh, len(images)))}
     losses, counts, calls = [], [], []
     for _ in range(steps):
         state, metrics = step(state, batch)

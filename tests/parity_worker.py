@@ -113,7 +113,7 @@ def main() -> None:
             "images": rng.normal(size=(16, 8, 8, 3)).astype(dtype),
             "labels": rng.integers(0, 10, size=16).astype(np.int32),
         }
-        batch = place_batch(local, mesh, batch_layout(mesh, 16))
+        batch = {"data": place_batch(local, mesh, batch_layout(mesh, 16))}
         if not hlo:
             hlo = step.lower(state, batch).as_text()
             collectives = count_collectives(jax.make_jaxpr(step)(state, batch).jaxpr)

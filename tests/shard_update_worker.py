@@ -102,7 +102,7 @@ def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainS
     out: dict = {"loss": [], "grad_norm": [], "param_norm": [], "nonfinite": [], "clipped": []}
     params_per_step = [flat(state.params)]  # with an EMA: what it averages, step by step
     for batch in batches(rows):
-        state, metrics = step(state, place_batch(batch, mesh, where))
+        state, metrics = step(state, {"data": place_batch(batch, mesh, where)})
         for key in out:
             out[key].append(float(metrics.get(f"train/{key}", -1)))
         if ema:

@@ -303,7 +303,7 @@ def test_remat_blocks_takes_the_same_steps(model):
         tx = optax.sgd(0.05, momentum=0.9)
         model_def, state = create_train_state(build_model(cfg, nnx.Rngs(0)), tx, mesh)
         step, _ = build_steps(cfg, model_def, tx, mesh, XlaComm())
-        placed = place_batch(batch, mesh, batch_layout(mesh, 8))
+        placed = {"data": place_batch(batch, mesh, batch_layout(mesh, 8))}
         program = str(jax.make_jaxpr(step.run)(state, placed))
         assert ("remat2[" in program) == (remat == "blocks")  # the blocks are rematted
         losses[remat] = []

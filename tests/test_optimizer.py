@@ -199,7 +199,7 @@ def test_clip_grad_norm_is_optax_clip_by_global_norm_before_the_optimizer():
     rng = np.random.default_rng(0)
     batch = {"images": rng.normal(size=(16, 8, 8, 3)).astype(np.float32),
              "labels": rng.integers(0, 10, 16).astype(np.int32)}  # fmt: skip
-    placed = place_batch(batch, mesh, batch_layout(mesh, 16))
+    placed = {"data": place_batch(batch, mesh, batch_layout(mesh, 16))}
     out = {}
     for name, tx, clip in [
         ("jddp", optax.adam(0.01), 0.05),
