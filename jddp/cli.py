@@ -57,7 +57,7 @@ def run(body: Callable[[Session], int]) -> int:
         return errors.PREEMPTED
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - one line and an exit code
         if watchdog.FIRED.is_set():  # the stall was said in one line: this is its aftermath
-            os._exit(errors.STALLED)  # (a collective failing as a stalled peer exits)
+            os._exit(watchdog.fired_exit_code())  # (a collective failing as a peer exits)
         if isinstance(e, JddpError):
             print(f"jddp: error: {one_line(e)}", file=sys.stderr)
             return stop_peers(session.job, e.exit_code)

@@ -27,8 +27,19 @@ from collections.abc import Callable
 from jddp.errors import PREEMPTED, STALLED
 
 # Set once this process's watchdog has fired: what the main thread then raises (its collective
-# failing as a peer exits) is a consequence, not news (jddp.cli exits STALLED without a word).
+# failing as a peer exits) is a consequence, not news (jddp.cli exits with the watchdog's code,
+# without a word).
 FIRED = threading.Event()
+_FIRED_EXIT = [STALLED]  # the exit code the fired watchdog chose (75 when a stop was asked)
+
+
+def fired_exit_code() -> int:
+    """The exit code of this process's fired watchdog: what the main thread exits with too when
+    its collective fails first, within the watchdog's grace (else a rank could say 75 in its
+    line and exit 124)."""
+    return _FIRED_EXIT[0]
+
+
 # How long a fired watchdog keeps its process alive before exiting: the peers' watchdogs, whose
 # stall began at most a step later, fire meanwhile and say what *they* waited for, instead of
 # seeing their all-reduce fail on this process's exit first.
@@ -125,6 +136,7 @@ class StallWatchdog:
             f"({key}={limit:g}); process {self.process_index} was waiting for "
             f"{WAITING.get(self.what, self.what)}; {after}\n"
         )
+        _FIRED_EXIT[0] = code
         FIRED.set()
         try:
             sys.stdout.flush()
