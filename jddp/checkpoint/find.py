@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from jddp.checkpoint.store import Checkpoints
+from jddp.checkpoint.store import Checkpoints, sorted_steps
 from jddp.errors import CheckpointDamaged, CheckpointError, ConfigError
 from jddp.workdir import RunFolder
 
@@ -69,17 +69,6 @@ def damage_named(
         else:
             advice = f"no other checkpoint in {ckpts.directory} is intact"
         raise CheckpointError(f"{key}: {e}; {advice}") from None
-
-
-def sorted_steps(directory: Path) -> list[Path]:
-    """The step folders in checkpoints folder ``directory``, oldest first (none if it is
-    missing)."""
-    if not directory.is_dir():
-        return []
-    return sorted(
-        (c for c in directory.iterdir() if c.name.isdigit() and c.is_dir()),
-        key=lambda c: int(c.name),
-    )
 
 
 def open_checkpoint(path: str | Path, step: int | None, key: str) -> tuple[Checkpoints, int]:

@@ -389,7 +389,7 @@ class Checkpoints:
             where = self.directory / (str(step) if step is not None else "?")
             # From the disk, not orbax's cached list (it can lag a save that just finished):
             # a step's own folder appears only when its save is complete.
-            intact = [s for s in self._steps_on_disk() if s != step]
+            intact = [int(p.name) for p in sorted_steps(self.directory) if p.name != str(step)]
             if self.writes and self.primary:
                 self._remove_cut_saves(say=False)  # the failed save's half: never a step
             cause = _cause(e)
@@ -400,14 +400,6 @@ class Checkpoints:
                 f"before it are intact: {intact or 'none'}"
             )
             raise self._failed from None
-
-    def _steps_on_disk(self) -> list[int]:
-        """Steps whose checkpoint folder is on disk, oldest first (orbax writes a save under a
-        temporary name and renames it when complete)."""
-        try:
-            return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
-        except OSError:
-            return []
 
     def _space_note(self, intact: list[int]) -> str:
         """``: <checkpoints folder> has 4 KiB free, a checkpoint needs about 1.2 MiB (the size
@@ -440,6 +432,17 @@ def _ema_as_saved(like: TrainState, saved: list[list[Any]]) -> TrainState:
     if has_ema == (like.ema_params is not None):
         return like
     return like.replace(ema_params=like.params if has_ema else None)
+
+
+def sorted_steps(directory: Path) -> list[Path]:
+    """The step folders in checkpoints folder ``directory``, oldest first (none if it is
+    missing). Orbax writes a save under a temporary name and renames it when complete."""
+    if not directory.is_dir():
+        return []
+    return sorted(
+        (c for c in directory.iterdir() if c.name.isdigit() and c.is_dir()),
+        key=lambda c: int(c.name),
+    )
 
 
 def _disk_bytes(folder: Path) -> int:

@@ -21,6 +21,7 @@ from jddp.proc.interrupt import exit_interrupted
 STOP_KEY = "sys/stop"  # per-row stop request in a batch; > 0 in the metrics if any process asked
 FINISH_KEY = "sys/finish"  # per-row "end the run as finished" (a callback's wish)
 SAVE_KEY = "sys/save"  # per-row "a checkpoint is due by the clock" (checkpoint.every_minutes)
+_STOP_NUMBERS = frozenset(int(sig) for sig in STOP_SIGNALS)  # as the wakeup fd writes them
 SECOND_CTRL_C = " again: stopped at once, not saved (the last checkpoint is kept)"
 
 
@@ -122,7 +123,7 @@ class StopRequest:
                     numbers = os.read(self._wakeup[0], 512)
                 except OSError:  # nothing written (EAGAIN)
                     numbers = b""
-                stops = [n for n in numbers if n in {int(sig) for sig in STOP_SIGNALS}]
+                stops = [n for n in numbers if n in _STOP_NUMBERS]
                 if stops:
                     self._arrived = signal.Signals(stops[0]).name
         return self._arrived

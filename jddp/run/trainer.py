@@ -120,7 +120,8 @@ def train_and_evaluate(
         given_stop = stop is not None  # installed by the caller; else ours, for this run
         if given_stop:
             stop.install()  # again: jax.distributed.initialize took SIGTERM since
-        stop = stop if stop is not None else StopRequest()
+        else:
+            stop = StopRequest()
         watchdog = StallWatchdog(
             dist.step_timeout_s,
             dist.first_step_timeout_s,
