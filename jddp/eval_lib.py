@@ -31,7 +31,8 @@ from jddp.build import (
     load_data,
     pipeline_options,
 )
-from jddp.checkpoint.find import find_checkpoint, reader, sorted_steps
+from jddp.checkpoint.find import find_checkpoint, reader
+from jddp.checkpoint.store import sorted_steps
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.data.loader import BatchLayout, PipelineOptions, batch_layout, eval_batches
