@@ -293,6 +293,55 @@ def test_no_command_is_one_line():
     assert out.returncode == 2 and "no command given after '--'" in out.stderr
 
 
+class _ScriptedActor:
+    """A ``RankProcess`` actor that answers each poll with the next of ``polls`` (the last one
+    again once they run out); ``ray.get`` of its refs is the identity (:class:`_NoRay`)."""
+
+    def __init__(self, polls):
+        self.polls, self.signals = list(polls), []
+        self.poll = SimpleNamespace(remote=self._next)
+        self.signal = SimpleNamespace(remote=self.signals.append)
+
+    def _next(self):
+        return self.polls.pop(0) if len(self.polls) > 1 else self.polls[0]
+
+
+class _NoRay:
+    @staticmethod
+    def get(ref, timeout=None):
+        return ref
+
+
+def test_a_killed_rank_seen_after_its_peers_failure_is_named_as_the_cause(monkeypatch, capsys):
+    """Under load rank 1's SIGKILL can reach the driver a few polls after rank 0's failed
+    all-reduce (exit 1), and rank 1's output after its exit: the line and the exit code name
+    the kill, and every line is relayed. (Polls, not the clock, order it: the settling wait
+    ends once no rank runs.)"""
+    from jddp.launch import ray_job
+
+    monkeypatch.setattr(ray_job, "_POLL_INTERVAL", 0.0)
+    monkeypatch.setattr(ray_job, "_SETTLE_S", 3600.0)
+    running = ([], None, False)
+    peer = _ScriptedActor(
+        [running, ([("stderr", "Gloo all-reduce failed: Connection reset by peer\n")], 1, True)]
+    )
+    killed = _ScriptedActor(
+        [running, running, running, ([], -9, False), ([("stdout", "a last line\n")], -9, True)]
+    )
+    job = ray_job.RayJob(
+        _NoRay, None, ["true"], cpus=1, gpus=0, devices_per_proc=None, env={}, kill_timeout=3
+    )
+    job.ranks = [ray_job._Rank(peer, "10.0.0.1", "a"), ray_job._Rank(killed, "10.0.0.2", "b")]
+    assert job.wait() == 128 + signal.SIGKILL
+    out, err = capsys.readouterr()
+    said = [line for line in err.splitlines() if line.startswith("jddp.ray: ")]
+    assert said == [
+        "jddp.ray: rank 1 killed by signal SIGKILL (then rank 0 exited with code 1); "
+        "no other process is left (rank 1: node 10.0.0.2 (b), pid None)"
+    ], err
+    assert "[rank 0] Gloo all-reduce failed" in err and out == "[rank 1] a last line\n"
+
+
 def test_importing_jddp_does_not_import_ray():
     code = "import sys, jddp, jddp.ray, jddp.launch.remote; print('ray' in sys.modules)"
     assert run([sys.executable, "-c", code], check=True).stdout.strip() == "False"

@@ -19,6 +19,10 @@ PROG = "jddp.ray"
 _POLL_INTERVAL = 0.1
 _RPC_TIMEOUT_S = 60.0  # an actor that does not answer a poll for this long counts as lost
 _REAP_GRACE_S = 5.0  # SIGTERM to SIGKILL for what a finished rank left in its group
+# A failure is named after this long, from the ranks seen ending meanwhile: a rank's exit
+# reaches the driver by one poll per actor, and under load a killed rank's poll can come after
+# its peer's, whose collective failed because of the kill: the killed one is the cause.
+_SETTLE_S = 1.0
 
 
 class LaunchError(Exception):
@@ -45,7 +49,8 @@ class _Rank:
     host: str
     local_rank: int = 0
     pid: int | None = None
-    returncode: int | None = None  # Popen's, once finished
+    returncode: int | None = None  # Popen's, once exited
+    drained: bool = False  # all its output relayed (after the exit)
     lost: str | None = None  # why its actor is gone, if it is
 
     @property
@@ -54,8 +59,14 @@ class _Rank:
         return f"{self.node} ({self.host})"
 
     @property
-    def finished(self) -> bool:
+    def exited(self) -> bool:
+        """The rank's process has ended (or its actor is gone)."""
         return self.returncode is not None or self.lost is not None
+
+    @property
+    def finished(self) -> bool:
+        """Exited, with all its output relayed: nothing more to poll."""
+        return self.lost is not None or (self.returncode is not None and self.drained)
 
 
 class RayJob:
@@ -187,6 +198,9 @@ class RayJob:
     def _live(self) -> list[_Rank]:
         return [r for r in self.ranks if not r.finished]
 
+    def _running(self) -> int:
+        return sum(not r.exited for r in self.ranks)
+
     def _signal_all(self, sig: int) -> None:
         for r in self._live():
             r.actor.signal.remote(sig)
@@ -197,14 +211,14 @@ class RayJob:
         self._signal_all(signal.SIGKILL)
 
     def _poll(self) -> list[int]:
-        """Relay every live rank's new output; return the ranks seen finishing now."""
+        """Relay every live rank's new output; return the ranks seen exiting now."""
         live = self._live()
         refs = [r.actor.poll.remote() for r in live]
         ended = []
         for rank, ref in zip(live, refs, strict=True):
             index = self.ranks.index(rank)
             try:
-                lines, returncode = self.ray.get(ref, timeout=_RPC_TIMEOUT_S)
+                lines, returncode, rank.drained = self.ray.get(ref, timeout=_RPC_TIMEOUT_S)
             except Exception as e:  # the actor died (its node, the OOM killer) or hangs
                 rank.lost = first_line(e)
                 ended.append(index)
@@ -212,7 +226,7 @@ class RayJob:
             for stream, text in lines:
                 out = self.stdout if stream == "stdout" else self.stderr
                 out.write(f"[rank {index}] {text}")
-            if returncode is not None:
+            if returncode is not None and rank.returncode is None:
                 rank.returncode = returncode
                 ended.append(index)
         return ended
@@ -220,7 +234,7 @@ class RayJob:
     def _describe(self, ended: list[int]) -> str:
         """The line naming the first failure among ``ended`` and where it ran."""
         lost = [i for i in ended if self.ranks[i].lost]
-        alive = len(self._live())
+        alive = self._running()
         if lost:
             i = lost[0]
             text = f"rank {i}'s Ray actor died ({self.ranks[i].lost})"
@@ -236,11 +250,19 @@ class RayJob:
     def wait(self) -> int:
         """Supervise the ranks until all have finished; return the driver's exit code."""
         failure: int | None = None
+        bad: list[int] = []  # failed ranks seen while no stop was under way, not yet named
+        settled_at: float | None = None  # when the first of them is named
         while self._live():
-            self._handle_signals()
             ended = self._poll()
-            bad = [i for i in ended if self.ranks[i].lost or self.ranks[i].returncode]
-            if bad and failure is None and self.signal_received is None:
+            stopping = failure is not None or self.signal_received is not None
+            if not stopping:
+                bad += [i for i in ended if self.ranks[i].lost or self.ranks[i].returncode]
+                if bad and settled_at is None:
+                    settled_at = time.monotonic() + _SETTLE_S
+            settled = settled_at is not None and (
+                time.monotonic() >= settled_at or not self._running() or self.signals
+            )
+            if bad and not stopping and settled:
                 gone = [i for i in bad if self.ranks[i].lost]
                 self.failure = (  # short: Ray's own error stays in the line below
                     f"rank {gone[0]}'s Ray actor died (node {self.ranks[gone[0]].where})"
@@ -252,6 +274,7 @@ class RayJob:
                 failure = FAILURE if lost else self._first_code(bad)
                 self._signal_all(signal.SIGTERM)
                 self.stop_deadline = time.monotonic() + self.kill_timeout
+            self._handle_signals()  # after the failure: a signal then stops what is left
             now = time.monotonic()
             if self.stop_deadline is not None and self.killed_at is None:
                 if now >= self.stop_deadline:

@@ -196,16 +196,21 @@ class RankProcess:
             self._readers.append(reader)
         return proc.pid, note
 
-    def poll(self) -> tuple[list[tuple[str, str]], int | None]:
-        """The output lines since the last call, and the rank's ``returncode`` once it has
-        exited and its output is read (None before)."""
+    def poll(self) -> tuple[list[tuple[str, str]], int | None, bool]:
+        """The output lines since the last call; the rank's ``returncode`` as soon as it has
+        exited (None before); and whether its output is all read (``drained``: its pipes closed,
+        or ``READER_JOIN_TIMEOUT`` after the exit), so that no line comes after this call.
+
+        The exit is told at once, not after the output: a killed rank's pipes can stay open a
+        while (a process of its group still holds them), and a launcher that learned of the
+        kill only then would see first its peers fail in their collectives, and blame them."""
         self._send_held()
-        returncode = None
+        returncode, drained = None, False
         if self._exited_at is not None and self._proc is not None:
-            drained = not any(t.is_alive() for t in self._readers)
-            if drained or time.monotonic() - self._exited_at > READER_JOIN_TIMEOUT:
-                returncode = self._proc.returncode
-        return self._output.take(), returncode
+            returncode = self._proc.returncode
+            readers_done = not any(t.is_alive() for t in self._readers)
+            drained = readers_done or time.monotonic() - self._exited_at > READER_JOIN_TIMEOUT
+        return self._output.take(), returncode, drained  # taken after `drained` is known
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the rank's process group; SIGUSR1 and SIGHUP, which kill a process
