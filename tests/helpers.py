@@ -17,6 +17,7 @@ from jddp.metrics import read_metrics
 
 # A tiny run: ResNet-18 of width 4 on 8x8 synthetic images, constant lr, a line every step.
 TINY = [
+    "model.name=resnet10",  # a ResNet's every kind of layer, half resnet18's collectives
     "model.width=4",
     "data.name=synthetic",
     "data.image_size=8",

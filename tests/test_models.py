@@ -16,6 +16,7 @@ from jddp.models import (
     MODELS,
     ResNet,
     get_model_factory,
+    resnet10,
     resnet18,
     resnet34,
     resnet50,
@@ -25,6 +26,7 @@ from jddp.models import (
 from tests.helpers import fake_devices, run_python
 
 TORCHVISION_PARAM_COUNTS = {
+    resnet10: 5_418_792,  # torchvision.models.resnet.ResNet(BasicBlock, [1, 1, 1, 1])
     resnet18: 11_689_512,
     resnet34: 21_797_672,
     resnet50: 25_557_032,
@@ -254,7 +256,7 @@ def test_sync_batchnorm_matches_single_device_in_shard_map():
 
 
 def test_registry_names():
-    assert set(MODELS) == {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152"}
+    assert set(MODELS) == {"resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152"}
     for name, factory in MODELS.items():
         assert get_model_factory(name) is factory
     assert get_model_factory("jddp.models.resnet:resnet50") is resnet50

@@ -56,10 +56,10 @@ def cluster():
 
 
 STEPS = 10
-# resnet18 (TINY_SYNC's model, the same losses bit for bit) held ~0.3 s a step: a signal sent
+# resnet10 (TINY_SYNC's model, the same losses bit for bit) held ~0.3 s a step: a signal sent
 # once step 2 is logged lands before step 8 however fast the machine (at ~2 ms a step it came
 # after the last step). The srun run uses it too, so the sbatch jobs reuse its compilation.
-PACED = "model.name=tests.user_models:paced_resnet18"
+PACED = "model.name=tests.user_models:paced_resnet10"
 
 
 def srun_cmd(workdir, *overrides) -> list[str]:

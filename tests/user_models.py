@@ -109,13 +109,13 @@ class PacedResNet(ResNet):
         return super().__call__(x_BxHxWxC + value * 0)
 
 
-def paced_resnet18(config: dict, dtype, rngs: nnx.Rngs) -> PacedResNet:
-    """jddp's resnet18 with the same parameters as ``model.name=resnet18`` and the same losses,
+def paced_resnet10(config: dict, dtype, rngs: nnx.Rngs) -> PacedResNet:
+    """jddp's resnet10 with the same parameters as ``model.name=resnet10`` and the same losses,
     each step held ~0.33 s by :class:`PacedResNet`: long enough for a test's signal to land
     mid-run however fast the machine (at ~2 ms a step, 6 steps ended between a test seeing step
     2 and its `scancel`), and unlike a host callback (jax.debug.callback, time.sleep) a step
     the compilation cache keeps."""
-    return _resnet(PacedResNet, *RESNET_CONFIGS["resnet18"], config, dtype, rngs)
+    return _resnet(PacedResNet, *RESNET_CONFIGS["resnet10"], config, dtype, rngs)
 
 
 def per_process_mlp(config: dict, dtype, rngs: nnx.Rngs) -> TinyMLP:

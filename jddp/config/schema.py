@@ -34,7 +34,7 @@ def _f(default: Any, help: str, *, bound: str | None = None) -> Any:
 class ModelConfig:
     name: str = _f(
         "resnet18",
-        "resnet18|resnet34|resnet50|resnet101|resnet152, or 'pkg.module:factory' "
+        "resnet10|resnet18|resnet34|resnet50|resnet101|resnet152, or 'pkg.module:factory' "
         "(called as fn(config=<model section>, dtype=<compute dtype>, rngs=nnx.Rngs))",
     )
     num_classes: int = _f(10, "number of output classes", bound=POSITIVE)

@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jddp.imports import import_callable
-from jddp.models.resnet import ResNet, resnet18, resnet34, resnet50, resnet101, resnet152
+from jddp.models.resnet import ResNet, resnet10, resnet18, resnet34, resnet50, resnet101, resnet152
 
 __all__ = [
     "MODELS",
     "ResNet",
     "get_model_factory",
+    "resnet10",
     "resnet18",
     "resnet34",
     "resnet50",
@@ -23,6 +24,7 @@ __all__ = [
 ]
 
 MODELS: dict[str, Callable[..., ResNet]] = {
+    "resnet10": resnet10,
     "resnet18": resnet18,
     "resnet34": resnet34,
     "resnet50": resnet50,

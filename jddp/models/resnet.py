@@ -33,6 +33,7 @@ __all__ = [
     "BasicBlock",
     "Bottleneck",
     "ResNet",
+    "resnet10",
     "resnet18",
     "resnet34",
     "resnet50",
@@ -213,6 +214,7 @@ def _last_scale_init(zero_init_residual: bool) -> nnx.initializers.Initializer:
 
 # The one table of architectures: depth name -> (block class, blocks per stage).
 RESNET_CONFIGS: dict[str, tuple[type[BasicBlock] | type[Bottleneck], tuple[int, ...]]] = {
+    "resnet10": (BasicBlock, (1, 1, 1, 1)),
     "resnet18": (BasicBlock, (2, 2, 2, 2)),
     "resnet34": (BasicBlock, (3, 4, 6, 3)),
     "resnet50": (Bottleneck, (3, 4, 6, 3)),
@@ -362,6 +364,7 @@ def _factory(name: str, description: str) -> Callable[..., ResNet]:
     return factory
 
 
+resnet10 = _factory("resnet10", "ResNet-10 (BasicBlock, stages 1-1-1-1).")
 resnet18 = _factory("resnet18", "ResNet-18 (BasicBlock, stages 2-2-2-2).")
 resnet34 = _factory("resnet34", "ResNet-34 (BasicBlock, stages 3-4-6-3).")
 resnet50 = _factory("resnet50", "ResNet-50 (Bottleneck, stages 3-4-6-3).")
