@@ -88,19 +88,6 @@ def test_mpi_matches_xla_and_single_process(tmp_path, reference, mpi_straight):
     assert_losses_match(losses(xla), got, range(1, 21))
 
 
-def test_mpi_resume_from_rank0_checkpoint(tmp_path, reference):
-    wd = tmp_path / "run"
-    first = mpirun(2, wd, "train.steps=4", "checkpoint.every_steps=2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert sorted(int(p.name) for p in (wd / "checkpoints").iterdir()) == [2, 4]
-    again = mpirun(2, wd, "train.steps=6", "checkpoint.every_steps=2")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("at step 4") == 1
-    got, want = losses(wd), losses(reference)
-    assert sorted(got) == [1, 2, 3, 4, 5, 6]
-    assert_losses_match(got, want, (5, 6))
-
-
 def test_bfloat16_allreduce_stays_within_bf16_tolerance(tmp_path, reference):
     wd = tmp_path / "bf16"
     out = mpirun(2, wd, "train.steps=5", "dist.grad_allreduce_dtype=bfloat16")
@@ -179,3 +166,4 @@ def test_mpi_exact_resume_after_sigkill(tmp_path, mpi_straight):
     assert resumed < 20
     out = run(cmd, env=ENV2)
     assert_resumed_bitwise(out, wd, mpi_straight, resumed, 20)
+    assert out.stdout.count(f"at step {resumed}") == 1  # rank 0 alone says it

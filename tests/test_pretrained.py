@@ -142,6 +142,7 @@ def rel_diff(got, want):
 
 # --- fixtures ----------------------------------------------------------------------------------
 
+R10 = ((1, 1, 1, 1), False)  # the tests' tiny run's (tests/helpers.py TINY)
 R18 = ((2, 2, 2, 2), False)
 R50 = ((3, 4, 6, 3), True)
 
@@ -169,10 +170,11 @@ def imagenet_resnet18():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """The tests' tiny run's model (tests/helpers.py TINY: width 4, cifar stem, 10 classes), as
+    """The tests' tiny run's model (tests/helpers.py TINY: resnet10, width 4, cifar stem, 10
+    classes), as
     ``python -m jddp.train`` builds it, and a torchvision file of its architecture with 7
     classes: ``(path, state dict, model, (fresh fc kernel, bias))``."""
-    sd = torchvision_state_dict(*R18, num_classes=7, width=4, stem=3, seed=3)
+    sd = torchvision_state_dict(*R10, num_classes=7, width=4, stem=3, seed=3)
     path = tmp_path_factory.mktemp("pretrained") / "tiny.safetensors"
     save_file(sd, path)
     cfg = load_config(None, TINY)
@@ -241,7 +243,7 @@ def test_init_from_a_safetensors_file(tiny, tmp_path):
     np.testing.assert_array_equal(
         trained.conv1.kernel[...], sd["conv1.weight"].transpose(2, 3, 1, 0)
     )
-    np.testing.assert_array_equal(trained.blocks[7].bn2.scale[...], sd["layer4.1.bn2.weight"])
+    np.testing.assert_array_equal(trained.blocks[3].bn2.scale[...], sd["layer4.0.bn2.weight"])
     np.testing.assert_array_equal(trained.fc.kernel[...], fresh_fc[0])
 
     _, stderr = wide.communicate(timeout=300)

@@ -125,7 +125,7 @@ def _sbatch(tmp_path, name, *overrides) -> str:
     config = tmp_path / "tiny.yaml"  # the defaults, as the srun run: TINY_SYNC does the rest
     config.write_text("train:\n  seed: 0\n")
     venv = str(Path(sys.executable).parents[1])
-    args = [*TINY_SYNC, *overrides]
+    args = with_overrides(TINY_SYNC, *overrides)
     cmd = ["sbatch", "--parsable", f"--job-name={name}", str(SBATCH), str(config), *args]
     out = subprocess.run(
         cmd, capture_output=True, text=True, cwd=tmp_path, env={**SLURM_ENV, "VENV": venv}

@@ -22,7 +22,16 @@ import pytest
 
 from jddp.run.trackers import Started, Trackers
 from jddp.workdir import RunFolder
-from tests.helpers import TINY, read_losses, read_metrics, run, start, steps_saved, train_cmd
+from tests.helpers import (
+    TINY,
+    read_losses,
+    read_metrics,
+    run,
+    start,
+    steps_saved,
+    train_cmd,
+    with_overrides,
+)
 from tests.user_models import TinyMLP
 
 PACE_S = 0.1  # each train step sleeps this long on the host
@@ -254,7 +263,7 @@ def _timed(cmd, env):
 def test_unreachable_mlflow_is_one_warning_and_costs_nothing(tmp_path):
     uri = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
-    quick = [*TINY, "model.name=tests.user_models:tiny_mlp", "train.steps=8"]
+    quick = with_overrides(TINY, "model.name=tests.user_models:tiny_mlp", "train.steps=8")
     plain, plain_s = _timed(train_cmd(tmp_path / "plain", base=quick), env)
     assert plain.returncode == 0, plain.stderr[-2000:]
     cmd = train_cmd(tmp_path / "down", "log.trackers=[tensorboard,mlflow]", base=quick)

@@ -248,12 +248,12 @@ def small_disk(tmp_path):
 
 @pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_older_ones(small_disk):
-    """Room for one checkpoint (~0.6 MB) and its metrics, not two: the second save fails. The
+    """Room for one checkpoint (~0.35 MB) and its metrics, not two: the second save fails. The
     line names the checkpoints folder, its free space and what a checkpoint needs; no
     half-written save is left; with room made, the same command resumes from the older one."""
     stat = os.statvfs(small_disk)
     fill = small_disk / "fill"
-    fill.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 900 * 1024))
+    fill.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 540 * 1024))
     wd = small_disk / "run"
     out = train(wd, "train.steps=6", "checkpoint.every_steps=2", base=TINY)
     lines = out.stderr.strip().splitlines()
