@@ -83,27 +83,29 @@ def _serial(item) -> bool:
     return item is not None and item.get_closest_marker("serial") is not None
 
 
-# The files whose tests take longest (wall and CPU seconds in a fresh clone's suite on the 2-core
-# VM at a560981, JDDP_TEST_USAGE), in the order the workers are to take them: a file that
-# mostly waits (for SLURM's requeue, Ray, a peer compiling 35 s later) next to one that computes,
-# so the waits overlap compiles instead of two waits sharing idle cores (25aa864: SLURM beside
-# test_watchdog, 170 s at ~0.3 cores) or a wait ending the suite alone (a560981: 141 s of
-# SLURM). A hint only: a file not named here comes after them, in collection order.
+# The files whose tests take longest (wall and CPU seconds of their tests in the suite on the
+# 2-core VM at 34c3bd7, JDDP_TEST_USAGE), in the order the workers are to take them. The files
+# that mostly wait (SLURM's requeue, Ray, a peer compiling 35 s later) are spaced by three or
+# more that compute, so each wait overlaps the other worker's compiles: the first worker spends
+# its first ~200 s in the serial files, test_watchdog's waits among them, while the second runs
+# the three computing files before test_slurm. (At 34c3bd7 test_slurm followed test_mpi and met
+# test_watchdog: for 2 minutes both workers waited, ~0.1 cores busy; 25aa864: the same, 170 s.)
+# A hint only: a file not named here comes after them, in collection order.
 LONGEST_FIRST = (
-    "test_mpi.py",  # 133 s wall, 111 s CPU: beside test_watchdog (a serial file, mostly waits)
-    "test_slurm.py",  # 138 s, 9 s
-    "test_fault_tolerance.py",  # 125 s, 118 s
-    "test_ray.py",  # 124 s, 39 s
-    "test_shard_update.py",  # 93 s, 86 s
-    "test_multiprocess.py",  # 166 s, 73 s
-    "test_examples_tasks.py",  # 167 s, 114 s
-    "test_bad_input.py",  # 114 s, 84 s
-    "test_shard_formats.py",  # 90 s, 66 s
-    "test_api.py",  # 71 s, 73 s
-    "test_train_cli.py",  # 63 s
-    "test_pack.py",  # 56 s
-    "test_step.py",  # 54 s
-    "test_export.py",  # 48 s
+    "test_mpi.py",  # 52 s wall, 58 s CPU
+    "test_fault_tolerance.py",  # 82 s, 84 s
+    "test_shard_update.py",  # 60 s, 74 s
+    "test_slurm.py",  # 148 s, 6 s (SLURM's daemons not counted): waits
+    "test_examples_tasks.py",  # 98 s, 102 s
+    "test_bad_input.py",  # 106 s, 83 s
+    "test_ray.py",  # 95 s, 15 s (Ray's daemons not counted): waits
+    "test_shard_formats.py",  # 67 s, 52 s
+    "test_api.py",  # 75 s, 71 s
+    "test_multiprocess.py",  # 78 s, 49 s: a 38-s wait
+    "test_train_cli.py",  # 29 s
+    "test_pack.py",  # 33 s
+    "test_step.py",  # 42 s
+    "test_export.py",  # 31 s
 )
 
 
