@@ -36,14 +36,6 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1"
     ).strip()
-# XLA:CPU's compute on the thread that runs the program, not handed to an Eigen pool: on the
-# tests' tiny arrays the hand-offs (futex wake-ups, spinning) cost more than the second thread
-# gains, and the two xdist workers' processes each size a pool from an affinity that does not
-# see the other worker. Alone on the quiet 2-core VM (2026-11-27), the tiny run at 2x2: 19 -> 13
-# CPU-s, 10.2 -> 7.4 s; at 1x2: 8.4 -> 6.9 CPU-s, 7.9 -> 6.2 s. Every process of the tests runs
-# so, the pytest process too: the same numerics wherever a test compares.
-if "xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -206,11 +206,9 @@ def toy_source(n=50, classes=7):
 
 # Run as `python -c THREADS_PROBE` by a launcher: jddp sizes the process as the CLI does, XLA:CPU
 # starts; prints the cores pinned, XLA's compute (Eigen) threads, the input workers' share and
-# the affinity. (XLA's Eigen pool as jddp leaves it: tests/conftest.py turns it off elsewhere.)
+# the affinity.
 THREADS_PROBE = """
 import collections, os, sys
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "").replace(
-    "--xla_cpu_multi_thread_eigen=false", "")
 from jddp.proc.cores import size_cpu_threads
 pinned = size_cpu_threads(None)
 import jax, jax.numpy as jnp
