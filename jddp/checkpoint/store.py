@@ -35,6 +35,7 @@ from jddp.checkpoint.orbax_quiet import (
     quiet_orbax_errors,
     silence_late_read_callbacks,
 )
+from jddp.checkpoint.orbax_writes import split_only_large_arrays
 from jddp.errors import (
     CheckpointDamaged,
     CheckpointError,
@@ -95,6 +96,7 @@ class Checkpoints:
         if writes and primary:
             self._remove_cut_saves()
         quiet_orbax_errors()
+        split_only_large_arrays()
         # Reads and writes alike: a failed save (disk full) leaves tensorstore writes in flight
         # whose callbacks print the same late tracebacks as a failed restore.
         silence_late_read_callbacks()

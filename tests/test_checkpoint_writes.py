@@ -1,0 +1,57 @@
+"""How a checkpoint of arrays every device holds is written (jddp.checkpoint.orbax_writes)."""
+
+import json
+
+from tests.helpers import fake_devices, run_python
+
+# Two devices holding the same arrays; the programs JAX lowers while each save runs.
+_SAVE_TWICE = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jddp.checkpoint import Checkpoints
+from jddp.state import TrainState
+
+lowered = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **_: lowered.append(event)
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" else None)
+whole = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P())
+
+def state(params):
+    params = jax.device_put(params, whole)
+    return TrainState(step=jnp.int32(1), params=params, model_state={}, opt_state=(),
+                      skipped_steps=jnp.int32(0))
+
+small = {"kernel": np.full((3, 3, 16, 32), 0.5, np.float32), "bias": np.arange(32.0),
+         "scale": np.ones(32, np.float32)}
+large = {"kernel": np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512)}  # 2 MiB
+counts = {}
+for name, params in (("small", small), ("large", large)):
+    ckpts = Checkpoints(sys.argv[1] + "/" + name, every_steps=1, keep=1, async_save=False,
+                        damaged_directory=sys.argv[1] + "/damaged")
+    saved = state(params)
+    before = len(lowered)
+    ckpts.save(1, saved, {})
+    ckpts.wait()
+    counts[name] = len(lowered) - before
+    restored, _ = ckpts.restore_newest_good(saved)
+    assert all(np.array_equal(restored.params[k], params[k]) for k in params), name
+    ckpts.close()
+print(json.dumps({"devices": jax.device_count(), **counts}))
+"""
+
+
+def test_small_replicated_arrays_are_saved_without_compiling_and_large_ones_still_split(
+    tmp_path,
+):
+    """Orbax's replicas each write a slice of an array they all hold, cut by a program compiled
+    per shape (a tiny ResNet's first save: 42 programs, a fifth of its run's CPU): jddp has
+    only slices of 1 MiB or more split, so a save of small arrays compiles nothing, while a
+    2 MiB array is still split between the 2 devices (its slicing programs lowered)."""
+    out = run_python("-c", _SAVE_TWICE, str(tmp_path), env=fake_devices(2))
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert counts["devices"] == 2
+    assert counts["small"] == 0, counts
+    assert counts["large"] >= 1, counts
