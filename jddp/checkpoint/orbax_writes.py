@@ -12,8 +12,6 @@ biases, norms and step counters by replica 0. What is written is the same either
 
 from __future__ import annotations
 
-import copy
-
 import jax
 import orbax.checkpoint as ocp
 
@@ -21,7 +19,7 @@ import orbax.checkpoint as ocp
 # parallel``; its default, None, splits arrays of any size).
 MIN_SLICE_BYTES = 1 << 20
 
-_ATTRIBUTE = "_min_slice_bytes_for_replica_parallel"  # ArrayHandler's (orbax 0.11 .. 0.12)
+_ATTRIBUTE = "_min_slice_bytes_for_replica_parallel"  # ArrayHandler's, orbax 0.12.8
 
 
 def split_only_large_arrays() -> None:
@@ -29,9 +27,7 @@ def split_only_large_arrays() -> None:
     :data:`MIN_SLICE_BYTES` or more among the replicas. Left as it is where someone chose a
     threshold already, or where orbax's handler no longer has the setting."""
     handler = ocp.type_handlers.get_type_handler(jax.Array)
-    if getattr(handler, _ATTRIBUTE, MIN_SLICE_BYTES) is not None:
-        return
-    # A copy of the registered handler (its metadata store and every other setting kept).
-    tuned = copy.copy(handler)
-    setattr(tuned, _ATTRIBUTE, MIN_SLICE_BYTES)
-    ocp.type_handlers.register_type_handler(jax.Array, tuned, override=True)
+    if getattr(handler, _ATTRIBUTE, MIN_SLICE_BYTES) is None:
+        # Set on the registered handler itself: registering a copy in its place would print
+        # orbax's warning about a replaced handler in every process's output.
+        setattr(handler, _ATTRIBUTE, MIN_SLICE_BYTES)
