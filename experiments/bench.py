@@ -32,6 +32,10 @@ XLA_FLAGS = {
     "1t": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
 }
 PRESETS = {
+    # --quick's: the smallest ResNet, as the tests' tiny runs train.
+    "resnet10-cifar": dict(
+        model="resnet10", stem="cifar", image_size=32, num_classes=10, global_batch=128
+    ),
     "resnet18-cifar": dict(
         model="resnet18", stem="cifar", image_size=32, num_classes=10, global_batch=128
     ),
@@ -41,7 +45,7 @@ PRESETS = {
 }
 # --quick: the smallest run that still goes through every stage (a smoke test, not a figure).
 QUICK = dict(configs="jddp-1x1,torch-ddp-1x1", dtypes="float32", rounds=1, steps_per_round=1,
-             warmup=1, width=8, image_size=8, global_batch=8)  # fmt: skip
+             warmup=1, preset="resnet10-cifar", width=4, image_size=8, global_batch=8)  # fmt: skip
 CONFIG_RE = re.compile(
     r"^(jddp|jddp-mpi|jddp-srun|torch-ddp)-(\d+)x(\d+)((?:-(?:1t|pin|noynnconv|xladefaults|compile))*)$"
 )

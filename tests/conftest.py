@@ -4,10 +4,12 @@ The tests simulate many devices with ``--xla_force_host_platform_device_count``,
 adds CPU devices: on a machine whose JAX has CUDA, JAX would still pick the GPU (one device) and
 multi-device tests would silently test something else. Subprocesses inherit the variable.
 
-Two pytest-xdist workers run the suite (``-n 2 --dist loadfile`` in pyproject.toml), one test
-file per worker at a time. Tests marked ``serial`` run alone: a serial test waits until the
-other worker's current test ends, and the other worker starts nothing until it is done. Only
-tests with a bound on wall time are serial (a run paced at 0.7x the stall timeout, the
+Four pytest-xdist workers run the suite on the CI's 2 cores (``-n 4 --dist loadfile`` in
+pyproject.toml), one test file per worker at a time: most tests wait for jddp processes, a
+kill's consequence, Ray or SLURM: with two workers the tests' own CPU filled 1.4 of the 2
+cores on average (4db9e05), with four the machine was 1.9 busy (2026-11-27). Tests marked
+``serial`` run alone: a serial test waits until the other workers' current tests end, and they
+start nothing until it is done. Only tests with a bound on wall time are serial (the
 launcher's promptness, input-wait fractions, a tracker's cost, a lost lock noticed in seconds):
 tests that start several jddp processes or kill them wait for the run's own progress, not for a
 moment on the clock, so they share the machine (on 2 cores a 2-process run beside another file's
@@ -55,7 +57,7 @@ def compilation_cache():
 class _Exclusive:
     """A readers-writer lock between the xdist workers over two lock files: each test holds
     ``rw`` shared, a serial test exclusively; ``gate`` keeps a waiting serial test from being
-    overtaken by tests the other worker starts meanwhile."""
+    overtaken by tests the other workers start meanwhile."""
 
     def __init__(self, run_id: str):
         base = Path(os.environ.get("TMPDIR", "/tmp")) / f"jddp-pytest-{run_id}"
@@ -86,7 +88,7 @@ def _serial(item) -> bool:
 # The files whose tests take longest (wall and CPU seconds of their tests in the suite on the
 # 2-core VM at 34c3bd7, JDDP_TEST_USAGE), in the order the workers are to take them. The files
 # that mostly wait (SLURM's requeue, Ray, a peer compiling 35 s later) are spaced by three or
-# more that compute, so each wait overlaps the other worker's compiles: the first worker spends
+# more that compute, so each wait overlaps the other workers' compiles: the first worker spends
 # its first ~200 s in the serial files, test_watchdog's waits among them, while the second runs
 # the three computing files before test_slurm. (At 34c3bd7 test_slurm followed test_mpi and met
 # test_watchdog: for 2 minutes both workers waited, ~0.1 cores busy; 25aa864: the same, 170 s.)
@@ -132,7 +134,7 @@ def pytest_runtest_protocol(item, nextitem):
     """Set-up, call and tear-down of a serial test (its module fixtures included) run alone.
 
     A worker keeps the machine from one serial test to the next it runs (a serial file's
-    tests): released in between, each would wait again for the other worker's current test
+    tests): released in between, each would wait again for the other workers' current tests
     (up to minutes) while this worker idles."""
     global _LOCK
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")

@@ -1,7 +1,7 @@
 """PyTorch DistributedDataParallel peer of jddp: same ResNet, same optimizer, synthetic data.
 
     .venv/bin/python experiments/peers/torch_ddp.py [--nproc 2] [--threads 1] [--pin] [--steps 8]
-        [--dtype float32|bfloat16] [--model resnet18|resnet50] [--device cpu|cuda] ...  (--help)
+        [--dtype float32|bfloat16] [--model resnet18|...] [--device cpu|cuda] ...  (--help)
 
 Needs ``experiments/requirements-bench.txt``. ``--nproc`` processes (or one ``torchrun``
 worker), gloo on CPU, NCCL on CUDA. A step: ``zero_grad``, forward, cross-entropy, ``backward``
@@ -67,7 +67,11 @@ class Block(nn.Module):
         return x
 
 
-ARCHS = {"resnet18": (False, (2, 2, 2, 2)), "resnet50": (True, (3, 4, 6, 3))}
+ARCHS = {
+    "resnet10": (False, (1, 1, 1, 1)),
+    "resnet18": (False, (2, 2, 2, 2)),
+    "resnet50": (True, (3, 4, 6, 3)),
+}
 
 
 class ResNet(nn.Module):
