@@ -85,29 +85,31 @@ def _serial(item) -> bool:
     return item is not None and item.get_closest_marker("serial") is not None
 
 
-# The files whose tests take longest (wall and CPU seconds of their tests in the suite on the
-# 2-core VM at 34c3bd7, JDDP_TEST_USAGE), in the order the workers are to take them. The files
-# that mostly wait (SLURM's requeue, Ray, a peer compiling 35 s later) are spaced by three or
-# more that compute, so each wait overlaps the other workers' compiles: the first worker spends
-# its first ~200 s in the serial files, test_watchdog's waits among them, while the second runs
-# the three computing files before test_slurm. (At 34c3bd7 test_slurm followed test_mpi and met
-# test_watchdog: for 2 minutes both workers waited, ~0.1 cores busy; 25aa864: the same, 170 s.)
+# The files whose tests take longest (wall and CPU seconds of their tests with four workers on
+# the 2-core VM, 2026-11-27, JDDP_TEST_USAGE), in the order the workers are to take them: the
+# longest first, so that the suite does not end on one worker's long file while the others
+# idle. The files that mostly wait (a stall timeout, SLURM's requeue, Ray) come first of all,
+# so their waits overlap the other workers' computing. (With test_watchdog last, its 150 s of
+# timeouts ended the suite on one worker, ~0.1 cores busy: 12 min 56 s instead of ~10.5.)
 # A hint only: a file not named here comes after them, in collection order.
 LONGEST_FIRST = (
-    "test_mpi.py",  # 52 s wall, 58 s CPU
-    "test_fault_tolerance.py",  # 82 s, 84 s
-    "test_shard_update.py",  # 60 s, 74 s
-    "test_slurm.py",  # 148 s, 6 s (SLURM's daemons not counted): waits
-    "test_examples_tasks.py",  # 98 s, 102 s
-    "test_bad_input.py",  # 106 s, 83 s
-    "test_ray.py",  # 95 s, 15 s (Ray's daemons not counted): waits
-    "test_shard_formats.py",  # 67 s, 52 s
-    "test_api.py",  # 75 s, 71 s
-    "test_multiprocess.py",  # 78 s, 49 s: a 38-s wait
-    "test_train_cli.py",  # 29 s
-    "test_pack.py",  # 33 s
-    "test_step.py",  # 42 s
-    "test_export.py",  # 31 s
+    "test_watchdog.py",  # 160 s wall, 43 s CPU: timeouts
+    "test_slurm.py",  # 184 s, 6 s (SLURM's daemons and tasks not counted): waits
+    "test_bad_input.py",  # 250 s, 85 s
+    "test_examples_tasks.py",  # 211 s, 98 s
+    "test_ray.py",  # 136 s, 17 s (Ray's daemons and actors not counted: ~45 s more)
+    "test_shard_update.py",  # 122 s, 70 s
+    "test_api.py",  # 114 s, 69 s
+    "test_fault_tolerance.py",  # 114 s, 73 s
+    "test_multiprocess.py",  # 100 s, 43 s
+    "test_step.py",  # 99 s, 44 s
+    "test_shard_formats.py",  # 88 s, 47 s
+    "test_mpi.py",  # 68 s, 44 s
+    "test_export.py",  # 67 s, 32 s
+    "test_train_cli.py",  # 65 s, 30 s
+    "test_models.py",  # 56 s, 26 s
+    "test_optimizer.py",  # 51 s, 26 s
+    "test_pack.py",  # 49 s, 31 s
 )
 
 
