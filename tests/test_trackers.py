@@ -348,9 +348,12 @@ def tracked(mlflow_uri, tmp_path_factory):
     out_path = base / "rerun.out"
     with open(out_path, "w") as out:
         job = start(cmd, env=env, stdout=out)
-        said = lambda: out_path.read_text()  # noqa: E731
-        _wait(job, lambda: all(f"jddp: {t}: run " in said() for t in ("mlflow", "wandb")),
-              "the rerun's trackers' start")  # fmt: skip
+
+        def both_started() -> bool:
+            said = out_path.read_text()
+            return all(f"jddp: {t}: run " in said for t in ("mlflow", "wandb"))
+
+        _wait(job, both_started, "the rerun's trackers' start")
         hold.unlink()
         _wait(job, lambda: max(read_losses(workdir)) >= killed_at + 2, "steps after the kill")
         job.send_signal(signal.SIGTERM)
