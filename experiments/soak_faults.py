@@ -119,7 +119,7 @@ def disk_full_round(tmp: Path, args: argparse.Namespace, env: dict, want: dict) 
     }
     result["pass"] = (
         full.returncode == 1
-        and any("No space left on device" in x for x in lines)
+        and any(why in x for x in lines for why in ("No space left on device", "not enough space"))
         and not half
         and again.returncode == 0
         and bitwise

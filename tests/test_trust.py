@@ -248,28 +248,66 @@ def small_disk(tmp_path):
 
 @pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_older_ones(small_disk):
-    """Room for one checkpoint (~0.35 MB) and its metrics, not two: the second save fails. The
-    line names the checkpoints folder, its free space and what a checkpoint needs; no
-    half-written save is left; with room made, the same command resumes from the older one."""
-    stat = os.statvfs(small_disk)
-    fill = small_disk / "fill"
-    fill.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 540 * 1024))
-    wd = small_disk / "run"
-    out = train(wd, "train.steps=6", "checkpoint.every_steps=2", base=TINY)
+    """A disk that fills during the first save: orbax's write fails, one line naming the
+    checkpoints folder, its free space and the state's bytes; no half-written save. Then room
+    for one checkpoint and its metrics, not two: the second save is refused before it starts,
+    the estimate being what checkpoint 2 takes. With room made, the same command resumes from
+    checkpoint 2."""
+
+    def leave_free(kib: int) -> None:
+        stat = os.statvfs(small_disk)
+        fill.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - kib * 1024))
+
+    fill, wd = small_disk / "fill", small_disk / "run"
+    command = ("train.steps=6", "checkpoint.every_steps=2")
+    leave_free(300)  # more than the state's bytes (~0.18 MB), less than a checkpoint
+    first = train(wd, *command, base=TINY)
+    lines = first.stderr.strip().splitlines()
+    assert first.returncode == 1 and len(lines) == 1, first.stderr[-3000:]
+    assert "checkpoints/2 could not be written (No space left on device: " in lines[0]
+    assert f"{wd}/checkpoints has " in lines[0] and "intact: none" in lines[0]
+    assert " free, a checkpoint needs more than " in lines[0] and "(the training state's bytes)"
+    left = sorted(str(p.relative_to(wd)) for p in (wd / "checkpoints").rglob("*"))
+    assert left == [], left  # no half save
+    fill.unlink()
+    leave_free(540)
+    out = train(wd, *command, base=TINY)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
-    assert "checkpoints/4 could not be written (No space left on device: " in lines[0]
+    assert "checkpoints/4 could not be written (not enough space: " in lines[0]
     assert f"{wd}/checkpoints has " in lines[0] and " free, a checkpoint needs about " in lines[0]
     assert "intact: [2]" in lines[0] and steps_saved(wd) == [2]
     # The estimate is what checkpoint 2 takes on disk (the state's bytes were half of it).
     need = re.search(r"needs about ([\d.]+) KiB \(the size of checkpoint 2\)", lines[0])
     on_disk = sum(p.lstat().st_blocks * 512 for p in (wd / "checkpoints/2").rglob("*"))
     assert need and abs(float(need[1]) * 1024 - on_disk) <= 1024, (lines[0], on_disk)
-    assert sorted(p.name for p in (wd / "checkpoints").iterdir()) == ["2"]  # no half save
+    assert sorted(p.name for p in (wd / "checkpoints").iterdir()) == ["2"]  # none started
     fill.unlink()  # room again
-    again = train(wd, "train.steps=6", "checkpoint.every_steps=2", base=TINY)
+    again = train(wd, *command, base=TINY)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "at step 2" in again.stdout and sorted(read_losses(wd)) == list(range(1, 7))
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_every_process_of_a_job_in_one_line_each(small_disk):
+    """Two processes, room for one checkpoint, not two: both processes refuse the second save
+    before it starts, each rank says so in one line, exit 1, nothing half-written. (When the
+    save was started instead, the disk filled on one process alone while the other waited for
+    it in orbax's commit: the job stalled, exit 124 after dist.step_timeout_s, in 3 of 4.)"""
+    stat = os.statvfs(small_disk)
+    fill = small_disk / "fill"
+    fill.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 720 * 1024))
+    wd = small_disk / "run"
+    steps = ("train.steps=6", "checkpoint.every_steps=2", "dist.step_timeout_s=60")
+    out = run(launch_cmd(2, 1, wd, *steps, base=TINY), timeout=300)
+    lines = [x for x in out.stderr.splitlines() if "jddp: error:" in x]
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert sorted(x.split("]")[0] for x in lines) == ["[rank 0", "[rank 1"], out.stderr[-3000:]
+    assert all("checkpoints/4 could not be written (not enough space: " in x for x in lines), lines
+    saved = steps_saved(wd)
+    assert saved and sorted(p.name for p in (wd / "checkpoints").iterdir()) == [
+        str(s) for s in saved
+    ]  # no half save
 
 
 def test_a_failing_final_eval_keeps_the_training(tmp_path, monkeypatch):

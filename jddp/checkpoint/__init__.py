@@ -8,8 +8,9 @@
 * :mod:`~jddp.checkpoint.warm_start`: ``checkpoint.init_from`` (another run's weights, or
   pretrained tensors: :mod:`~jddp.checkpoint.pretrained`);
 * :mod:`~jddp.checkpoint.find`: a run's checkpoint from a path, opened for reading;
-* :mod:`~jddp.checkpoint.orbax_writes`: in a single process, which replicated arrays orbax's
-  replicas write in parallel (only large ones: each slice shape costs a compile);
+* :mod:`~jddp.checkpoint.room`: whether the disk has room for the next checkpoint;
+* :mod:`~jddp.checkpoint.orbax_writes`: orbax's writes: replicas' shares cut on the host on
+  CPU devices (no compile per shape), a failed save's other writes awaited;
 * :mod:`~jddp.checkpoint.orbax_quiet`: orbax's reports jddp makes itself, kept off the terminal.
 """
 

@@ -1,43 +1,72 @@
-"""How orbax writes an array every device holds whole: in one process, small ones from one
-replica.
+"""How orbax writes: on CPU devices, each replica's share of an array every device holds is cut
+on the host; after a failed save, its other writes are awaited.
 
 Orbax's replica-parallel save (its default except where ``JAX_PLATFORMS`` names a GPU) splits
-each replicated array along a dimension and has every replica write its slice. Each slice is
-cut on the device by an eager ``lax.slice_in_dim``, a program compiled for each distinct shape
-in each process: a tiny ResNet's first save on 2 devices compiled 42 of them, 1.0 of the run's
-4.7 CPU-s on the 2-core VM (jddp's tests start hundreds of such runs). Splitting pays where the
-slice's bytes take longer to move and write than that compile, so jddp splits only slices of at
-least :data:`MIN_SLICE_BYTES`: a large model's big kernels are still written in parallel, its
-biases, norms and step counters by replica 0. What is written is the same either way. Only in
-a single process: across processes, a save that fails on one process alone (a full disk) left
-its peers waiting in orbax's commit.
+each replicated array along a dimension and has every replica write its slice. It cuts each
+slice on the device by an eager ``lax.slice_in_dim``: a program traced, lowered and compiled for
+each distinct shape in each process. A tiny ResNet's first save on 2 devices compiled 42 of
+them, 1.0 of the run's 4.7 CPU-s on the 2-core VM, and a 2-process 2x2 run spent 2.1 of its
+13 CPU-s there (jddp's tests start hundreds of such runs). A CPU device's buffer is host memory
+already, so jddp cuts those slices with NumPy instead, no program compiled: the replicas write
+the same shares of the same bytes as before, so a full disk still fails every process's save,
+not one process's alone (soak_faults.py: when small arrays were left to replica 0 instead,
+process 1 waited for process 0 in orbax's commit and the job stalled). Arrays on accelerators
+are cut by orbax as before.
+
+A save's first failed write (a full disk) surfaces while orbax's threads for its other writes
+go on; one that landed after jddp had removed the failed save's temporary folder re-created it
+(a half-written save left behind, in 1 of ~12 runs of tests/test_trust.py's full disk):
+:func:`wait_for_failed_writes` waits for them first.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any
+
 import jax
-import orbax.checkpoint as ocp
+import numpy as np
 
-# The smallest slice a replica writes on its own (orbax's ``min_slice_bytes_for_replica_
-# parallel``; its default, None, splits arrays of any size).
-MIN_SLICE_BYTES = 1 << 20
+try:  # orbax 0.12's; where they moved or changed, orbax's own slicing stays, nothing is awaited
+    from orbax.checkpoint._src.futures.future import _SignalingThread as CommitThread
+    from orbax.checkpoint._src.serialization.replica_slices import ReplicaSlice
+except ImportError:  # pragma: no cover - another orbax layout
+    CommitThread = ReplicaSlice = None
 
-_ATTRIBUTE = "_min_slice_bytes_for_replica_parallel"  # ArrayHandler's, orbax 0.12.8
+_ORBAX_DATA = getattr(ReplicaSlice, "data", None)
 
 
-def split_only_large_arrays() -> None:
-    """In a single process, have orbax's registered ``jax.Array`` handler split only slices of
-    :data:`MIN_SLICE_BYTES` or more among the replicas (its devices). Left as it is in a job of
-    several processes, where someone chose a threshold already, or where orbax's handler no
-    longer has the setting."""
-    if jax.process_count() > 1:
-        # Across processes every replica writes its share of every array: with small arrays
-        # left to replica 0, a full disk failed process 0's save alone while process 1 waited
-        # for it in orbax's commit, and the job stalled (exit 124) instead of saying the disk
-        # was full (exit 1): soak_faults.py, 2026-11-27.
+def _on_cpu(array: Any) -> bool:
+    devices = getattr(getattr(array, "sharding", None), "device_set", ())
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def _data(replica_slice: Any) -> Any:
+    """``ReplicaSlice.data`` with a CPU device's slice cut on the host (orbax's otherwise)."""
+    whole, cut = replica_slice.unsliced_data, replica_slice.slice_args
+    if cut is None or not isinstance(whole, jax.Array) or not _on_cpu(whole):
+        return _ORBAX_DATA(replica_slice)
+    index = [slice(None)] * whole.ndim
+    index[cut.axis] = slice(cut.start_index, cut.limit_index)
+    # A single-device array orbax copies to the host next (as its own slice would be).
+    return jax.device_put(np.asarray(whole)[tuple(index)], whole.sharding)
+
+
+def cut_cpu_slices_on_host() -> None:
+    """Have orbax cut the replicas' shares of arrays on CPU devices with NumPy (idempotent;
+    nothing changes where orbax's ``ReplicaSlice`` is not the one this was written for)."""
+    fields = getattr(ReplicaSlice, "__dataclass_fields__", {})
+    if callable(_ORBAX_DATA) and {"unsliced_data", "slice_args"} <= fields.keys():
+        ReplicaSlice.data = _data
+
+
+def wait_for_failed_writes(timeout_s: float = 10.0) -> None:
+    """Wait (at most ``timeout_s``) for orbax's commit threads still writing: called after a
+    save failed, before its temporary folder is removed."""
+    if CommitThread is None:
         return
-    handler = ocp.type_handlers.get_type_handler(jax.Array)
-    if getattr(handler, _ATTRIBUTE, MIN_SLICE_BYTES) is None:
-        # Set on the registered handler itself: registering a copy in its place would print
-        # orbax's warning about a replaced handler in every process's output.
-        setattr(handler, _ATTRIBUTE, MIN_SLICE_BYTES)
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if isinstance(thread, CommitThread):
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jddp.checkpoint import room
 from jddp.checkpoint.manifest import (
     EMA_PREFIX,
     WEIGHT_PREFIXES,
@@ -35,7 +36,7 @@ from jddp.checkpoint.orbax_quiet import (
     quiet_orbax_errors,
     silence_late_read_callbacks,
 )
-from jddp.checkpoint.orbax_writes import split_only_large_arrays
+from jddp.checkpoint.orbax_writes import cut_cpu_slices_on_host, wait_for_failed_writes
 from jddp.errors import (
     CheckpointDamaged,
     CheckpointError,
@@ -79,6 +80,7 @@ class Checkpoints:
         pixel_norm: dict[str, Any] | None = None,
         task: str = "classification",
         classes: list[str] | None = None,
+        agree: Callable[[bool], bool] | None = None,
     ):
         self.directory = Path(directory).absolute()
         # How the run turns integer pixels into model input (PixelNorm.to_json), and what its
@@ -91,12 +93,16 @@ class Checkpoints:
         self.damaged_directory = Path(damaged_directory)
         self.every_steps = every_steps
         self.writes = writes
+        # Across JAX processes (all of which save), True on every process iff ok on every one:
+        # they start a save, or refuse it for want of room, together.
+        self._agree = agree or (lambda ok: ok)
         self._saving: int | None = None  # the step of the save in flight
         self._failed: CheckpointError | None = None
+        self._state_bytes = 0  # the training state's bytes, known at the first save
         if writes and primary:
             self._remove_cut_saves()
         quiet_orbax_errors()
-        split_only_large_arrays()
+        cut_cpu_slices_on_host()
         # Reads and writes alike: a failed save (disk full) leaves tensorstore writes in flight
         # whose callbacks print the same late tracebacks as a failed restore.
         silence_late_read_callbacks()
@@ -145,9 +151,26 @@ class Checkpoints:
         )
         # What a checkpoint takes on disk, about: said when the disk turns out too small.
         self._state_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
-        self._guard(lambda: self._manager.save(step, args=args), step)  # raises an earlier failure
+        self._guard(self._manager.wait_until_finished, self._saving)  # raises an earlier failure
+        self._check_room(step)
+        self._guard(lambda: self._manager.save(step, args=args), step)
         self._saving = step
         return True
+
+    def _check_room(self, step: int) -> None:
+        """Refuse (``CheckpointError``, on every process together) a save that the disk has no
+        room for, before any of it is written: one that runs out part-way across processes can
+        fail on one process alone while the others wait for it in orbax's commit (a stall)."""
+        intact = [int(p.name) for p in sorted_steps(self.directory)]
+        missing = room.shortfall(self.directory, intact, self._state_bytes)
+        if self._agree(missing is None):
+            return
+        self._failed = CheckpointError(
+            f"checkpoint {self.directory / str(step)} could not be written (not enough space"
+            f"{missing or ' on another process'}); the checkpoints before it are intact: "
+            f"{intact or 'none'}"
+        )
+        raise self._failed
 
     def restore_newest_good(
         self,
@@ -373,7 +396,8 @@ class Checkpoints:
                 self._manager.close()
             except Exception:  # noqa: BLE001 - the failure was reported already
                 pass
-            if self.writes and self.primary:  # its writes have all stopped now
+            if self.writes and self.primary:
+                wait_for_failed_writes()  # orbax's close does not wait for those
                 self._remove_cut_saves(say=False)
             return
         self.wait()
@@ -393,35 +417,16 @@ class Checkpoints:
             # a step's own folder appears only when its save is complete.
             intact = [int(p.name) for p in sorted_steps(self.directory) if p.name != str(step)]
             if self.writes and self.primary:
+                wait_for_failed_writes()  # its other writes, which could re-create the folder
                 self._remove_cut_saves(say=False)  # the failed save's half: never a step
             cause = _cause(e)
-            if cause in _DISK_FULL:
-                cause += self._space_note(intact)  # (measured with that half removed)
+            if cause in _DISK_FULL:  # (measured with that half removed)
+                cause += room.space_note(self.directory, intact, self._state_bytes)
             self._failed = CheckpointError(
                 f"checkpoint {where} could not be written ({cause}); the checkpoints "
                 f"before it are intact: {intact or 'none'}"
             )
             raise self._failed from None
-
-    def _space_note(self, intact: list[int]) -> str:
-        """``: <checkpoints folder> has 4 KiB free, a checkpoint needs about 1.2 MiB (the size
-        of checkpoint 2)``: the newest intact checkpoint's blocks on disk when there is one (the
-        training state's bytes are about half of it: orbax's metadata, the manifest and the
-        file system's blocks come on top), else at least the state's bytes."""
-        try:
-            free = shutil.disk_usage(self.directory).free
-        except OSError:
-            return ""
-        newest = _disk_bytes(self.directory / str(intact[-1])) if intact else 0
-        state = getattr(self, "_state_bytes", 0)
-        if newest:
-            need = f", a checkpoint needs about {_size(newest)} (the size of checkpoint "
-            need += f"{intact[-1]})"
-        elif state:
-            need = f", a checkpoint needs more than {_size(state)} (the training state's bytes)"
-        else:
-            need = ""
-        return f": {self.directory} has {_size(free)} free{need}"
 
 
 _DISK_FULL = ("No space left on device", "Disk quota exceeded")
@@ -445,26 +450,6 @@ def sorted_steps(directory: Path) -> list[Path]:
         (c for c in directory.iterdir() if c.name.isdigit() and c.is_dir()),
         key=lambda c: int(c.name),
     )
-
-
-def _disk_bytes(folder: Path) -> int:
-    """What the files under ``folder`` take on disk (their allocated blocks, as ``du``)."""
-    total = 0
-    for path in folder.rglob("*"):
-        try:
-            total += path.lstat().st_blocks * 512
-        except OSError:  # removed meanwhile
-            continue
-    return total
-
-
-def _size(nbytes: float) -> str:
-    """``4 KiB``, ``1.2 MiB``, ``3.0 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit in ("B", "KiB") else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} TiB"
 
 
 def _cause(e: BaseException) -> str:

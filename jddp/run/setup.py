@@ -429,6 +429,8 @@ def _checkpoints(
         async_save=cfg.checkpoint.async_save,
         writes=comm.writes_checkpoints,
         primary=comm.is_writer,
+        # Every JAX process saves (under MPI each rank is its own JAX runtime, rank 0 saves).
+        agree=comm.agree if jax.process_count() > 1 else None,
     )
 
 
