@@ -77,6 +77,10 @@ class _Exclusive:
         fcntl.flock(self.gate, fcntl.LOCK_UN)  # a no-op unless serial
         self.exclusive = False
 
+    def close(self):
+        self.gate.close()
+        self.rw.close()
+
 
 _LOCK = None
 
@@ -153,6 +157,13 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         if not (_serial(item) and _serial(nextitem)):
             _LOCK.release()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A worker's lock files, held open for its session, closed at its end (else Python warns
+    of two unclosed files as the worker exits)."""
+    if _LOCK is not None:
+        _LOCK.close()
 
 
 @contextlib.contextmanager
