@@ -63,3 +63,31 @@ def test_replicated_arrays_on_cpu_are_split_between_replicas_without_compiling(t
     assert counts["devices"] == 2
     assert counts["share_rows"] == [512, 512], counts
     assert counts == {**counts, "share_programs": 0, "small": 0, "large": 0}, counts
+
+
+def test_room_for_a_checkpoint_is_the_newest_ones_size_else_the_states_bytes(tmp_path, monkeypatch):
+    """Before a save: enough room is what the newest checkpoint takes on disk (the state's
+    bytes before the first); short of it, the phrase names the folder, free and needed bytes."""
+    import shutil
+    from collections import namedtuple
+
+    from jddp.checkpoint import room
+
+    usage = namedtuple("usage", "total used free")
+    free = {"bytes": 300 * 1024}
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(0, 0, free["bytes"]))
+    assert room.shortfall(tmp_path, [], state_bytes=200 * 1024) is None
+    assert room.shortfall(tmp_path, [], state_bytes=400 * 1024) == (
+        f": {tmp_path} has 300 KiB free, a checkpoint needs more than 400 KiB (the training "
+        "state's bytes)"
+    )
+    (tmp_path / "2").mkdir()
+    (tmp_path / "2" / "data").write_bytes(b"x" * 320 * 1024)
+    need = room.disk_bytes(tmp_path / "2")
+    assert need >= 320 * 1024
+    assert room.shortfall(tmp_path, [2], state_bytes=100) == (
+        f": {tmp_path} has 300 KiB free, a checkpoint needs about {room.size_text(need)} (the size "
+        "of checkpoint 2)"
+    )
+    free["bytes"] = need
+    assert room.shortfall(tmp_path, [2], state_bytes=100) is None

@@ -8,15 +8,15 @@ each distinct shape in each process. A tiny ResNet's first save on 2 devices com
 them, 1.0 of the run's 4.7 CPU-s on the 2-core VM, and a 2-process 2x2 run spent 2.1 of its
 13 CPU-s there (jddp's tests start hundreds of such runs). A CPU device's buffer is host memory
 already, so jddp cuts those slices with NumPy instead, no program compiled: the replicas write
-the same shares of the same bytes as before, so a full disk still fails every process's save,
-not one process's alone (soak_faults.py: when small arrays were left to replica 0 instead,
-process 1 waited for process 0 in orbax's commit and the job stalled). Arrays on accelerators
-are cut by orbax as before.
+the same shares of the same bytes as with orbax's slicing (an earlier way, leaving arrays under
+1 MiB to replica 0, had process 0 write nearly all of a small model's checkpoint). Arrays on
+accelerators are cut by orbax as before.
 
 A save's first failed write (a full disk) surfaces while orbax's threads for its other writes
-go on; one that landed after jddp had removed the failed save's temporary folder re-created it
-(a half-written save left behind, in 1 of ~12 runs of tests/test_trust.py's full disk):
-:func:`wait_for_failed_writes` waits for them first.
+may still run; one that lands after jddp removed the failed save's temporary folder can
+re-create it. That is the likely cause of a half-written save left behind once in ~12 runs
+of tests/test_trust.py's full disk (a first save failing): :func:`wait_for_failed_writes`
+waits for those threads before the folder is removed.
 """
 
 from __future__ import annotations
