@@ -75,7 +75,7 @@ def test_room_for_a_checkpoint_is_the_newest_ones_size_else_the_states_bytes(tmp
 
     usage = namedtuple("usage", "total used free")
     free = {"bytes": 300 * 1024}
-    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(0, 0, free["bytes"]))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(1 << 30, 0, free["bytes"]))
     assert room.shortfall(tmp_path, [], state_bytes=200 * 1024) is None
     assert room.shortfall(tmp_path, [], state_bytes=400 * 1024) == (
         f": {tmp_path} has 300 KiB free, a checkpoint needs more than 400 KiB (the training "
@@ -90,4 +90,7 @@ def test_room_for_a_checkpoint_is_the_newest_ones_size_else_the_states_bytes(tmp
         "of checkpoint 2)"
     )
     free["bytes"] = need
+    assert room.shortfall(tmp_path, [2], state_bytes=100) is None
+    # A file system that reports no size (some FUSE mounts): unknown, no save refused.
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(0, 0, 0))
     assert room.shortfall(tmp_path, [2], state_bytes=100) is None

@@ -59,10 +59,13 @@ def space_note(directory: Path, intact: list[int], state_bytes: int) -> str:
 
 def shortfall(directory: Path, intact: list[int], state_bytes: int) -> str | None:
     """:func:`space_note` when ``directory``'s disk has less room than the next checkpoint
-    takes; None when it has room (or its free space cannot be read)."""
+    takes; None when it has room, or its free space cannot be read (some FUSE file systems
+    report a size of 0: unknown, not full)."""
     try:
-        free = shutil.disk_usage(directory).free
+        usage = shutil.disk_usage(directory)
     except OSError:
         return None
+    if usage.total == 0:
+        return None
     need, _ = _need(directory, intact, state_bytes)
-    return space_note(directory, intact, state_bytes) if free < need else None
+    return space_note(directory, intact, state_bytes) if usage.free < need else None
