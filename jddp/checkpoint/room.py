@@ -45,6 +45,11 @@ def _need(directory: Path, intact: list[int], state_bytes: int) -> tuple[int, st
     return 0, ""
 
 
+def _note(directory: Path, free: int, need: str) -> str:
+    note = f": {directory} has {size_text(free)} free"
+    return note + (f", a checkpoint needs {need}" if need else "")
+
+
 def space_note(directory: Path, intact: list[int], state_bytes: int) -> str:
     """``: <checkpoints folder> has 4 KiB free, a checkpoint needs about 1.2 MiB (the size of
     checkpoint 2)`` ("" where the free space cannot be read)."""
@@ -52,9 +57,7 @@ def space_note(directory: Path, intact: list[int], state_bytes: int) -> str:
         free = shutil.disk_usage(directory).free
     except OSError:
         return ""
-    _, need = _need(directory, intact, state_bytes)
-    note = f": {directory} has {size_text(free)} free"
-    return note + (f", a checkpoint needs {need}" if need else "")
+    return _note(directory, free, _need(directory, intact, state_bytes)[1])
 
 
 def shortfall(directory: Path, intact: list[int], state_bytes: int) -> str | None:
@@ -67,5 +70,5 @@ def shortfall(directory: Path, intact: list[int], state_bytes: int) -> str | Non
         return None
     if usage.total == 0:
         return None
-    need, _ = _need(directory, intact, state_bytes)
-    return space_note(directory, intact, state_bytes) if usage.free < need else None
+    need, said = _need(directory, intact, state_bytes)
+    return _note(directory, usage.free, said) if usage.free < need else None

@@ -120,6 +120,9 @@ class Checkpoints:
         never a step: the run that writes here (the workdir lock makes it the only one) removes
         it when it starts, and after a save of its own failed. Readers (``python -m
         jddp.evaluate``) never do: a live run's save in flight is such a folder."""
+        # A failed save's other writes may still run (orbax's close does not wait for them):
+        # one landing after the removal would re-create the folder.
+        wait_for_failed_writes()
         for cut in sorted(self.directory.glob(f"*{_TMP_SUFFIX}*")):
             shutil.rmtree(cut, ignore_errors=True)
             if say:
@@ -151,7 +154,7 @@ class Checkpoints:
         )
         # What a checkpoint takes on disk, about: said when the disk turns out too small.
         self._state_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
-        self._guard(self._manager.wait_until_finished, self._saving)  # raises an earlier failure
+        self.wait()  # the save before: on disk, or its failure raised here
         self._check_room(step)
         self._guard(lambda: self._manager.save(step, args=args), step)
         self._saving = step
@@ -397,7 +400,6 @@ class Checkpoints:
             except Exception:  # noqa: BLE001 - the failure was reported already
                 pass
             if self.writes and self.primary:
-                wait_for_failed_writes()  # orbax's close does not wait for those
                 self._remove_cut_saves(say=False)
             return
         self.wait()
@@ -417,7 +419,6 @@ class Checkpoints:
             # a step's own folder appears only when its save is complete.
             intact = [int(p.name) for p in sorted_steps(self.directory) if p.name != str(step)]
             if self.writes and self.primary:
-                wait_for_failed_writes()  # its other writes, which could re-create the folder
                 self._remove_cut_saves(say=False)  # the failed save's half: never a step
             cause = _cause(e)
             if cause in _DISK_FULL:  # (measured with that half removed)
