@@ -14,6 +14,7 @@ case's final states also go through a checkpoint, each restored in another's lay
 
 import dataclasses
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -107,6 +108,9 @@ def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainS
             out[key].append(float(metrics.get(f"train/{key}", -1)))
         if ema:
             params_per_step.append(flat(state.params))
+    if kind.endswith("-gloo"):
+        first = {"data": place_batch(batches(rows)[0], mesh, where)}
+        out["collectives"] = collectives(step.lower(state, first).compile().as_text())
     if ema:
         out["params_per_step"] = params_per_step
         out["ema"] = flat(state.ema_params)
@@ -123,6 +127,12 @@ def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainS
     out["state_bytes_per_device"] = state_bytes_per_device(state)
     out["state_bytes_total"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(to_host(state)))
     return out, state
+
+
+def collectives(hlo: str) -> list[list]:
+    """Each all-gather and all-reduce of a compiled program's text: [op, operand count]."""
+    found = re.findall(r"\b(all-gather|all-reduce)(?:-start)?\(([^)]*)\)", hlo)
+    return [[op, operands.count("%")] for op, operands in found]
 
 
 def flat(tree) -> list[float]:
