@@ -24,12 +24,19 @@ import json
 import os
 import resource
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# Bytecode caches on, in this process and every process it starts: where the environment sets
+# PYTHONDONTWRITEBYTECODE (this VM's shells do), each of the suite's hundreds of Python
+# processes compiled jddp's modules from source again (~0.1 s of CPU each, measured on the
+# 2-core VM: 1.39 vs 1.31 s to import the trainer); site-packages ship compiled already.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # A clean CI machine compiles ~45 distinct train steps and ~30 eval steps (its compilation cache
 # is empty); LLVM at -O1 compiles them about twice as fast (the tiny test config's step: 39 s
 # -> 19 s on the 2-core VM) and the tests' tiny models run as fast. Training programs are the
@@ -118,18 +125,23 @@ LONGEST_FIRST = (
 
 
 def pytest_collection_modifyitems(config, items):
-    """The files with serial tests first (each file's order kept): while they run, a serial
-    test waits at most for a serial file's test, not for a minute-long compile of another
-    file; then :data:`LONGEST_FIRST`, then the rest. pyproject.toml turns off xdist's own
-    reordering (``--no-loadscope-reorder``: files with more tests first), which had put the
-    serial files in the middle and SLURM's requeue wait at the very end (a560981: one worker
-    idle for 134 s during test_watchdog's serial tests, and 141 s of SLURM ended the suite)."""
+    """The files with serial tests first, and in each of them its serial tests first: while
+    they run, a serial test waits at most for a serial file's test, not for a minute-long
+    compile or SLURM's requeue in another file; then :data:`LONGEST_FIRST`, then the rest.
+    (With test_trust's serial tests in the file's middle, at ~130 s, the first waited ~43 s
+    for test_slurm's requeue while the gate kept the two other workers from starting
+    anything: three idle workers, in every suite of 2026-11-27.) pyproject.toml turns off
+    xdist's own reordering (``--no-loadscope-reorder``: files with more tests first), which
+    had put the serial files in the middle and SLURM's requeue wait at the very end (a560981:
+    one worker idle for 134 s during test_watchdog's serial tests, and 141 s of SLURM ended
+    the suite). xdist's ``--dist loadfile`` keeps each file's tests together on one worker,
+    files in the order of their first test."""
     files_with_serial = {item.path for item in items if _serial(item)}
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 
     def order(item):
         if item.path in files_with_serial:
-            return (0, 0)
+            return (0, 0 if _serial(item) else 1)
         return (1, rank.get(item.path.name, len(rank)))
 
     items.sort(key=order)  # stable: each file's tests keep their order
