@@ -24,19 +24,12 @@ import json
 import os
 import resource
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-# Bytecode caches on, in this process and every process it starts: where the environment sets
-# PYTHONDONTWRITEBYTECODE (this VM's shells do), each of the suite's hundreds of Python
-# processes compiled jddp's modules from source again (~0.1 s of CPU each, measured on the
-# 2-core VM: 1.39 vs 1.31 s to import the trainer); site-packages ship compiled already.
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-sys.dont_write_bytecode = False
 # A clean CI machine compiles ~45 distinct train steps and ~30 eval steps (its compilation cache
 # is empty); LLVM at -O1 compiles them about twice as fast (the tiny test config's step: 39 s
 # -> 19 s on the 2-core VM) and the tests' tiny models run as fast. Training programs are the
