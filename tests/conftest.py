@@ -137,7 +137,7 @@ def pytest_collection_modifyitems(config, items):
             return (0, 0 if _serial(item) else 1)
         return (1, rank.get(item.path.name, len(rank)))
 
-    items.sort(key=order)  # stable: each file's tests keep their order
+    items.sort(key=order)  # stable: each file's tests keep their order, serial ones first
 
 
 @pytest.hookimpl(wrapper=True)

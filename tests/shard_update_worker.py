@@ -95,7 +95,7 @@ def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainS
     ema = cfg.train.ema_decay > 0
     model_def, state = create_train_state(SmallCnn(nnx.Rngs(0)), tx, mesh, ema=ema)
     layout = build_layout(cfg, mesh, comm)
-    if kind.endswith("-gloo"):  # the path processes on CPUs take (gloo): one packed psum
+    if kind.endswith("-gloo"):  # the path processes on CPUs take (gloo): gather_packed
         layout = dataclasses.replace(layout, reduce_scatter=False)
     state = layout.place(state)
     step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
