@@ -26,12 +26,12 @@ from jddp.build import build_steps  # noqa: E402
 from jddp.comm import XlaComm  # noqa: E402
 from jddp.data.loader import batch_layout, place_batch  # noqa: E402
 from jddp.mesh import DATA_AXIS, make_mesh  # noqa: E402
-from jddp.models import resnet18  # noqa: E402
+from jddp.models import resnet10  # noqa: E402
 from jddp.proc.xla import enable_compilation_cache  # noqa: E402
 from jddp.state import create_train_state  # noqa: E402
 
 # jddp's persistent compilation cache, as `python -m jddp.train` uses it: a rerun of the suite
-# loads these programs (resnet18's step: ~15 s of CPU to compile on the 2-core VM, 1 s to load).
+# loads these programs (a resnet10's step: seconds of CPU to compile on the 2-core VM).
 enable_compilation_cache(load_config().train.compilation_cache_dir)
 
 COLLECTIVES = {
@@ -91,7 +91,7 @@ def main() -> None:
     def make(rngs):
         if "--model=cnn" in sys.argv:
             return SmallCnn(dtype, rngs)
-        return resnet18(
+        return resnet10(  # every kind of ResNet layer; half resnet18's blocks to compile
             num_classes=10,
             stem="cifar",
             width=4,

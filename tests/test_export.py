@@ -257,9 +257,9 @@ def test_jddp_export_names_the_library_call_and_the_cli_module():
 def test_the_imagenet_stems_max_pool_runs_in_onnxruntime(tmp_path):
     """jax2onnx makes an NHWC max pool a pool over 4 axes, which onnxruntime refuses; the export
     pools over H and W alone."""
-    from jddp.models import resnet18
+    from jddp.models import resnet10
 
-    model = resnet18(num_classes=7, stem="imagenet", width=4, rngs=nnx.Rngs(0))
+    model = resnet10(num_classes=7, stem="imagenet", width=4, rngs=nnx.Rngs(0))
     model.eval()
     out = tmp_path / "stem.onnx"
     jddp.export(model, out, "onnx", example=np.zeros((1, 16, 16, 3), np.float32))

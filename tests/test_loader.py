@@ -123,7 +123,7 @@ def test_uint8_batches_give_the_float_path_loss():
     import optax
     from flax import nnx
 
-    from jddp.models import resnet18
+    from jddp.models import resnet10
     from jddp.state import create_train_state
     from jddp.step import PixelNorm, make_eval_step
 
@@ -135,7 +135,7 @@ def test_uint8_batches_give_the_float_path_loss():
     host_float = ((images / np.float32(255.0) - mean) / std).astype(np.float32)
     f32 = ArraySource(host_float, labels, 10, np.zeros(3), np.ones(3), "f32")
     mesh = make_mesh()
-    model = resnet18(num_classes=10, width=4, rngs=nnx.Rngs(0))
+    model = resnet10(num_classes=10, width=4, rngs=nnx.Rngs(0))
     model_def, state = create_train_state(model, optax.sgd(0.1), mesh)
     losses = {}
     for src in (u8, f32):

@@ -37,11 +37,11 @@ SMALL = [
             ["data.image_size=32", "model.name=tests.user_models:bottleneck_resnet"],
         ),
         # Its model is the recipe above's, trained there; here its LARS optimizer and data on a
-        # ResNet-18.
+        # ResNet-10.
         (
             "imagenet_resnet50_lars.yaml",
             lambda d: write_jpeg_folder(d),
-            ["data.image_size=32", "model.name=resnet18"],
+            ["data.image_size=32", "model.name=resnet10"],
         ),
     ],
 )
