@@ -253,8 +253,10 @@ def case_args(root: Path, wd: Path, args: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def outcomes(files, request, tmp_path_factory):
     """The cases this session selected, each run as ``python -m jddp.train`` in a child of one
-    interpreter (tests/forked_cli.py): {name: (exit code, stderr, the workdir's digest after)}."""
+    interpreter (tests/forked_cli.py): {name: (exit code, stderr, the workdir's digest after)},
+    and ``"before"``: its digest before the first."""
     root, wd = files
+    before = folder_digest(wd)
     selected = {item.name for item in request.session.items}
     tests = ("test_bad_input", "test_a_forked_case_gives_what_its_own_process_gives")
     cases = [c for c in CASES if any(f"{t}[{c[0]}]" in selected for t in tests)]
@@ -264,25 +266,28 @@ def outcomes(files, request, tmp_path_factory):
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert (out / "imports.err").read_text() == ""  # the CLI's imports print nothing
     return {
-        name: (
-            int((out / f"{i}.code").read_text()),
-            (out / f"{i}.err").read_text(),
-            (out / f"{i}.watch").read_text(),
-        )
-        for i, (name, *_) in enumerate(cases)
+        "before": before,
+        **{
+            name: (
+                int((out / f"{i}.code").read_text()),
+                (out / f"{i}.err").read_text(),
+                (out / f"{i}.watch").read_text(),
+            )
+            for i, (name, *_) in enumerate(cases)
+        },
     }
 
 
 @pytest.mark.parametrize("name, args, code, words", CASES, ids=[c[0] for c in CASES])
-def test_bad_input(files, outcomes, name, args, code, words):
-    root, wd = files
+def test_bad_input(outcomes, name, args, code, words):
     returncode, stderr, after = outcomes[name]
     lines = stderr.strip().splitlines()
     assert returncode == code, stderr[-2000:]
     assert len(lines) == 1, stderr
     for w in words:
         assert w in lines[0], (w, lines[0])
-    assert after == folder_digest(wd)  # nothing already written was touched
+    # nothing already written was touched (the cases run in order: the first to touch it fails)
+    assert after == outcomes["before"]
 
 
 @pytest.mark.parametrize("name", ["unknown optimizer", "changed lr on resume"])
