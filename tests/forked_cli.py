@@ -8,8 +8,8 @@ state, as ``python -m jddp.train ARGS`` runs it: ``jddp.train.main``, its exit c
 JAX's backend has not started before the fork (no device, no thread pool): each child starts
 its own, as a new process would. Writes ``OUT_DIR/{i}.out``, ``{i}.err`` and ``{i}.code`` per
 command, ``imports.err`` (what the imports printed on stderr: a CLI whose imports print a
-warning breaks every "one line" promise), and with ``--watch`` ``{i}.watch``, the digest
-(:func:`folder_digest`) of DIR's files after the command.
+warning breaks every "one line" promise), and with ``--watch`` ``{i}.watch``, DIR's
+:func:`snapshot` after the command (JSON).
 
 Why: tests/test_bad_input.py runs ~60 command lines that stop at a config or input check; as
 separate processes, half of them paid ~1.5 CPU-s for the imports alone (2026-11-27, the
@@ -29,13 +29,13 @@ from pathlib import Path
 COMMAND_TIMEOUT_S = 300  # a command still running then is killed (SIGALRM): exit -14
 
 
-def folder_digest(folder: Path) -> str:
-    """One digest of every file's path and bytes under ``folder``."""
-    h = hashlib.sha256()
-    for p in sorted(folder.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(folder)).encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder``: its relative path -> the SHA-256 of its bytes."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -78,12 +78,7 @@ def main() -> int:
     imports_err = os.open(out / "imports.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(imports_err, 2)
     try:
-        import flax.nnx  # noqa: F401
-        import jax  # noqa: F401
-        import optax  # noqa: F401
-        import orbax.checkpoint  # noqa: F401
-
-        import jddp.run.trainer  # noqa: F401
+        import jddp.run.trainer  # noqa: F401 - and with it JAX, Flax, Optax, Orbax
         import jddp.train  # noqa: F401
     finally:
         sys.stderr.flush()
@@ -97,7 +92,7 @@ def main() -> int:
         _, status = os.waitpid(pid, 0)
         (out / f"{i}.code").write_text(str(os.waitstatus_to_exitcode(status)))
         if watch is not None:
-            (out / f"{i}.watch").write_text(folder_digest(watch))
+            (out / f"{i}.watch").write_text(json.dumps(snapshot(watch)))
     return 0
 
 

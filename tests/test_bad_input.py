@@ -1,7 +1,6 @@
 """Bad input, table-driven: one line naming the key/file and what is allowed, exit 2 (config
 or command line) or 1 (runtime), and the existing workdir's files untouched."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -12,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.forked_cli import folder_digest
+from tests.forked_cli import snapshot
 from tests.helpers import TINY, run_python, with_overrides
 
 FORKED_CLI = Path(__file__).with_name("forked_cli.py")
@@ -22,14 +21,6 @@ pytestmark = pytest.mark.slow
 
 def train(*args, env=None, cwd=None):
     return run_python("-m", "jddp.train", *args, env=env, cwd=cwd, timeout=300)
-
-
-def snapshot(workdir: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(workdir)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(workdir.rglob("*"))
-        if p.is_file()
-    }
 
 
 @pytest.fixture(scope="module")
@@ -253,10 +244,10 @@ def case_args(root: Path, wd: Path, args: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def outcomes(files, request, tmp_path_factory):
     """The cases this session selected, each run as ``python -m jddp.train`` in a child of one
-    interpreter (tests/forked_cli.py): {name: (exit code, stderr, the workdir's digest after)},
-    and ``"before"``: its digest before the first."""
+    interpreter (tests/forked_cli.py): {name: (exit code, stderr, the workdir's snapshot after)},
+    and ``"before"``: its snapshot before the first."""
     root, wd = files
-    before = folder_digest(wd)
+    before = snapshot(wd)
     selected = {item.name for item in request.session.items}
     tests = ("test_bad_input", "test_a_forked_case_gives_what_its_own_process_gives")
     cases = [c for c in CASES if any(f"{t}[{c[0]}]" in selected for t in tests)]
@@ -271,7 +262,7 @@ def outcomes(files, request, tmp_path_factory):
             name: (
                 int((out / f"{i}.code").read_text()),
                 (out / f"{i}.err").read_text(),
-                (out / f"{i}.watch").read_text(),
+                json.loads((out / f"{i}.watch").read_text()),
             )
             for i, (name, *_) in enumerate(cases)
         },
