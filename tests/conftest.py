@@ -184,14 +184,17 @@ def pytest_sessionfinish(session, exitstatus):
 def _usage(item):
     """With ``JDDP_TEST_USAGE=FILE``: one JSON line per test appended to FILE, its wall time
     and the CPU seconds of this process and of the processes it waited for (jddp runs, their
-    ranks; not Ray's or SLURM's daemons), set-up and tear-down included: what the suite's time
-    goes to (CONTRIBUTING.md)."""
+    ranks, the commands its CLI server forked; not Ray's or SLURM's daemons), set-up and
+    tear-down included: what the suite's time goes to (CONTRIBUTING.md)."""
     path = os.environ.get("JDDP_TEST_USAGE")
     if not path:
         yield
         return
+    from tests import helpers  # its CLI server's children are not this process's
+
     start, own, children = (time.time(), resource.getrusage(resource.RUSAGE_SELF),
                             resource.getrusage(resource.RUSAGE_CHILDREN))  # fmt: skip
+    forked = helpers.forked_cpu_s
     try:
         yield
     finally:
@@ -206,7 +209,12 @@ def _usage(item):
             "start": round(start, 2),
             "wall_s": round(time.time() - start, 2),
             "cpu_s": round(cpu(resource.getrusage(resource.RUSAGE_SELF), own), 2),
-            "children_cpu_s": round(cpu(resource.getrusage(resource.RUSAGE_CHILDREN), children), 2),
+            "children_cpu_s": round(
+                cpu(resource.getrusage(resource.RUSAGE_CHILDREN), children)
+                + helpers.forked_cpu_s
+                - forked,
+                2,
+            ),
         }
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -1,11 +1,18 @@
 """Shared pieces of the end-to-end tests: the tiny run, how to start and read it, the fake-device
 environment and the one way to run a command."""
 
+import atexit
 import gzip
+import hashlib
 import json
 import os
+import selectors
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,6 +91,16 @@ def assert_resumed_bitwise(out, workdir, straight, resumed: int, last_step: int)
     assert_losses_match(got, want, range(resumed + 1, last_step + 1), rel=0)
 
 
+def snapshot(folder) -> dict[str, str]:
+    """Every file under ``folder``: its relative path -> the SHA-256 of its bytes."""
+    folder = Path(folder)
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
 def read_losses(workdir) -> dict[int, float]:
     """``{step: train/loss}`` of a run."""
     return {r["step"]: r["train/loss"] for r in read_metrics(workdir) if "train/loss" in r}
@@ -139,8 +156,122 @@ def fake_devices(count: int, env=None) -> dict[str, str]:
     return env
 
 
-def run(cmd, env=None, timeout=600, cwd=None, check=False) -> subprocess.CompletedProcess:
-    """Run ``cmd`` to the end, capturing its output as text (undecodable bytes replaced)."""
+REPO = Path(__file__).resolve().parents[1]
+# jddp's commands that :func:`run` forks from the worker's CLI server (tests/cli_server.py).
+FORKED_MODULES = ("jddp.train", "jddp.evaluate", "jddp.export", "jddp.predict", "jddp.pack")
+_CLI_SERVER: dict = {}  # this worker's: "job" (its process), "socket", "env"
+forked_cpu_s = 0.0  # CPU seconds of the commands the server ran for this process (JDDP_TEST_USAGE)
+
+
+def _cli_server() -> dict:
+    """This worker's CLI server, started on first use (its imports: ~1.8 CPU-s, once)."""
+    job = _CLI_SERVER.get("job")
+    if job is None or job.poll() is not None:
+        folder = Path(tempfile.mkdtemp(prefix="jddp-cli-server-"))
+        sock, server_err = folder / "socket", folder / "server.err"
+        with open(server_err, "w") as err:
+            command = [sys.executable, "-m", "tests.cli_server", str(sock)]
+            job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+        ready, printed = job.stdout.readline().strip(), server_err.read_text()
+        # The imports print nothing: a warning there would be in every command's "one line".
+        assert ready == "ready" and not printed, f"CLI server: {ready!r} {printed}"
+        atexit.register(_stop_cli_server, job, folder)
+        _CLI_SERVER.update(job=job, socket=sock, env=dict(os.environ))
+    return _CLI_SERVER
+
+
+def _stop_cli_server(job: subprocess.Popen, folder: Path) -> None:
+    job.kill()
+    job.wait()
+    job.stdout.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _forkable(cmd, env) -> str | None:
+    """The jddp module ``cmd`` runs as ``python -m MODULE ...`` when the CLI server can run it
+    as a new process would (the environment differs from the server's only in variables read
+    after the imports), else None."""
+    from tests.cli_server import may_differ
+
+    if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or cmd[2] not in FORKED_MODULES:
+        return None
+    server_env = _CLI_SERVER.get("env", os.environ)
+    env = os.environ if env is None else env
+    differs = {k for k in set(env) | set(server_env) if env.get(k) != server_env.get(k)}
+    return cmd[2] if all(may_differ(k) for k in differs) else None
+
+
+def _run_forked(module, cmd, env, timeout, cwd) -> subprocess.CompletedProcess:
+    """:func:`run` of ``python -m MODULE ARGS`` by the CLI server: the same outcome as a new
+    process (exit code, output read to its end), without the interpreter's start and the
+    imports."""
+    global forked_cpu_s
+    request = {
+        "module": module,
+        "args": [str(a) for a in cmd[3:]],
+        "env": dict(os.environ if env is None else env),
+        "cwd": os.path.abspath(cwd or os.getcwd()),
+    }
+    deadline = time.monotonic() + timeout
+    pipes = [os.pipe(), os.pipe()]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(str(_cli_server()["socket"]))
+        payload = json.dumps(request).encode() + b"\n"
+        socket.send_fds(conn, [payload[:1]], [w for _, w in pipes])
+        conn.sendall(payload[1:])
+        for _, w in pipes:
+            os.close(w)
+        answers = conn.makefile("rb")
+        pid = json.loads(answers.readline())["pid"]
+        stdout, stderr = _read_to_end([r for r, _ in pipes], deadline)
+        if stdout is None:  # past the deadline
+            os.kill(pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(cmd, timeout, stderr)
+        conn.settimeout(max(deadline - time.monotonic(), 1.0))
+        done = json.loads(answers.readline())
+    forked_cpu_s += done["cpu_s"]
+    return subprocess.CompletedProcess(cmd, done["code"], stdout, stderr)
+
+
+def _read_to_end(fds, deadline) -> tuple[str | None, str]:
+    """Both pipes' bytes up to their ends as text (undecodable bytes replaced), the pipes
+    closed; ``(None, what was read of both)`` if ``deadline`` passes first."""
+    chunks = {fd: [] for fd in fds}
+    with selectors.DefaultSelector() as selector:
+        for fd in fds:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            ready = selector.select(max(deadline - time.monotonic(), 0))
+            if not ready:
+                break
+            for key, _ in ready:
+                data = os.read(key.fd, 1 << 16)
+                if data:
+                    chunks[key.fd].append(data)
+                else:
+                    selector.unregister(key.fd)
+        timed_out = bool(selector.get_map())
+    for fd in fds:
+        os.close(fd)
+    text = [b"".join(chunks[fd]).decode("utf-8", "replace") for fd in fds]
+    return (None, "".join(text)) if timed_out else (text[0], text[1])
+
+
+def run(
+    cmd, env=None, timeout=600, cwd=None, check=False, fresh=False
+) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to the end, capturing its output as text (undecodable bytes replaced).
+
+    ``python -m jddp.<command> ...`` (:data:`FORKED_MODULES`) is forked from this worker's CLI
+    server unless ``fresh``: a new interpreter with the libraries imported, its outcome the
+    same. ``fresh=True`` for what only a new process shows (what the imports print, their
+    time)."""
+    module = None if fresh else _forkable(cmd, env)
+    if module is not None:
+        out = _run_forked(module, cmd, env, timeout, cwd)
+        if check:
+            out.check_returncode()
+        return out
     return subprocess.run(
         cmd,
         capture_output=True,
@@ -154,10 +285,12 @@ def run(cmd, env=None, timeout=600, cwd=None, check=False) -> subprocess.Complet
     )
 
 
-def run_python(*args, env=None, timeout=600, cwd=None, check=False) -> subprocess.CompletedProcess:
+def run_python(
+    *args, env=None, timeout=600, cwd=None, check=False, fresh=False
+) -> subprocess.CompletedProcess:
     """``python ARGS`` (this interpreter: ``"-m", "jddp.train", ...`` or ``"-c", SCRIPT``), run
     to the end as :func:`run` does."""
-    return run([sys.executable, *args], env=env, timeout=timeout, cwd=cwd, check=check)
+    return run([sys.executable, *args], env=env, timeout=timeout, cwd=cwd, check=check, fresh=fresh)
 
 
 def start(cmd, **popen_kwargs) -> subprocess.Popen:
@@ -167,9 +300,10 @@ def start(cmd, **popen_kwargs) -> subprocess.Popen:
     return subprocess.Popen(cmd, **{**options, **popen_kwargs})
 
 
-def train(workdir, *overrides, base=TINY_SYNC, env=None, timeout=600):
-    """``python -m jddp.train`` on ``base`` + ``overrides``, run to the end."""
-    return run(train_cmd(workdir, *overrides, base=base), env=env, timeout=timeout)
+def train(workdir, *overrides, base=TINY_SYNC, env=None, timeout=600, fresh=False):
+    """``python -m jddp.train`` on ``base`` + ``overrides``, run to the end (forked from the CLI
+    server unless ``fresh``: :func:`run`)."""
+    return run(train_cmd(workdir, *overrides, base=base), env=env, timeout=timeout, fresh=fresh)
 
 
 def assert_losses_match(got, want, steps, rel=1e-4) -> None:

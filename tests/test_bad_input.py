@@ -1,7 +1,6 @@
 """Bad input, table-driven: one line naming the key/file and what is allowed, exit 2 (config
 or command line) or 1 (runtime), and the existing workdir's files untouched."""
 
-import json
 import os
 import shutil
 import socket
@@ -11,16 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.forked_cli import snapshot
-from tests.helpers import TINY, run_python, with_overrides
-
-FORKED_CLI = Path(__file__).with_name("forked_cli.py")
+from tests.helpers import TINY, run_python, snapshot, with_overrides
 
 pytestmark = pytest.mark.slow
 
 
-def train(*args, env=None, cwd=None):
-    return run_python("-m", "jddp.train", *args, env=env, cwd=cwd, timeout=300)
+def train(*args, env=None, cwd=None, fresh=False):
+    return run_python("-m", "jddp.train", *args, env=env, cwd=cwd, timeout=300, fresh=fresh)
 
 
 @pytest.fixture(scope="module")
@@ -241,55 +237,32 @@ def case_args(root: Path, wd: Path, args: list[str]) -> list[str]:
     return [*([] if has_workdir else [f"workdir={wd}"]), *args]
 
 
-@pytest.fixture(scope="module")
-def outcomes(files, request, tmp_path_factory):
-    """The cases this session selected, each run as ``python -m jddp.train`` in a child of one
-    interpreter (tests/forked_cli.py): {name: (exit code, stderr, the workdir's snapshot after)},
-    and ``"before"``: its snapshot before the first."""
+@pytest.mark.parametrize("name, args, code, words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(files, name, args, code, words):
     root, wd = files
     before = snapshot(wd)
-    selected = {item.name for item in request.session.items}
-    tests = ("test_bad_input", "test_a_forked_case_gives_what_its_own_process_gives")
-    cases = [c for c in CASES if any(f"{t}[{c[0]}]" in selected for t in tests)]
-    out = tmp_path_factory.mktemp("cases")
-    (out / "cases.json").write_text(json.dumps([case_args(root, wd, c[1]) for c in cases]))
-    ran = run_python(str(FORKED_CLI), str(out / "cases.json"), str(out), "--watch", str(wd))
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    assert (out / "imports.err").read_text() == ""  # the CLI's imports print nothing
-    return {
-        "before": before,
-        **{
-            name: (
-                int((out / f"{i}.code").read_text()),
-                (out / f"{i}.err").read_text(),
-                json.loads((out / f"{i}.watch").read_text()),
-            )
-            for i, (name, *_) in enumerate(cases)
-        },
-    }
-
-
-@pytest.mark.parametrize("name, args, code, words", CASES, ids=[c[0] for c in CASES])
-def test_bad_input(outcomes, name, args, code, words):
-    returncode, stderr, after = outcomes[name]
-    lines = stderr.strip().splitlines()
-    assert returncode == code, stderr[-2000:]
-    assert len(lines) == 1, stderr
+    out = train(*case_args(root, wd, args))
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == code, out.stderr[-2000:]
+    assert len(lines) == 1, out.stderr
     for w in words:
         assert w in lines[0], (w, lines[0])
-    # nothing already written was touched (the cases run in order: the first to touch it fails)
-    assert after == outcomes["before"]
+    assert snapshot(wd) == before  # nothing already written was touched
 
 
 @pytest.mark.parametrize("name", ["unknown optimizer", "changed lr on resume"])
-def test_a_forked_case_gives_what_its_own_process_gives(files, outcomes, name):
-    """tests/forked_cli.py is ``python -m jddp.train``: a config check and a resume check (JAX
-    started, the checkpoint read) print the same line and exit the same as a process of their
-    own."""
+def test_a_forked_command_gives_what_its_own_process_gives(files, name):
+    """The tests' CLI server (tests/cli_server.py, which runs these cases) is ``python -m
+    jddp.train``: a config check and a resume check (JAX started, the checkpoint read) print the
+    same and exit the same as a process of its own."""
     root, wd = files
-    args = next(c[1] for c in CASES if c[0] == name)
-    out = train(*case_args(root, wd, args))
-    assert (out.returncode, out.stderr) == outcomes[name][:2]
+    args = case_args(root, wd, next(c[1] for c in CASES if c[0] == name))
+    forked, fresh = train(*args), train(*args, fresh=True)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        fresh.returncode,
+        fresh.stdout,
+        fresh.stderr,
+    )
 
 
 def test_enough_cases():

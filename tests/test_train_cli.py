@@ -7,8 +7,8 @@ from tests.helpers import TINY, assert_losses_match, read_losses, read_metrics, 
 from tests.helpers import train as train_run
 
 
-def train(workdir, *overrides):
-    return train_run(workdir, *overrides, base=TINY)
+def train(workdir, *overrides, fresh=False):
+    return train_run(workdir, *overrides, base=TINY, fresh=fresh)
 
 
 @pytest.mark.slow
@@ -20,6 +20,7 @@ def test_train_writes_outputs(tmp_path):
         "train.eval_every_steps=3",
         "checkpoint.every_steps=3",
         "log.profile_steps=2:4",
+        fresh=True,  # the CLI as users start it, not forked from the tests' CLI server
     )
     assert out.returncode == 0, out.stderr
     last = out.stdout.strip().splitlines()[-1]

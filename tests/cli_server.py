@@ -1,0 +1,134 @@
+"""``python -m jddp.train ...`` (and jddp's other commands) for the price of a fork.
+
+    python -m tests.cli_server SOCKET     (started by tests/helpers.py, one per pytest worker)
+
+Imports the libraries jddp's commands load (:data:`PRELOADED`) once, then serves one request
+at a time on the Unix socket ``SOCKET``: a JSON line ``{"module", "args", "env", "cwd"}`` with
+the write ends of two pipes passed along. For each it forks a child that becomes ``python -m
+MODULE ARGS`` as the interpreter starts one (``runpy``'s ``-m`` entry: the module runs as
+``__main__``; ``sys.argv``, ``sys.path[0]``, the working folder and the environment as a new
+process has them; stdout and stderr the two pipes, which the test reads to their end as
+``subprocess.run`` does: until the command and every process that inherited them ended; no
+stdin). It answers ``{"pid"}`` at once and ``{"code", "cpu_s"}`` when the child ended: its exit
+code as ``subprocess`` reports it (``-N`` for a signal) and the CPU seconds it used. The child
+leaves the server's loop and ends as any ``python -m`` does: ``SystemExit``'s code, an uncaught
+exception's traceback and exit 1, atexit handlers run and threads joined.
+
+JAX's backend has not started before the fork (no device, no thread pool; ``XLA_FLAGS`` is read
+when it starts): each child starts its own, as a new process would. What the imports read from
+the environment is the server's: :func:`tests.helpers.run` sends a command here only when its
+environment differs from the server's in variables read later (:func:`may_differ`).
+
+Why: the interpreter's start and these imports are ~1.8 CPU-s of every ``python -m jddp.train``
+(2026-11-27, the 2-core VM); a tiny run on 4 fake devices with a warm compilation cache took
+4.6 CPU-s as a process of its own, 3.2 forked from here.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import runpy
+import socket
+import sys
+
+# Environment variables that may differ between the server and a command it runs: none of them
+# is read while the libraries import (XLA reads XLA_FLAGS when JAX's backend starts; jddp, MLflow
+# and W&B read theirs when a run uses them). Any other difference (JAX_*, PYTHON*, HOME, ...):
+# a process of its own.
+READ_AFTER_IMPORT = ("XLA_FLAGS", "PYTEST_CURRENT_TEST")
+READ_AFTER_IMPORT_PREFIXES = ("JDDP_", "MLFLOW_", "WANDB_")
+
+
+def may_differ(name: str) -> bool:
+    """Whether the variable ``name`` may differ between the server and a command it runs."""
+    return name in READ_AFTER_IMPORT or name.startswith(READ_AFTER_IMPORT_PREFIXES)
+
+
+def _become(request: dict, outputs: list[int]) -> str:
+    """In the forked child: the process ``python -m MODULE ARGS`` would be, up to running the
+    module, its stdout and stderr the two pipes ``outputs``; returns the module's name."""
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    os.close(stdin)
+    for fd, target in zip((1, 2), outputs, strict=True):
+        os.dup2(target, fd)
+        os.close(target)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path[0] = request["cwd"]  # as ``python -m``: the cwd first
+    sys.argv = ["-m", *request["args"]]  # runpy puts the module's file in argv[0]
+    sys.orig_argv = [sys.executable, "-m", request["module"], *request["args"]]
+    return request["module"]
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    """A request: the two pipes' write ends (sent with its first byte), then its JSON line."""
+    first, outputs, _, _ = socket.recv_fds(conn, 1, 2)
+    if len(outputs) != 2:
+        raise ConnectionError(f"expected 2 file descriptors with the request, got {len(outputs)}")
+    with conn.makefile("rb") as rest:
+        return json.loads(first + rest.readline()), outputs
+
+
+def serve(path: str) -> tuple[dict, list[int]]:
+    """Answer requests until the pytest worker that started this server is gone; in a forked
+    child, return its request and output pipes."""
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(1.0)
+    print("ready", flush=True)
+    while os.getppid() == parent:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        with conn:
+            conn.settimeout(None)
+            request, outputs = _receive(conn)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                return request, outputs
+            for fd in outputs:  # the child and what it starts hold them now: EOF when all end
+                os.close(fd)
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            _, status, usage = os.wait4(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            cpu_s = usage.ru_utime + usage.ru_stime
+            try:
+                conn.sendall(json.dumps({"code": code, "cpu_s": cpu_s}).encode() + b"\n")
+            except OSError:  # the test gave up on it (a timeout): nothing to answer
+                pass
+    sys.exit(0)
+
+
+# What a tiny training run imports besides: ``jddp.run.trainer`` brings JAX, Flax, Optax and
+# Orbax; lowering the first program loads XLA's MLIR dialect (~80 ms), the loader grain, the
+# event files tensorboardX.
+PRELOADED = ("jddp.run.trainer", "jaxlib.mlir.dialects.mhlo", "grain", "tensorboardX")
+
+
+def main() -> None:
+    for name in PRELOADED:
+        importlib.import_module(name)
+
+    gc.collect()
+    gc.freeze()  # the imports' objects stay put: a child's collections do not copy their pages
+    request, outputs = serve(sys.argv[1])
+    # The child: from here on what ``python -m MODULE`` does after the interpreter started.
+    module = _become(request, outputs)
+    gc.unfreeze()
+    runpy._run_module_as_main(module, alter_argv=True)
+
+
+if __name__ == "__main__":
+    main()
