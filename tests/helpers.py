@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -160,6 +161,7 @@ REPO = Path(__file__).resolve().parents[1]
 # jddp's commands that :func:`run` forks from the worker's CLI server (tests/cli_server.py).
 FORKED_MODULES = ("jddp.train", "jddp.evaluate", "jddp.export", "jddp.predict", "jddp.pack")
 _CLI_SERVER: dict = {}  # this worker's: "job" (its process), "socket", "env"
+_CLI_SERVER_BUSY = threading.Lock()
 forked_cpu_s = 0.0  # CPU seconds of the commands the server ran for this process (JDDP_TEST_USAGE)
 
 
@@ -267,8 +269,12 @@ def run(
     same. ``fresh=True`` for what only a new process shows (what the imports print, their
     time)."""
     module = None if fresh else _forkable(cmd, env)
-    if module is not None:
-        out = _run_forked(module, cmd, env, timeout, cwd)
+    # The server runs one command at a time: a second thread's gets a process of its own.
+    if module is not None and _CLI_SERVER_BUSY.acquire(blocking=False):
+        try:
+            out = _run_forked(module, cmd, env, timeout, cwd)
+        finally:
+            _CLI_SERVER_BUSY.release()
         if check:
             out.check_returncode()
         return out
