@@ -26,6 +26,7 @@ Why: the interpreter's start and these imports are ~1.8 CPU-s of every ``python 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
@@ -34,17 +35,43 @@ import runpy
 import socket
 import sys
 
-# Environment variables that may differ between the server and a command it runs: none of them
-# is read while the libraries import (XLA reads XLA_FLAGS when JAX's backend starts; jddp, MLflow
-# and W&B read theirs when a run uses them). Any other difference (JAX_*, PYTHON*, HOME, ...):
-# a process of its own.
-READ_AFTER_IMPORT = ("XLA_FLAGS", "PYTEST_CURRENT_TEST")
-READ_AFTER_IMPORT_PREFIXES = ("JDDP_", "MLFLOW_", "WANDB_")
+# Variables that native code may read while the libraries load (the loader, the interpreter,
+# OpenMP/OpenBLAS, TSL's logging, JAX's and XLA's plugins) or that a library reads by iterating
+# over the environment (tqdm's TQDM_*): a command whose environment differs from the server's in
+# one of them gets a process of its own. XLA_FLAGS is not among them: XLA reads it when JAX's
+# backend starts, in the child (4 fake devices from a child's own XLA_FLAGS, checked).
+READ_WHILE_LOADING = ("PYTHON", "LD_", "GLIBC_", "MALLOC_", "OMP_", "OPENBLAS_", "GOTO", "TF_",
+                      "JAX_", "XLA_", "TPU_", "CUDA", "NVIDIA", "NCCL_", "TQDM_")  # fmt: skip
 
 
-def may_differ(name: str) -> bool:
-    """Whether the variable ``name`` may differ between the server and a command it runs."""
-    return name in READ_AFTER_IMPORT or name.startswith(READ_AFTER_IMPORT_PREFIXES)
+def may_differ(name: str, read: set[str]) -> bool:
+    """Whether the variable ``name`` may differ between the server and a command it runs:
+    neither the server's Python imports read it (``read``) nor may native code have."""
+    if name in read:
+        return False
+    return name == "XLA_FLAGS" or not name.startswith(READ_WHILE_LOADING)
+
+
+@contextlib.contextmanager
+def recording_reads(read: set[str]):
+    """Add to ``read`` every variable Python code looks up in ``os.environ`` meanwhile
+    (``os.environ[...]``, ``.get``, ``os.getenv``, ``in``)."""
+    environ = type(os.environ)
+    getitem, contains = environ.__getitem__, environ.__contains__
+
+    def recorded_getitem(self, key):
+        read.add(key)
+        return getitem(self, key)
+
+    def recorded_contains(self, key):
+        read.add(key)
+        return contains(self, key)
+
+    environ.__getitem__, environ.__contains__ = recorded_getitem, recorded_contains
+    try:
+        yield read
+    finally:
+        environ.__getitem__, environ.__contains__ = getitem, contains
 
 
 def _become(request: dict, outputs: list[int]) -> str:
@@ -74,15 +101,16 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
         return json.loads(first + rest.readline()), outputs
 
 
-def serve(path: str) -> tuple[dict, list[int]]:
-    """Answer requests until the pytest worker that started this server is gone; in a forked
-    child, return its request and output pipes."""
+def serve(path: str, read: set[str]) -> tuple[dict, list[int]]:
+    """Say ``{"ready", "read"}`` (the variables the imports read) on stdout, then answer
+    requests until the pytest worker that started this server is gone; in a forked child,
+    return its request and output pipes."""
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
     listener.settimeout(1.0)
-    print("ready", flush=True)
+    print(json.dumps({"ready": True, "read": sorted(read)}), flush=True)
     while os.getppid() == parent:
         try:
             conn, _ = listener.accept()
@@ -118,8 +146,10 @@ PRELOADED = ("jddp.run.trainer", "jaxlib.mlir.dialects.mhlo", "grain", "tensorbo
 
 
 def main() -> None:
-    for name in PRELOADED:
-        importlib.import_module(name)
+    read: set[str] = set()
+    with recording_reads(read):
+        for name in PRELOADED:
+            importlib.import_module(name)
 
     gc.collect()
     # The imports' objects out of the collector's reach, in the server and (never unfrozen) in
@@ -127,7 +157,7 @@ def main() -> None:
     # live as long as the process anyway. (Unfrozen, the child's first full collection copied
     # them all: a config error's child 0.11 -> 0.42 CPU-s.)
     gc.freeze()
-    request, outputs = serve(sys.argv[1])
+    request, outputs = serve(sys.argv[1], read)
     # The child: from here on what ``python -m MODULE`` does after the interpreter started.
     module = _become(request, outputs)
     runpy._run_module_as_main(module, alter_argv=True)

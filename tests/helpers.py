@@ -158,9 +158,12 @@ def fake_devices(count: int, env=None) -> dict[str, str]:
 
 
 REPO = Path(__file__).resolve().parents[1]
-# jddp's commands that :func:`run` forks from the worker's CLI server (tests/cli_server.py).
-FORKED_MODULES = ("jddp.train", "jddp.evaluate", "jddp.export", "jddp.predict", "jddp.pack")
-_CLI_SERVER: dict = {}  # this worker's: "job" (its process), "socket", "env"
+# jddp's commands that :func:`run` forks from the worker's CLI server (tests/cli_server.py): those
+# that import JAX themselves. Not ``jddp.pack``: it never imports JAX, and a command that finds
+# JAX imported behaves otherwise (a failed pack would skip the interpreter's teardown, and its
+# pool's semaphores leak with a warning: jddp/cli.py ``stop_peers``).
+FORKED_MODULES = ("jddp.train", "jddp.evaluate", "jddp.export", "jddp.predict")
+_CLI_SERVER: dict = {}  # this worker's: "job" (its process), "socket", "env", "read"
 _CLI_SERVER_BUSY = threading.Lock()
 forked_cpu_s = 0.0  # CPU seconds of the commands the server ran for this process (JDDP_TEST_USAGE)
 
@@ -174,11 +177,12 @@ def _cli_server() -> dict:
         with open(server_err, "w") as err:
             command = [sys.executable, "-m", "tests.cli_server", str(sock)]
             job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
-        ready, printed = job.stdout.readline().strip(), server_err.read_text()
+        ready, printed = job.stdout.readline(), server_err.read_text()
         # The imports print nothing: a warning there would be in every command's "one line".
-        assert ready == "ready" and not printed, f"CLI server: {ready!r} {printed}"
+        assert ready.startswith('{"ready": true') and not printed, f"CLI server: {ready} {printed}"
         atexit.register(_stop_cli_server, job, folder)
-        _CLI_SERVER.update(job=job, socket=sock, env=dict(os.environ))
+        read = set(json.loads(ready)["read"])
+        _CLI_SERVER.update(job=job, socket=sock, env=dict(os.environ), read=read)
     return _CLI_SERVER
 
 
@@ -191,16 +195,16 @@ def _stop_cli_server(job: subprocess.Popen, folder: Path) -> None:
 
 def _forkable(cmd, env) -> str | None:
     """The jddp module ``cmd`` runs as ``python -m MODULE ...`` when the CLI server can run it
-    as a new process would (the environment differs from the server's only in variables read
-    after the imports), else None."""
+    as a new process would (the environment differs from the server's only in variables that
+    its imports did not read: :func:`tests.cli_server.may_differ`), else None."""
     from tests.cli_server import may_differ
 
     if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or cmd[2] not in FORKED_MODULES:
         return None
-    server_env = _CLI_SERVER.get("env", os.environ)
+    server = _cli_server()
     env = os.environ if env is None else env
-    differs = {k for k in set(env) | set(server_env) if env.get(k) != server_env.get(k)}
-    return cmd[2] if all(may_differ(k) for k in differs) else None
+    differs = {k for k in set(env) | set(server["env"]) if env.get(k) != server["env"].get(k)}
+    return cmd[2] if all(may_differ(k, server["read"]) for k in differs) else None
 
 
 def _run_forked(module, cmd, env, timeout, cwd) -> subprocess.CompletedProcess:
