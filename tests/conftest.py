@@ -229,7 +229,7 @@ def two_by_two(tmp_path_factory):
     (checkpoints 4, 8, ..., 20) and completed process. Made once per test session: under
     xdist the first worker to need it runs it, the other reads it (a lock file beside both
     workers' temporary folders)."""
-    from tests.helpers import TWO_BY_TWO, launch_cmd, run
+    from tests.helpers import TWO_BY_TWO, failure_text, launch_cmd, run
 
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -242,5 +242,5 @@ def two_by_two(tmp_path_factory):
             out = run(launch_cmd(2, 2, wd, *TWO_BY_TWO, "log.profile_steps=2:3"))
             saved.write_text(json.dumps([out.args, out.returncode, out.stdout, out.stderr]))
     out = subprocess.CompletedProcess(*json.loads(saved.read_text()))
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out.stderr)
     return wd, out

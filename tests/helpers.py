@@ -82,10 +82,18 @@ def mpirun_cmd(nproc, workdir, *overrides, base=TINY_SYNC) -> list[str]:
     return [MPIRUN, "-np", str(nproc), *train_cmd(workdir, *overrides, base=base)]
 
 
+def failure_text(stderr: str, limit: int = 3000) -> str:
+    """A failed run's stderr for an assertion's message: from a fatal error's report on
+    (faulthandler's dump names the crashing thread first: its tail would show only the last
+    thread, the main one), else its last ``limit`` characters."""
+    at = stderr.find("Fatal Python error")
+    return stderr[at : at + 2 * limit] if at >= 0 else stderr[-limit:]
+
+
 def assert_resumed_bitwise(out, workdir, straight, resumed: int, last_step: int) -> None:
     """``out`` (the rerun after a kill) resumed at ``resumed`` and then logged exactly the losses
     of the uninterrupted run in ``straight``, every step once."""
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out.stderr)
     assert f"at step {resumed}" in out.stdout
     got, want = read_losses(workdir), read_losses(straight)
     assert sorted(got) == list(range(1, last_step + 1))

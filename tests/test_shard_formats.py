@@ -26,6 +26,7 @@ from tests.datafiles import photo_folder, write_jpeg_folder
 from tests.helpers import (
     assert_losses_match,
     assert_resumed_bitwise,
+    failure_text,
     fake_devices,
     launch_cmd,
     read_losses,
@@ -261,7 +262,7 @@ def test_any_topology_and_a_kill_give_the_same_losses(tmp_path, e2e_shards):
     for name, (nproc, devices) in (("parquet", (1, 2)), ("webdataset", (2, 1))):
         wd = tmp_path / f"{name}-straight"
         out = run(launch_cmd(nproc, devices, wd, *with_overrides(e2e_shards[name], *E2E)))
-        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.returncode == 0, failure_text(out.stderr)
         runs[(nproc, devices)] = wd
     assert_losses_match(read_losses(runs[(2, 1)]), read_losses(runs[(1, 2)]), range(1, 9))
     for name, (nproc, devices) in (("webdataset", (1, 2)), ("parquet", (2, 1))):
