@@ -60,7 +60,11 @@ def recording_reads(read: set[str]):
     getitem, contains = environ.__getitem__, environ.__contains__
 
     def recorded_getitem(self, key):
-        read.add(key)
+        # Not a walk over every variable (``.items()``, ``.values()``: tqdm's for TQDM_*,
+        # wsgiref's copy), which would count every variable as read; ``.get`` is a lookup.
+        caller = sys._getframe(1).f_code
+        if caller.co_name != "__iter__" or caller.co_filename != "<frozen _collections_abc>":
+            read.add(key)
         return getitem(self, key)
 
     def recorded_contains(self, key):
