@@ -44,9 +44,13 @@ READ_WHILE_LOADING = ("PYTHON", "LD_", "GLIBC_", "MALLOC_", "OMP_", "OPENBLAS_",
                       "JAX_", "XLA_", "TPU_", "CUDA", "NVIDIA", "NCCL_", "TQDM_")  # fmt: skip
 
 
-def may_differ(name: str, read: set[str]) -> bool:
-    """Whether the variable ``name`` may differ between the server and a command it runs:
-    neither the server's Python imports read it (``read``) nor may native code have."""
+def may_differ(name: str, value: str | None, read: set[str], set_by_imports: dict) -> bool:
+    """Whether the variable ``name`` may be ``value`` in a command the server runs while the
+    server's own differs: neither the server's Python imports read it (``read``) nor may
+    native code have, or the imports set it (``set_by_imports``: tensorboardX sets
+    CRC32C_SW_MODE) and a new process's imports would have found or set the same."""
+    if name in set_by_imports and value in (None, set_by_imports[name]):
+        return True
     if name in read:
         return False
     return name == "XLA_FLAGS" or not name.startswith(READ_WHILE_LOADING)
@@ -105,16 +109,17 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
         return json.loads(first + rest.readline()), outputs
 
 
-def serve(path: str, read: set[str]) -> tuple[dict, list[int]]:
-    """Say ``{"ready", "read"}`` (the variables the imports read) on stdout, then answer
-    requests until the pytest worker that started this server is gone; in a forked child,
-    return its request and output pipes."""
+def serve(path: str, read: set[str], set_by_imports: dict) -> tuple[dict, list[int]]:
+    """Say ``{"ready", "read", "set"}`` (the variables the imports read, and those they set)
+    on stdout, then answer requests until the pytest worker that started this server is gone;
+    in a forked child, return its request and output pipes."""
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
     listener.settimeout(1.0)
-    print(json.dumps({"ready": True, "read": sorted(read)}), flush=True)
+    ready = {"ready": True, "read": sorted(read), "set": set_by_imports}
+    print(json.dumps(ready), flush=True)
     while os.getppid() == parent:
         try:
             conn, _ = listener.accept()
@@ -151,9 +156,11 @@ PRELOADED = ("jddp.run.trainer", "jaxlib.mlir.dialects.mhlo", "grain", "tensorbo
 
 def main() -> None:
     read: set[str] = set()
+    before = dict(os.environ)
     with recording_reads(read):
         for name in PRELOADED:
             importlib.import_module(name)
+    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
 
     gc.collect()
     # The imports' objects out of the collector's reach, in the server and (never unfrozen) in
@@ -161,7 +168,7 @@ def main() -> None:
     # live as long as the process anyway. (Unfrozen, the child's first full collection copied
     # them all: a config error's child 0.11 -> 0.42 CPU-s.)
     gc.freeze()
-    request, outputs = serve(sys.argv[1], read)
+    request, outputs = serve(sys.argv[1], read, set_by_imports)
     # The child: from here on what ``python -m MODULE`` does after the interpreter started.
     module = _become(request, outputs)
     runpy._run_module_as_main(module, alter_argv=True)

@@ -171,7 +171,7 @@ REPO = Path(__file__).resolve().parents[1]
 # JAX imported behaves otherwise (a failed pack would skip the interpreter's teardown, and its
 # pool's semaphores leak with a warning: jddp/cli.py ``stop_peers``).
 FORKED_MODULES = ("jddp.train", "jddp.evaluate", "jddp.export", "jddp.predict")
-_CLI_SERVER: dict = {}  # this worker's: "job" (its process), "socket", "env", "read"
+_CLI_SERVER: dict = {}  # this worker's: "job", "socket", "env", "read", "set" (cli_server.py)
 _CLI_SERVER_BUSY = threading.Lock()
 forked_cpu_s = 0.0  # CPU seconds of the commands the server ran for this process (JDDP_TEST_USAGE)
 
@@ -189,8 +189,9 @@ def _cli_server() -> dict:
         # The imports print nothing: a warning there would be in every command's "one line".
         assert ready.startswith('{"ready": true') and not printed, f"CLI server: {ready} {printed}"
         atexit.register(_stop_cli_server, job, folder)
-        read = set(json.loads(ready)["read"])
-        _CLI_SERVER.update(job=job, socket=sock, env=dict(os.environ), read=read)
+        said = json.loads(ready)
+        _CLI_SERVER.update(job=job, socket=sock, env=dict(os.environ), read=set(said["read"]),
+                           set=said["set"])  # fmt: skip
     return _CLI_SERVER
 
 
@@ -212,7 +213,8 @@ def _forkable(cmd, env) -> str | None:
     server = _cli_server()
     env = os.environ if env is None else env
     differs = {k for k in set(env) | set(server["env"]) if env.get(k) != server["env"].get(k)}
-    return cmd[2] if all(may_differ(k, server["read"]) for k in differs) else None
+    alike = all(may_differ(k, env.get(k), server["read"], server["set"]) for k in differs)
+    return cmd[2] if alike else None
 
 
 def _run_forked(module, cmd, env, timeout, cwd) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ import jddp
 from jddp.errors import ConfigError, ExportError
 from jddp.export_lib.inputs import task_signature
 from jddp.tasks.custom import CustomTask
-from tests.helpers import TINY, run_python
+from tests.helpers import TINY
 
 TOLERANCE = 1e-4  # float32 outputs of the exported program vs the model in JAX
 TWO_INPUTS = [
@@ -52,15 +52,8 @@ def two_inputs_run(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("export") / "two", [*TWO_INPUTS, "train.steps=3"])
 
 
-def export(argv) -> tuple[int, str, str]:
-    """``python -m jddp.export ARGV``: exit code, stdout, stderr."""
-    out = run_python("-m", "jddp.export", *map(str, argv), timeout=300)
-    return out.returncode, out.stdout, out.stderr
-
-
-def export_in_process(argv, capfd) -> tuple[int, str, str]:
-    """The same in this process, for a test that patches the model: exit code, stdout,
-    stderr."""
+def export(argv, capfd) -> tuple[int, str, str]:
+    """``python -m jddp.export ARGV`` in this process: exit code, stdout, stderr."""
     capfd.readouterr()
     with (
         mock.patch.object(sys, "argv", ["jddp.export", *map(str, argv)]),
@@ -90,10 +83,10 @@ def assert_close(got, want):
 @pytest.mark.parametrize("fmt", ["stablehlo", "onnx"])
 @pytest.mark.slow
 def test_a_resnet_exports_with_a_dynamic_batch_and_gives_the_loaded_models_logits(
-    resnet_run, fmt, tmp_path
+    resnet_run, fmt, tmp_path, capfd
 ):
     out = tmp_path / f"model.{fmt}"
-    code, stdout, stderr = export(["--workdir", resnet_run, "--format", fmt, out])
+    code, stdout, stderr = export(["--workdir", resnet_run, "--format", fmt, out], capfd)
     assert code == 0 and not stderr, stderr
     assert "images float32[batch,8,8,3] -> logits float32[batch,10]" in stdout
     model = jddp.load(resnet_run)  # eval mode: BatchNorm's running statistics
@@ -115,10 +108,10 @@ def test_a_resnet_exports_with_a_dynamic_batch_and_gives_the_loaded_models_logit
 
 
 @pytest.mark.slow
-def test_a_fixed_batch_and_an_older_step(resnet_run, tmp_path):
+def test_a_fixed_batch_and_an_older_step(resnet_run, tmp_path, capfd):
     out = tmp_path / "step2.stablehlo"
     argv = ["--workdir", resnet_run, "--step", 2, "--format", "stablehlo", "--batch-size", 4]
-    code, stdout, stderr = export([*argv, out])
+    code, stdout, stderr = export([*argv, out], capfd)
     assert code == 0 and not stderr, stderr
     exported = jax.export.deserialize(out.read_bytes())
     assert exported.in_avals[0].shape == (4, 8, 8, 3)
@@ -134,10 +127,10 @@ def test_a_fixed_batch_and_an_older_step(resnet_run, tmp_path):
 @pytest.mark.parametrize("fmt", ["stablehlo", "onnx"])
 @pytest.mark.slow
 def test_a_two_input_custom_task_exports_the_arrays_its_loss_passes_the_model(
-    two_inputs_run, fmt, tmp_path
+    two_inputs_run, fmt, tmp_path, capfd
 ):
     out = tmp_path / f"two.{fmt}"
-    code, stdout, stderr = export(["--workdir", two_inputs_run, "--format", fmt, out])
+    code, stdout, stderr = export(["--workdir", two_inputs_run, "--format", fmt, out], capfd)
     assert code == 0 and not stderr, stderr
     assert "image float32[batch,8,8,1], side float32[batch,16] -> output float32[batch,10]" in (
         stdout
@@ -151,7 +144,7 @@ def test_a_two_input_custom_task_exports_the_arrays_its_loss_passes_the_model(
 
 
 @pytest.mark.slow  # resnet_run: a ResNet's train and eval steps compiled in this process
-def test_bad_input_is_one_line_and_exit_2(resnet_run, tmp_path):
+def test_bad_input_is_one_line_and_exit_2(resnet_run, tmp_path, capfd):
     empty = tmp_path / "empty"
     empty.mkdir()
     out = tmp_path / "m.onnx"
@@ -177,7 +170,7 @@ def test_bad_input_is_one_line_and_exit_2(resnet_run, tmp_path):
         "--input-shape: '3,x' is not one example's shape": [*base, "--input-shape", "3,x", out],
     }
     for expected, argv in cases.items():
-        code, stdout, stderr = export(argv)
+        code, stdout, stderr = export(argv, capfd)
         lines = stderr.strip().splitlines()
         assert code == 2 and len(lines) == 1, (argv, stderr)
         assert lines[0].startswith("jddp: error: ") and expected in lines[0], (argv, stderr)
@@ -202,9 +195,7 @@ def test_a_model_the_converter_cannot_express_is_one_line_naming_the_operation(
 
     out = tmp_path / f"m.{fmt}"
     with mock.patch.object(TwoInputs, "__call__", with_a_host_callback):
-        code, _, stderr = export_in_process(
-            ["--workdir", two_inputs_run, "--format", fmt, out], capfd
-        )
+        code, _, stderr = export(["--workdir", two_inputs_run, "--format", fmt, out], capfd)
     lines = stderr.strip().splitlines()
     assert code == 1 and len(lines) == 1, stderr
     assert lines[0].startswith(f"jddp: error: --format {fmt}: ") and operation in lines[0]
@@ -278,7 +269,7 @@ def test_the_imagenet_stems_max_pool_runs_in_onnxruntime(tmp_path):
         assert_close(run_exported(out, "onnx", x), np.asarray(model(x)))
 
 
-def test_a_loss_given_to_fit_needs_input_shape(tmp_path):
+def test_a_loss_given_to_fit_needs_input_shape(tmp_path, capfd):
     """A run whose loss was passed to ``jddp.fit`` (its config names none): the inputs come from
     ``--input-shape``."""
     import optax
@@ -294,9 +285,9 @@ def test_a_loss_given_to_fit_needs_input_shape(tmp_path):
     )
     out = tmp_path / "linear.onnx"
     argv = ["--workdir", workdir, "--format", "onnx"]
-    code, _, stderr = export([*argv, out])
+    code, _, stderr = export([*argv, out], capfd)
     assert code == 2 and stderr.startswith("jddp: error: --input-shape: ") and "jddp.fit" in stderr
-    code, stdout, stderr = export([*argv, "--input-shape", 4, out])
+    code, stdout, stderr = export([*argv, "--input-shape", 4, out], capfd)
     assert code == 0 and "x float32[batch,4] -> output float32[batch]" in stdout, stderr
     model = jddp.load(workdir)
     for rows in (1, 6):
@@ -357,7 +348,7 @@ def test_class_names_go_from_the_data_to_the_checkpoint_the_export_and_the_track
     assert warning in said.out.splitlines(), said.out
     assert jddp.class_names(run) == ["cat", "dog"]
     out = tmp_path / "model.onnx"
-    code, stdout, stderr = export(["--workdir", run, "--format", "onnx", out])
+    code, stdout, stderr = export(["--workdir", run, "--format", "onnx", out], capfd)
     assert code == 0 and not stderr, stderr
     assert "jddp: outputs are the classes, in order: cat, dog (in the ONNX metadata" in stdout
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
