@@ -17,11 +17,12 @@ exception's traceback and exit 1, atexit handlers run and threads joined.
 JAX's backend has not started before the fork (no device, no thread pool; ``XLA_FLAGS`` is read
 when it starts): each child starts its own, as a new process would. What the imports read from
 the environment is the server's: :func:`tests.helpers.run` sends a command here only when its
-environment differs from the server's in variables read later (:func:`may_differ`).
+environment differs from the server's in nothing those imports looked up or set differently, nor
+in what native code may read while loading (:func:`may_differ`).
 
-Why: the interpreter's start and these imports are ~1.8 CPU-s of every ``python -m jddp.train``
-(2026-11-27, the 2-core VM); a tiny run on 4 fake devices with a warm compilation cache took
-4.6 CPU-s as a process of its own, 3.2 forked from here.
+Why: a tiny run on 4 fake devices with a warm compilation cache took 4.6 CPU-s as a process of
+its own, 3.2 forked from here (2026-11-27, the 2-core VM): the interpreter's start and these
+imports.
 """
 
 from __future__ import annotations

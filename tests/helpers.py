@@ -177,7 +177,7 @@ forked_cpu_s = 0.0  # CPU seconds of the commands the server ran for this proces
 
 
 def _cli_server() -> dict:
-    """This worker's CLI server, started on first use (its imports: ~1.8 CPU-s, once)."""
+    """This worker's CLI server, started on first use (its imports, once)."""
     job = _CLI_SERVER.get("job")
     if job is None or job.poll() is not None:
         folder = Path(tempfile.mkdtemp(prefix="jddp-cli-server-"))
@@ -237,14 +237,14 @@ def _run_forked(module, cmd, env, timeout, cwd) -> subprocess.CompletedProcess:
         conn.sendall(payload[1:])
         for _, w in pipes:
             os.close(w)
-        answers = conn.makefile("rb")
-        pid = json.loads(answers.readline())["pid"]
-        stdout, stderr = _read_to_end([r for r, _ in pipes], deadline)
-        if stdout is None:  # past the deadline
-            os.kill(pid, signal.SIGKILL)
-            raise subprocess.TimeoutExpired(cmd, timeout, stderr)
-        conn.settimeout(max(deadline - time.monotonic(), 1.0))
-        done = json.loads(answers.readline())
+        with conn.makefile("rb") as answers:
+            pid = json.loads(answers.readline())["pid"]
+            stdout, stderr = _read_to_end([r for r, _ in pipes], deadline)
+            if stdout is None:  # past the deadline
+                os.kill(pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(cmd, timeout, stderr)
+            conn.settimeout(max(deadline - time.monotonic(), 1.0))
+            done = json.loads(answers.readline())
     forked_cpu_s += done["cpu_s"]
     return subprocess.CompletedProcess(cmd, done["code"], stdout, stderr)
 
