@@ -5,16 +5,15 @@ At rest each device holds 1/N of every array that splits (:meth:`ShardLayout.axi
 ``dist.shard=optimizer`` splits the optimizer state) and the whole of the rest. In the step,
 per device and per micro-batch:
 
-1. each split parameter is all-gathered as the forward pass begins (:func:`gather`: one
-   ``all_gather`` per array, with no annotation on the model XLA's scheduler places each; it
-   is not hooked to the layer that reads it), inside a ``jax.checkpoint`` whose
-   policy (:func:`_policy`) keeps everything but the gathers and the casts and reshapes that
-   follow them: the backward pass may gather each one again instead of keeping the whole
-   model alive from the forward pass to the backward pass (FSDP's ``reshard_after_forward``).
-   XLA:CPU removes ``jax.checkpoint``'s optimization barriers early and merges the second
-   gathers with the first (measured on a 6-layer GPT: 116 gathers before its passes, 78
-   after, for 78 split arrays), so on CPUs the gathered parameters stay whole through the
-   step; GPUs keep the barriers (docs/performance.md);
+1. each split parameter is all-gathered inside the call of the module that holds it
+   (:mod:`jddp.gather_at_use`: one ``all_gather`` per array, :func:`gather`, in a
+   ``jax.checkpoint`` per module whose policy, :func:`_policy`, keeps everything but the
+   gathers and the casts and reshapes that follow them), and gathered again where that
+   module's backward pass runs, so the whole model is never gathered at once (FSDP's
+   ``reshard_after_forward``); a parameter read outside its module's call reads a copy
+   gathered as the step begins. On XLA:CPU the step is compiled with the optimization
+   barriers kept (:attr:`FullShardLayout.compiler_options`: XLA:CPU would otherwise merge
+   each second gather into the first);
 2. the gathered parameter's gradient goes back through the gather's transpose, a
    reduce-scatter: the device receives the sum over devices of its slice's gradient, divided
    once as ``pmean`` divides (through gloo on CPUs all split parameters are gathered at once
@@ -47,6 +46,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jddp.comm.base import fused
+from jddp.gather_at_use import bind as bind_at_use
+from jddp.gather_at_use import gathering_at_use
 from jddp.layout import GradsIO, to_varying
 from jddp.mesh import DATA_AXIS
 from jddp.sharded_update import ShardLayout
@@ -75,9 +76,9 @@ def gather_packed(slices: list[jax.Array], axes: list[int], shards: int) -> list
     unreliable (jax issue 40830); and gloo pays each collective's latency (a few ms on one
     machine) once per array. Why a ``custom_vjp``: a ``psum``-made gather differentiates into
     a ``psum`` that XLA:CPU splits back into one all-reduce per array (a 4-layer GPT's step:
-    55 gloo calls, 0.2 s of its 0.5 s, measured 2026-11-27). Every array is whole at once:
-    the CPU's layout (XLA:CPU keeps the gathered parameters through the step anyway, see the
-    module)."""
+    55 gloo calls, 0.2 s of its 0.5 s, measured 2026-11-27). Every array is whole at once
+    (not gathered per module, :mod:`jddp.gather_at_use`): each gloo call costs a few ms, and
+    CPU processes are where memory is least scarce."""
     return _packed_gather(tuple(axes), shards)(list(slices))
 
 
@@ -173,20 +174,26 @@ class FullShardLayout(ShardLayout):
             def on_slices(slices: list[jax.Array]):
                 split = [i for i, k in enumerate(axes) if k is not None]
                 full = list(slices)
-                if self.reduce_scatter:  # one all_gather per parameter
+                if self.reduce_scatter:  # one all_gather per parameter, as the step begins:
+                    # what reads outside a module's call get; the modules gather their own
+                    plan = {}
                     for i in split:
-                        full[i] = gather(slices[i], axes[i])
-                else:  # through gloo: all at once, one collective per dtype
-                    packed = gather_packed(
-                        [slices[i] for i in split], [axes[i] for i in split], self.num_shards
-                    )
-                    for i, x in zip(split, packed, strict=True):
-                        full[i] = x
-                for i in split:
-                    full[i] = checkpoint_name(full[i], GATHERED)
+                        full[i] = checkpoint_name(gather(slices[i], axes[i]), GATHERED)
+                        plan[id(full[i])] = (full[i], slices[i], axes[i])
+                    with gathering_at_use(plan):
+                        return objective(jax.tree.unflatten(treedef, full))
+                # through gloo: all at once, one collective per dtype
+                packed = gather_packed(
+                    [slices[i] for i in split], [axes[i] for i in split], self.num_shards
+                )
+                for i, x in zip(split, packed, strict=True):
+                    full[i] = checkpoint_name(x, GATHERED)
                 return objective(jax.tree.unflatten(treedef, full))
 
-            g, aux = jax.grad(jax.checkpoint(on_slices, policy=_policy), has_aux=True)(start)
+            if self.reduce_scatter:
+                g, aux = jax.grad(on_slices, has_aux=True)(start)
+            else:
+                g, aux = jax.grad(jax.checkpoint(on_slices, policy=_policy), has_aux=True)(start)
             return jax.tree.unflatten(treedef, g), aux
 
         def mean(grads: PyTree, comm: Any) -> PyTree:
@@ -199,7 +206,20 @@ class FullShardLayout(ShardLayout):
                 out[i] = m
             return jax.tree.unflatten(treedef, out)
 
-        return GradsIO(grads, mean)
+        def bind(model: Any) -> Any:
+            return bind_at_use(model, gather, GATHERED, _policy)
+
+        return GradsIO(grads, mean, bind)
+
+    @property
+    def compiler_options(self) -> dict[str, str] | None:
+        """On XLA:CPU with per-parameter gathers: keep the optimization barriers that hold each
+        module's second gather apart from its first (:mod:`jddp.gather_at_use`), which
+        XLA:CPU would otherwise expand early and merge (every gathered parameter then held
+        from the forward pass to the backward pass). XLA:GPU keeps them anyway."""
+        if not self.reduce_scatter or jax.default_backend() != "cpu":
+            return None
+        return {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
     def update_stage(self, make_update: Callable) -> Callable:
         """The optimizer stage run by every device on its slices; the parameters stay split."""

@@ -66,10 +66,13 @@ class GradsIO:
     ``grads(objective, params)``: ``jax.grad(objective, has_aux=True)`` at this device's
     ``params`` as the state holds them (whole, or its slices), returning gradients shaped
     like ``params``. ``mean(grads, comm)``: the per-device gradients summed over this device's
-    micro-batches -> the global mean of what this device keeps (whole arrays, or its slices)."""
+    micro-batches -> the global mean of what this device keeps (whole arrays, or its slices).
+    ``bind(model)``: the model the objective merged, made ready to run (``full``: its modules
+    gather their parameters where they run, :mod:`jddp.gather_at_use`); unchanged by default."""
 
     grads: Callable[[Callable, PyTree], tuple[PyTree, Any]]
     mean: Callable[[PyTree, Any], PyTree]
+    bind: Callable[[Any], Any] = lambda model: model
 
 
 def replicated_grads(objective: Callable, params: PyTree) -> tuple[PyTree, Any]:
@@ -83,6 +86,7 @@ class ReplicatedLayout:
 
     mesh: Mesh
     kind = "none"
+    compiler_options = None  # XLA options the jitted step needs for this layout (none)
 
     @property
     def num_shards(self) -> int:

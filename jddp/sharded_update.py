@@ -71,6 +71,7 @@ class ShardLayout:
     mesh: Mesh
     reduce_scatter: bool = field(default_factory=lambda: not cpu_gloo())
     kind = "optimizer"
+    compiler_options = None  # XLA options the jitted step needs for this layout (none)
 
     @property
     def num_shards(self) -> int:

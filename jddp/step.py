@@ -288,7 +288,7 @@ def _local_grads_fn(model_def: ModelDef, comm: Comm, task: Task, io: GradsIO) ->
 
         def objective(p):
             def model_of() -> nnx.Module:
-                model = model_def.merge(p, model_state, device)
+                model = io.bind(model_def.merge(p, model_state, device))
                 model.train()
                 return model
 
@@ -386,7 +386,8 @@ def make_train_step(
             tx, schedule, tree_norm, all_finite, clip_grad_norm, ema_decay, ema_warmup
         )
     )
-    return TrainStep(grads_stage, update_stage, comm.compose(grads_stage, update_stage))
+    run = comm.compose(grads_stage, update_stage, layout.compiler_options)
+    return TrainStep(grads_stage, update_stage, run)
 
 
 def make_eval_step(

@@ -138,8 +138,14 @@ class Comm(ABC):
         """The gradient mean over the mesh (and what of the wire dtype applies there)."""
 
     @abstractmethod
-    def compose(self, grads_stage: GradsStage, update_stage: UpdateStage) -> Callable:
-        """The step ``(state, batch) -> (state, metrics)`` assembled from its two stages."""
+    def compose(
+        self,
+        grads_stage: GradsStage,
+        update_stage: UpdateStage,
+        compiler_options: dict[str, str] | None = None,
+    ) -> Callable:
+        """The step ``(state, batch) -> (state, metrics)`` assembled from its two stages;
+        ``compiler_options``: XLA options the layout's step needs (:mod:`jddp.layout`)."""
 
     # -- host side --------------------------------------------------------------------------
     @property

@@ -112,8 +112,14 @@ class MpiComm(Comm):
         total = as_bf16(gathered).astype(jnp.float32).reshape(-1)
         return total[: flat.size].reshape(x.shape)
 
-    def compose(self, grads_stage: GradsStage, update_stage: UpdateStage) -> Callable:
-        """Local shard_map stage, then one single-device jit that all-reduces and updates."""
+    def compose(
+        self,
+        grads_stage: GradsStage,
+        update_stage: UpdateStage,
+        compiler_options: dict[str, str] | None = None,
+    ) -> Callable:
+        """Local shard_map stage, then one single-device jit that all-reduces and updates
+        (the split layouts, the only ones with ``compiler_options``, are refused here)."""
         grads_jit = jax.jit(grads_stage)
         wire = None if self.grad_dtype == "float32" else DTYPES[self.grad_dtype]
 

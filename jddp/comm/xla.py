@@ -50,13 +50,19 @@ class XlaComm(Comm):
         sent = self.average(jax.tree.map(lambda g: g.astype(wire), grads))
         return jax.tree.map(lambda m, g: m.astype(g.dtype), sent, grads)
 
-    def compose(self, grads_stage: GradsStage, update_stage: UpdateStage) -> Callable:
-        """One jitted program; the train state buffers are donated."""
+    def compose(
+        self,
+        grads_stage: GradsStage,
+        update_stage: UpdateStage,
+        compiler_options: dict[str, str] | None = None,
+    ) -> Callable:
+        """One jitted program (with ``compiler_options``); the train state buffers are
+        donated."""
 
         def step(state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
             return update_stage(state, *grads_stage(state, batch))
 
-        return jax.jit(step, donate_argnums=0)
+        return jax.jit(step, donate_argnums=0, compiler_options=compiler_options)
 
     # -- host side --------------------------------------------------------------------------
     def sum_across_processes(self, values: dict[str, float]) -> dict[str, float]:
