@@ -4,6 +4,8 @@
     .venv/bin/python experiments/bench_shard_update.py --no-time       # memory only
     .venv/bin/python experiments/bench_shard_update.py --no-memory --rounds 2 \
         --layouts none,full --time-models cifar,lm                     # full's step time
+    .venv/bin/python experiments/bench_shard_update.py --no-memory --rounds 2 \
+        --layouts none,none+blocks --time-models cifar,lm              # model.remat's cost
 
 1. Memory (a subprocess per device count, fake CPU devices): ResNet-50 (ImageNet stem, 1000
    classes, SGD with momentum, float32, 224 px) and the any-task transformer of
@@ -16,7 +18,8 @@
 2. Step time: ResNet-18 CIFAR (``cases.py``'s ``cifar-recipe``, width 64, batch 128) and the
    GPT of ``configs/lm_stdlib.yaml`` through the trainer (``benchlib.run_trainer``) as
    ``jddp.launch --nproc 2``, each ``--layouts`` value in turn (``--rounds`` rounds, the order
-   rotated every round), with the 1-minute load before each run: the VM is shared. The memory
+   rotated every round), with the 1-minute load before each run: the VM is shared. A
+   ``--layouts`` value ``SHARD+REMAT`` (``none+blocks``) also sets ``model.remat``. The memory
    of all three layouts and ``model.remat``: ``bench_memory.py``.
 
 Writes ``results/shard-update-<date>-<machine>.json`` (machine, command, commit, every figure).
@@ -178,18 +181,20 @@ def step_time(
     rounds: int, steps: int, skip: int, layouts: list[str], models: list[str]
 ) -> list[dict[str, Any]]:
     """Alternating 2-process trainer runs (``jddp.launch --nproc 2``, one device each) of each
-    model under each ``dist.shard`` layout, the order rotated every round."""
+    model under each ``dist.shard`` layout (``SHARD+REMAT``: with that ``model.remat``), the
+    order rotated every round."""
     runs = []
     for model in models:
         base = TIME_MODELS[model](steps)
         for r in range(rounds):
             order = layouts[r % len(layouts) :] + layouts[: r % len(layouts)]
             for layout in order:
+                shard, _, remat = layout.partition("+")
                 load = os.getloadavg()[0]
                 with tempfile.TemporaryDirectory() as tmp:
                     got = run_trainer(
                         Path(tmp) / "run",
-                        [*base, f"dist.shard={layout}"],
+                        [*base, f"dist.shard={shard}", f"model.remat={remat or 'none'}"],
                         nproc=2,
                         devices=1,
                         skip_steps=skip,
@@ -220,7 +225,11 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--devices", default="4,8")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every layout, timed")
-    ap.add_argument("--layouts", default="none,optimizer", help="dist.shard values timed")
+    ap.add_argument(
+        "--layouts",
+        default="none,optimizer",
+        help="dist.shard values timed (SHARD+REMAT: with model.remat=REMAT)",
+    )
     ap.add_argument("--time-models", default="cifar", help="cifar and/or lm")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--skip", type=int, default=10, help="steps before the timed windows")

@@ -2,7 +2,9 @@
 2 micro-batches each, under ``dist.shard`` none and full from the same start on the same
 batches; prints ``{kind: [loss, ...]}`` as JSON (``test_shard_update.py`` compares them), with
 ``"memory"``: XLA's memory analysis of a wider GPT's fully sharded step, whose parameters
-outweigh its activations (compiled, not run), and its parameters' bytes.
+outweigh its activations (compiled, not run), and its parameters' bytes; and ``"edges"``: the
+same for :class:`EdgeLM`, whose modules meet each case of ``jddp.gather_at_use`` (``none``,
+``full`` losses and the classes whose calls gathered their own parameters).
 
 ``python gpt_layout_worker.py`` in a subprocess with 4 fake devices, from the repository root.
 """
@@ -15,9 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # examples.lm_stdlib, as from the repository root
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jddp.gather_at_use as gather_at_use  # noqa: E402
 from jddp import XlaComm, load_config  # noqa: E402
 from jddp.build import build_layout, build_model, build_steps  # noqa: E402
 from jddp.data.loader import batch_layout, place_batch  # noqa: E402
@@ -26,6 +30,38 @@ from jddp.optimizer import make_optimizer  # noqa: E402
 from jddp.state import create_train_state  # noqa: E402
 
 ROWS = 64
+
+
+class Tagged(nnx.Module):
+    """A leaf holder whose call takes a Python flag and returns a non-array with its array."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.scale = nnx.Param(1.0 + 0.1 * jax.random.normal(rngs.params(), (width,)))
+
+    def __call__(self, x, *, double: bool = False):
+        return (x * self.scale[...] * (2.0 if double else 1.0), "tag")
+
+
+class EdgeLM(nnx.Module):
+    """Next-byte logits through: an embedding whose table the head reads too (``attend``: a read
+    outside its own call), BatchNorm called with a keyword flag (statistics in and out of the
+    checkpoint), :class:`Tagged`, dropout, and a parameter held by the root itself (whose
+    sub-modules hold parameters: read whole)."""
+
+    def __init__(self, config=None, dtype=None, rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        self.embed = nnx.Embed(256, 32, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs)
+        self.tagged = Tagged(32, rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.bias = nnx.Param(jnp.zeros((256,)))
+
+    def __call__(self, tokens, lengths=None):
+        x = self.embed(tokens.astype(jnp.int32))
+        x = self.norm(x, use_running_average=False)
+        x, tag = self.tagged(x, double=True)
+        assert tag == "tag"
+        return self.embed.attend(self.drop(x)) + self.bias[...]
 
 
 def gpt_config(kind: str, rows: int, *overrides: str):
@@ -54,6 +90,26 @@ def full_step_memory(mesh) -> dict[str, int]:
     return {"temp_bytes": int(stats.temp_size_in_bytes), "param_bytes": int(param_bytes)}
 
 
+def losses_of(mesh, batches, make_model, *overrides: str) -> dict[str, list[float]]:
+    """``{kind: [loss, ...]}`` of the model ``make_model(cfg)`` under ``dist.shard`` none and
+    full, from the same start on ``batches``."""
+    losses = {}
+    for kind in ("none", "full"):
+        cfg = gpt_config(kind, ROWS, *overrides)
+        comm = XlaComm()
+        tx, schedule = make_optimizer(cfg.optim, ROWS, 100)
+        model_def, state = create_train_state(make_model(cfg), tx, mesh)
+        layout = build_layout(cfg, mesh, comm)
+        state = layout.place(state)
+        step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
+        where = batch_layout(mesh, ROWS)
+        losses[kind] = []
+        for batch in batches:
+            state, metrics = step(state, {"data": place_batch(batch, mesh, where)})
+            losses[kind].append(float(metrics["train/loss"]))
+    return losses
+
+
 def main() -> None:
     mesh = make_mesh(jax.devices()[:4])
     rng = np.random.default_rng(0)
@@ -64,23 +120,15 @@ def main() -> None:
         }
         for _ in range(6)
     ]
-    losses = {}
-    for kind in ("none", "full"):
-        cfg = gpt_config(kind, ROWS, "model.options.width=64", "model.options.layers=2",
-                         "model.options.heads=2", "model.options.seq_len=32",
-                         "model.options.dropout=0.1", "train.grad_accum_steps=2")  # fmt: skip
-        comm = XlaComm()
-        tx, schedule = make_optimizer(cfg.optim, ROWS, 100)
-        model_def, state = create_train_state(build_model(cfg, nnx.Rngs(0)), tx, mesh)
-        layout = build_layout(cfg, mesh, comm)
-        state = layout.place(state)
-        step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
-        where = batch_layout(mesh, ROWS)
-        losses[kind] = []
-        for batch in batches:
-            state, metrics = step(state, {"data": place_batch(batch, mesh, where)})
-            losses[kind].append(float(metrics["train/loss"]))
-    print(json.dumps({**losses, "memory": full_step_memory(mesh)}))
+    gpt = [
+        "model.options.width=64", "model.options.layers=2", "model.options.heads=2",
+        "model.options.seq_len=32", "model.options.dropout=0.1", "train.grad_accum_steps=2",
+    ]  # fmt: skip
+    losses = losses_of(mesh, batches, lambda cfg: build_model(cfg, nnx.Rngs(0)), *gpt)
+    gather_at_use._UNIT_CLASSES.clear()
+    edges = losses_of(mesh, batches[:3], lambda cfg: EdgeLM(), "model.options.seq_len=32")
+    edges["bound"] = sorted({key[0].__name__ for key in gather_at_use._UNIT_CLASSES})
+    print(json.dumps({**losses, "memory": full_step_memory(mesh), "edges": edges}))
 
 
 if __name__ == "__main__":

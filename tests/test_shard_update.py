@@ -151,7 +151,8 @@ def test_the_ema_follows_the_parameters_in_every_layout(four_devices):
 def test_the_gpt_example_with_dropout_takes_the_same_steps_fully_sharded():
     """A transformer (embeddings, learned positions, attention, LayerNorm) with dropout and 2
     micro-batches on 4 devices: dist.shard=full's losses are none's (measured: bitwise); a
-    wider one's fully sharded step holds a fraction of its parameters' bytes in temporaries."""
+    wider one's fully sharded step holds a fraction of its parameters' bytes in temporaries;
+    a model meeting each case of jddp.gather_at_use takes the same steps too."""
     out = run_python(str(WORKER.with_name("gpt_layout_worker.py")), env=fake_devices(4))
     assert out.returncode == 0, out.stderr[-3000:]
     losses = json.loads(out.stdout.strip().splitlines()[-1])
@@ -163,6 +164,11 @@ def test_the_gpt_example_with_dropout_takes_the_same_steps_fully_sharded():
     # as the step began, or when XLA:CPU merges the second gathers into the first
     memory = losses["memory"]
     assert memory["temp_bytes"] < 0.75 * memory["param_bytes"], memory
+    # a tied table read by the head outside the embedding's call, BatchNorm's statistics, a
+    # call with a keyword flag returning a non-array, dropout, a parameter of the root itself
+    edges = losses["edges"]
+    assert rel(edges["full"], edges["none"]) <= 1e-5  # measured: bitwise
+    assert edges["bound"] == ["BatchNorm", "Embed", "Tagged"]  # each gathered in its own call
 
 
 @pytest.mark.slow

@@ -293,7 +293,7 @@ class DistConfig:
         "none",
         "how the train state is laid out over the devices: none (everything whole on every "
         "device); optimizer (the optimizer state split 1/N, ZeRO-1); full (parameters, "
-        "gradients and optimizer state split 1/N, each parameter gathered for the step, "
+        "gradients and optimizer state split 1/N, each parameter gathered where its module runs, "
         "ZeRO-3/FSDP); the same losses either way (dist.backend=xla, the optim section's "
         "optimizer; dist.shard_weight_update=true, the older spelling, means optimizer)",
     )
