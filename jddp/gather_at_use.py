@@ -14,8 +14,9 @@ the module's own inside ``jax.checkpoint`` on its *slices*:
   layer's input instead of all of them running as the step begins;
 * inside, the slices are gathered (:func:`jddp.fully_sharded.gather`) and the module's own
   ``__call__`` runs on a copy of the module holding the whole arrays;
-* the checkpoint's policy (``jddp.fully_sharded._policy``) keeps no gathered parameter
-  for the backward pass: it gathers each one again where that module's backward pass runs,
+* the checkpoint's policy (``jddp.fully_sharded._unit_policy``) keeps only what matrix
+  products and convolutions make: the backward pass gathers each parameter again where that
+  module's backward pass runs and recomputes the call's cheap work (casts, normalisation),
   and the gradient goes back through the gather's transpose, a reduce-scatter;
 * the module's other variables (BatchNorm statistics, RNG counters) go in and out of the
   checkpoint and are written back, as the plain call would leave them.
@@ -64,7 +65,8 @@ def gathering_at_use(plan: Plan) -> Iterator[None]:
 def bind(model: nnx.Module, gather: Callable, name: str, policy: Callable) -> nnx.Module:
     """``model`` (merged with the whole parameters of the active plan) with each leaf holder's
     ``__call__`` gathering its parameters where it runs; ``gather(slice, axis)`` makes a whole
-    array, ``name`` is the checkpoint name a gathered array gets, ``policy`` the checkpoint's.
+    array, ``name`` is the checkpoint name a gathered array gets, ``policy`` the checkpoint's
+    policy (it must not save a gathered array).
     Without an active plan: ``model`` unchanged."""
     plan = _PLAN.get()
     if not plan:

@@ -160,10 +160,10 @@ def test_the_gpt_example_with_dropout_takes_the_same_steps_fully_sharded():
     assert len(set(losses["none"])) == 6  # each step its own loss
     # each parameter gathered where its module runs, and again in that module's backward
     # pass: the step never holds the whole gathered model. Measured (jax 0.10.2, XLA:CPU):
-    # temporaries 8.9 MB for 13.2 MB of parameters; 16.3 MB when every parameter was gathered
-    # as the step began, or when XLA:CPU merges the second gathers into the first
+    # temporaries 6.0 MB for 13.2 MB of parameters; 16.3 MB when every parameter was gathered
+    # as the step began, 16.8 when XLA:CPU merges the second gathers into the first
     memory = losses["memory"]
-    assert memory["temp_bytes"] < 0.75 * memory["param_bytes"], memory
+    assert memory["temp_bytes"] < 0.6 * memory["param_bytes"], memory
     # a tied table read by the head outside the embedding's call, BatchNorm's statistics, a
     # call with a keyword flag returning a non-array, dropout, a parameter of the root itself
     edges = losses["edges"]
