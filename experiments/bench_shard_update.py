@@ -17,7 +17,8 @@
    its peak.
 2. Step time: ResNet-18 CIFAR (``cases.py``'s ``cifar-recipe``, width 64, batch 128) and the
    GPT of ``configs/lm_stdlib.yaml`` through the trainer (``benchlib.run_trainer``) as
-   ``jddp.launch --nproc 2``, each ``--layouts`` value in turn (``--rounds`` rounds, the order
+   ``jddp.launch --nproc 2`` (``--topology PxD``: P processes of D devices), each
+   ``--layouts`` value in turn (``--rounds`` rounds, the order
    rotated every round), with the 1-minute load before each run: the VM is shared. A
    ``--layouts`` value ``SHARD+REMAT`` (``none+blocks``) also sets ``model.remat``. The memory
    of all three layouts and ``model.remat``: ``bench_memory.py``.
@@ -178,12 +179,22 @@ TIME_MODELS = {
 
 
 def step_time(
-    rounds: int, steps: int, skip: int, layouts: list[str], models: list[str]
+    rounds: int,
+    steps: int,
+    skip: int,
+    layouts: list[str],
+    models: list[str],
+    topology: tuple[int, int] = (2, 1),
 ) -> list[dict[str, Any]]:
-    """Alternating 2-process trainer runs (``jddp.launch --nproc 2``, one device each) of each
-    model under each ``dist.shard`` layout (``SHARD+REMAT``: with that ``model.remat``), the
-    order rotated every round."""
+    """Alternating trainer runs (``jddp.launch --nproc P``, ``D`` devices each: ``topology``
+    ``(P, D)``, by default 2 processes of one device) of each model under each ``dist.shard``
+    layout (``SHARD+REMAT``: with that ``model.remat``), the order rotated every round."""
     runs = []
+    nproc, devices, env = topology[0], topology[1], None
+    if nproc == 1 and devices > 1:  # one plain process (jddp.launch would join gloo)
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count"
+        env = {**os.environ, "XLA_FLAGS": f"{flags}={devices}".strip()}
+        devices = 1  # the launcher's count: none
     for model in models:
         base = TIME_MODELS[model](steps)
         for r in range(rounds):
@@ -195,12 +206,14 @@ def step_time(
                     got = run_trainer(
                         Path(tmp) / "run",
                         [*base, f"dist.shard={shard}", f"model.remat={remat or 'none'}"],
-                        nproc=2,
-                        devices=1,
+                        nproc=nproc,
+                        devices=devices,
+                        env=env,
                         skip_steps=skip,
                     )
                 row = {
                     "model": model,
+                    "topology": f"{topology[0]}x{topology[1]}",
                     "round": r,
                     "mode": layout,
                     "load1_before": load,
@@ -232,6 +245,11 @@ def main() -> None:
     )
     ap.add_argument("--time-models", default="cifar", help="cifar and/or lm")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument(
+        "--topology",
+        default="2x1",
+        help="PxD: P processes of D devices each (1x2: one process, its collectives XLA's own)",
+    )
     ap.add_argument("--skip", type=int, default=10, help="steps before the timed windows")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-time", action="store_true")
@@ -256,7 +274,8 @@ def main() -> None:
         print("\n| model | round | dist.shard | step s (median) | load before | load after |")
         print("|---|---:|---|---:|---:|---:|")
         layouts, models = args.layouts.split(","), args.time_models.split(",")
-        runs = step_time(args.rounds, args.steps, args.skip, layouts, models)
+        procs, devices = (int(n) for n in args.topology.split("x"))
+        runs = step_time(args.rounds, args.steps, args.skip, layouts, models, (procs, devices))
         result["step_time"] = {"runs": runs}
         for model in models:
             for mode in layouts:
