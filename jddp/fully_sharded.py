@@ -36,6 +36,8 @@ replicated run's losses on every topology. docs/performance.md has the measureme
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -232,7 +234,9 @@ class FullShardLayout(ShardLayout):
         from the forward pass to the backward pass). XLA:GPU keeps them anyway."""
         if not self.reduce_scatter or jax.default_backend() != "cpu":
             return None
-        return {"xla_disable_hlo_passes": "cse_barrier_expander"}
+        # the passes XLA_FLAGS disables stay disabled (an option replaces the flag's list)
+        given = re.findall(r"--xla_disable_hlo_passes=(\S+)", os.environ.get("XLA_FLAGS", ""))
+        return {"xla_disable_hlo_passes": ",".join([*given, "cse_barrier_expander"])}
 
     def update_stage(self, make_update: Callable) -> Callable:
         """The optimizer stage run by every device on its slices; the parameters stay split."""
