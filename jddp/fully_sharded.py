@@ -36,8 +36,6 @@ replicated run's losses on every topology. docs/performance.md has the measureme
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from jddp.comm.base import fused
 from jddp.gather_at_use import bind as bind_at_use
 from jddp.gather_at_use import gathering_at_use
-from jddp.layout import GradsIO, to_varying
+from jddp.layout import GradsIO, keep_checkpoint_barriers, to_varying
 from jddp.mesh import DATA_AXIS
 from jddp.sharded_update import ShardLayout
 from jddp.state import TrainState
@@ -232,11 +230,7 @@ class FullShardLayout(ShardLayout):
         module's second gather apart from its first (:mod:`jddp.gather_at_use`), which
         XLA:CPU would otherwise expand early and merge (every gathered parameter then held
         from the forward pass to the backward pass). XLA:GPU keeps them anyway."""
-        if not self.reduce_scatter or jax.default_backend() != "cpu":
-            return None
-        # the passes XLA_FLAGS disables stay disabled (an option replaces the flag's list)
-        given = re.findall(r"--xla_disable_hlo_passes=(\S+)", os.environ.get("XLA_FLAGS", ""))
-        return {"xla_disable_hlo_passes": ",".join([*given, "cse_barrier_expander"])}
+        return keep_checkpoint_barriers() if self.reduce_scatter else None
 
     def update_stage(self, make_update: Callable) -> Callable:
         """The optimizer stage run by every device on its slices; the parameters stay split."""

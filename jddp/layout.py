@@ -31,6 +31,8 @@ An array is split along its first axis whose size the device count divides; one 
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +54,19 @@ def to_varying(tree: PyTree) -> PyTree:
     """``tree`` typed as varying over ``data`` (inside ``shard_map``): the gradient of a
     replicated input is then per device, not already summed over devices by autodiff."""
     return jax.lax.pcast(tree, DATA_AXIS, to="varying")
+
+
+def keep_checkpoint_barriers() -> dict[str, str] | None:
+    """XLA options for a step whose ``jax.checkpoint`` recomputations must stay apart from the
+    forward pass: on XLA:CPU, ``cse_barrier_expander`` disabled (XLA:CPU expands the
+    checkpoints' optimization barriers early, then merges each recomputation back into the
+    value it recomputes, which keeps the forward pass's values alive after all: measured in
+    experiments/RESULTS.md section 9). None elsewhere: XLA:GPU keeps the barriers. The passes
+    ``XLA_FLAGS`` disables stay disabled (an option replaces the flag's list)."""
+    if jax.default_backend() != "cpu":
+        return None
+    given = re.findall(r"--xla_disable_hlo_passes=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    return {"xla_disable_hlo_passes": ",".join([*given, "cse_barrier_expander"])}
 
 
 def all_finite(tree: PyTree) -> jax.Array:

@@ -276,7 +276,7 @@ def test_registry_errors(name):
 def test_remat_blocks_takes_the_same_steps(model):
     """model.remat=blocks recomputes each block's activations in the backward pass: the same
     losses (to 1e-6) and BatchNorm statistics as without it, for the built-in ResNets and the
-    GPT example (which reads the key from its config)."""
+    GPT example (which reads the key from its config); the ResNet's step needs less memory."""
     import jax
     import optax
 
@@ -299,18 +299,24 @@ def test_remat_blocks_takes_the_same_steps(model):
         batch = {"images": rng.integers(0, 256, (8, 8, 8, 3)).astype(np.uint8),
                  "labels": rng.integers(0, 10, 8).astype(np.int32)}  # fmt: skip
     mesh = make_mesh(jax.devices()[:1])
-    losses = {}
+    losses, temp_bytes = {}, {}
     for remat in ("none", "blocks"):
         cfg = load_config(overrides=[*base, "data.global_batch_size=8", f"model.remat={remat}"])
         tx = optax.sgd(0.05, momentum=0.9)
         model_def, state = create_train_state(build_model(cfg, nnx.Rngs(0)), tx, mesh)
         step, _ = build_steps(cfg, model_def, tx, mesh, XlaComm())
         placed = {"data": place_batch(batch, mesh, batch_layout(mesh, 8))}
-        program = str(jax.make_jaxpr(step.run)(state, placed))
+        program = str(step.run.trace(state, placed).jaxpr)
         assert ("remat2[" in program) == (remat == "blocks")  # the blocks are rematted
+        compiled = step.run.lower(state, placed).compile()  # the executable the steps run
+        temp_bytes[remat] = compiled.memory_analysis().temp_size_in_bytes
         losses[remat] = []
         for _ in range(3):
             state, metrics = step(state, placed)
             losses[remat].append(float(metrics["train/loss"]))
     np.testing.assert_allclose(losses["blocks"], losses["none"], rtol=1e-6)
     assert losses["none"][0] != losses["none"][2]  # it trained
+    if model == "resnet10":  # (the GPT's peak at this size is not its activations)
+        # XLA:CPU keeps the recomputation apart (jddp.layout.keep_checkpoint_barriers):
+        # measured 246 KB of temporaries against 301; 306 when it merged it back
+        assert temp_bytes["blocks"] < 0.9 * temp_bytes["none"], temp_bytes
