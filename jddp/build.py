@@ -353,7 +353,7 @@ def _remat_options(cfg: Config, layout: ReplicatedLayout | ShardLayout) -> dict 
         return None
     if layout.kind == "full" and not getattr(layout, "reduce_scatter", True):
         return None
-    return keep_checkpoint_barriers()
+    return keep_checkpoint_barriers(layout.mesh)
 
 
 def build_steps(

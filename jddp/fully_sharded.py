@@ -230,7 +230,7 @@ class FullShardLayout(ShardLayout):
         module's second gather apart from its first (:mod:`jddp.gather_at_use`), which
         XLA:CPU would otherwise expand early and merge (every gathered parameter then held
         from the forward pass to the backward pass). XLA:GPU keeps them anyway."""
-        return keep_checkpoint_barriers() if self.reduce_scatter else None
+        return keep_checkpoint_barriers(self.mesh) if self.reduce_scatter else None
 
     def update_stage(self, make_update: Callable) -> Callable:
         """The optimizer stage run by every device on its slices; the parameters stay split."""

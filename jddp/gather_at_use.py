@@ -18,8 +18,10 @@ the module's own inside ``jax.checkpoint`` on its *slices*:
   products and convolutions make: the backward pass gathers each parameter again where that
   module's backward pass runs and recomputes the call's cheap work (casts, normalisation),
   and the gradient goes back through the gather's transpose, a reduce-scatter;
-* the module's other variables (BatchNorm statistics, RNG counters) go in and out of the
-  checkpoint and are written back, as the plain call would leave them.
+* the module's other variables (BatchNorm statistics, RNG counters, what it sows) go
+  in and out of the checkpoint and are written back, as the plain call would leave them;
+  what a call changes outside variables (a plain Python attribute) or writes into its own
+  parameters is not (a train step's parameters change in the update, not in the call).
 
 XLA:CPU expands optimization barriers early and would merge each backward gather into its
 forward one (keeping every gathered parameter from the forward pass to the backward pass):
@@ -44,8 +46,9 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-# id of a whole parameter (the value the model was merged with) -> (its slice, split axis)
+# id of a whole parameter (the value the model was merged with) -> (it, its slice, split axis)
 Plan = dict[int, tuple[jax.Array, jax.Array, int]]
+_is_graph_node = getattr(nnx, "graphlib", getattr(nnx, "graph", None)).is_graph_node
 _PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("jddp_plan", default=None)
 _UNIT_CLASSES: dict[tuple, type] = {}  # (class, gather, name, policy) -> its unit class
 _UNITS: set[type] = set()
@@ -95,7 +98,16 @@ def _unit_class(cls: type, gather: Callable, name: str, policy: Callable) -> typ
     def __call__(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
         return _call_on_slices(self, own_call, args, kwargs, gather, name, policy)
 
-    unit = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+    }
+    # the class's own choice of pytree=False (flax's default for a subclass is True)
+    pytree = getattr(cls, "_pytree__is_pytree", None)
+    unit = type(cls)(
+        cls.__name__, (cls,), namespace, **({} if pytree is None else {"pytree": pytree})
+    )
     _UNIT_CLASSES[key] = unit
     _UNITS.add(unit)
     return unit
@@ -120,8 +132,8 @@ def _call_on_slices(
     graphdef, params, others = nnx.split(module, nnx.Param, ...)
     param_leaves, params_def = jax.tree.flatten(params)
     split = {i: plan[id(x)] for i, x in enumerate(param_leaves) if plan and id(x) in plan}
-    arg_leaves, args_def = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
-    if not split or any(nnx.graph.is_graph_node(x) for x in arg_leaves):
+    arg_leaves, args_def = jax.tree.flatten((args, kwargs), is_leaf=_is_graph_node)
+    if not split or any(_is_graph_node(x) for x in arg_leaves):
         return own_call(module, *args, **kwargs)
     other_leaves, others_def = jax.tree.flatten(others)
     arrays = [x for x in arg_leaves if _is_array(x)]
@@ -144,15 +156,16 @@ def _call_on_slices(
         )
         out = own_call(copy, *call_args, **call_kwargs)
         out_leaves, out_def = jax.tree.flatten(out)
-        statics[:] = [out_def, [None if _is_array(x) else x for x in out_leaves]]
-        new_others = jax.tree.leaves(nnx.split(copy, nnx.Param, ...)[2])
+        # the module's other variables after the call, with any it added (``sow``, lazy ones)
+        new_others, new_def = jax.tree.flatten(nnx.split(copy, nnx.Param, ...)[2])
+        statics[:] = [out_def, [None if _is_array(x) else x for x in out_leaves], new_def]
         return [x for x in out_leaves if _is_array(x)], new_others
 
     param_in = list(param_leaves)
     for i, (_, piece, _) in split.items():
         param_in[i] = piece
     out_arrays, new_others = jax.checkpoint(region, policy=policy)(param_in, other_leaves, arrays)
-    nnx.update(module, jax.tree.unflatten(others_def, new_others))
-    out_def, out_leaves = statics
+    out_def, out_leaves, new_def = statics
+    nnx.update(module, jax.tree.unflatten(new_def, new_others))
     got = iter(out_arrays)
     return jax.tree.unflatten(out_def, [next(got) if x is None else x for x in out_leaves])

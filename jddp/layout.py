@@ -56,14 +56,15 @@ def to_varying(tree: PyTree) -> PyTree:
     return jax.lax.pcast(tree, DATA_AXIS, to="varying")
 
 
-def keep_checkpoint_barriers() -> dict[str, str] | None:
+def keep_checkpoint_barriers(mesh: Mesh) -> dict[str, str] | None:
     """XLA options for a step whose ``jax.checkpoint`` recomputations must stay apart from the
-    forward pass: on XLA:CPU, ``cse_barrier_expander`` disabled (XLA:CPU expands the
-    checkpoints' optimization barriers early, then merges each recomputation back into the
-    value it recomputes, which keeps the forward pass's values alive after all: measured in
-    experiments/RESULTS.md section 9). None elsewhere: XLA:GPU keeps the barriers. The passes
-    ``XLA_FLAGS`` disables stay disabled (an option replaces the flag's list)."""
-    if jax.default_backend() != "cpu":
+    forward pass: where ``mesh``'s devices are CPUs, ``cse_barrier_expander`` disabled
+    (XLA:CPU expands the checkpoints' optimization barriers early, then merges each
+    recomputation back into the value it recomputes, which keeps the forward pass's values
+    alive after all: measured in experiments/RESULTS.md section 9). None elsewhere: XLA:GPU
+    keeps the barriers. The passes ``XLA_FLAGS`` disables stay disabled (an option replaces
+    the flag's list)."""
+    if mesh.devices.flat[0].platform != "cpu":
         return None
     given = re.findall(r"--xla_disable_hlo_passes=(\S+)", os.environ.get("XLA_FLAGS", ""))
     return {"xla_disable_hlo_passes": ",".join([*given, "cse_barrier_expander"])}

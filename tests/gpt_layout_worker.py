@@ -32,13 +32,15 @@ from jddp.state import create_train_state  # noqa: E402
 ROWS = 64
 
 
-class Tagged(nnx.Module):
-    """A leaf holder whose call takes a Python flag and returns a non-array with its array."""
+class Tagged(nnx.Module, pytree=False):
+    """A leaf holder, not a pytree, whose call takes a Python flag, sows a value and returns a
+    non-array with its array."""
 
     def __init__(self, width: int, rngs: nnx.Rngs):
         self.scale = nnx.Param(1.0 + 0.1 * jax.random.normal(rngs.params(), (width,)))
 
     def __call__(self, x, *, double: bool = False):
+        self.sow(nnx.Intermediate, "mean", x.mean())
         return (x * self.scale[...] * (2.0 if double else 1.0), "tag")
 
 

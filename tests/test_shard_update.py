@@ -165,7 +165,8 @@ def test_the_gpt_example_with_dropout_takes_the_same_steps_fully_sharded():
     memory = losses["memory"]
     assert memory["temp_bytes"] < 0.6 * memory["param_bytes"], memory
     # a tied table read by the head outside the embedding's call, BatchNorm's statistics, a
-    # call with a keyword flag returning a non-array, dropout, a parameter of the root itself
+    # call (of a module that is not a pytree) with a keyword flag that sows and returns a
+    # non-array, dropout, a parameter of the root itself
     edges = losses["edges"]
     assert rel(edges["full"], edges["none"]) <= 1e-5  # measured: bitwise
     assert edges["bound"] == ["BatchNorm", "Embed", "Tagged"]  # each gathered in its own call
