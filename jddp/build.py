@@ -29,7 +29,7 @@ from jddp.data.trees import as_tree_source
 from jddp.errors import ConfigError, JddpError, TaskError, UserCodeError, one_line
 from jddp.fully_sharded import FullShardLayout
 from jddp.imports import import_callable
-from jddp.layout import ReplicatedLayout, keep_checkpoint_barriers
+from jddp.layout import ReplicatedLayout
 from jddp.mesh import DTYPES, make_mesh, select_devices
 from jddp.models import get_model_factory
 from jddp.sharded_update import ShardLayout
@@ -342,20 +342,6 @@ def build_layout(
     return FullShardLayout(mesh) if kind == "full" else ShardLayout(mesh)
 
 
-def _remat_options(cfg: Config, layout: ReplicatedLayout | ShardLayout) -> dict | None:
-    """``model.remat``: the step keeps ``jax.checkpoint``'s barriers on XLA:CPU
-    (:func:`jddp.layout.keep_checkpoint_barriers`), or the recomputation would be merged back
-    into the forward pass and save nothing (ResNet-50 at 16 images per device: 2,573 MiB per
-    device with the merge, 949 without, against 2,334 for model.remat=none; experiments/
-    RESULTS.md section 9). Not through gloo under dist.shard=full, whose whole forward pass
-    is one checkpoint: kept apart, every gather of its backward pass would run as it begins."""
-    if cfg.model.remat == "none":
-        return None
-    if layout.kind == "full" and not getattr(layout, "reduce_scatter", True):
-        return None
-    return keep_checkpoint_barriers(layout.mesh)
-
-
 def build_steps(
     cfg: Config,
     model_def: ModelDef,
@@ -386,6 +372,6 @@ def build_steps(
         clip_grad_norm=cfg.optim.clip_grad_norm,
         ema_decay=cfg.train.ema_decay,
         ema_warmup=cfg.train.ema_warmup,
-        compiler_options=_remat_options(cfg, layout),
+        rematerialises=cfg.model.remat != "none",
     )
     return train_step, make_eval_step(model_def, mesh, task=task)

@@ -12,7 +12,7 @@ per device and per micro-batch:
    module's backward pass runs, so the whole model is never gathered at once (FSDP's
    ``reshard_after_forward``); a parameter read outside its module's call reads a copy
    gathered as the step begins. On XLA:CPU the step is compiled with the optimization
-   barriers kept (:attr:`FullShardLayout.compiler_options`: XLA:CPU would otherwise merge
+   barriers kept (:meth:`FullShardLayout.compiler_options`: XLA:CPU would otherwise merge
    each second gather into the first);
 2. the gathered parameter's gradient goes back through the gather's transpose, a
    reduce-scatter: the device receives the sum over devices of its slice's gradient, divided
@@ -224,12 +224,13 @@ class FullShardLayout(ShardLayout):
 
         return GradsIO(grads, mean, bind)
 
-    @property
-    def compiler_options(self) -> dict[str, str] | None:
-        """On XLA:CPU with per-parameter gathers: keep the optimization barriers that hold each
-        module's second gather apart from its first (:mod:`jddp.gather_at_use`), which
-        XLA:CPU would otherwise expand early and merge (every gathered parameter then held
-        from the forward pass to the backward pass). XLA:GPU keeps them anyway."""
+    def compiler_options(self, rematerialises: bool) -> dict[str, str] | None:
+        """With per-parameter gathers: :func:`jddp.layout.keep_checkpoint_barriers`, whatever
+        the model does (they hold each module's second gather apart from its first,
+        :mod:`jddp.gather_at_use`; XLA:CPU would otherwise merge them, every gathered
+        parameter then held from the forward pass to the backward pass). Through gloo none,
+        even where the model rematerialises: the whole forward pass is one checkpoint there,
+        and kept apart every gather of its backward pass would run as that pass begins."""
         return keep_checkpoint_barriers(self.mesh) if self.reduce_scatter else None
 
     def update_stage(self, make_update: Callable) -> Callable:

@@ -25,7 +25,7 @@ the module's own inside ``jax.checkpoint`` on its *slices*:
 
 XLA:CPU expands optimization barriers early and would merge each backward gather into its
 forward one (keeping every gathered parameter from the forward pass to the backward pass):
-:attr:`jddp.fully_sharded.FullShardLayout.compiler_options` keeps them there
+:meth:`jddp.fully_sharded.FullShardLayout.compiler_options` keeps them there
 (``cse_barrier_expander`` disabled for the step); XLA:GPU keeps them anyway.
 
 What stays whole through the step: parameters read outside a leaf holder's call (above),
@@ -51,7 +51,6 @@ Plan = dict[int, tuple[jax.Array, jax.Array, int]]
 _is_graph_node = getattr(nnx, "graphlib", getattr(nnx, "graph", None)).is_graph_node
 _PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("jddp_plan", default=None)
 _UNIT_CLASSES: dict[tuple, type] = {}  # (class, gather, name, policy) -> its unit class
-_UNITS: set[type] = set()
 
 
 @contextlib.contextmanager
@@ -75,7 +74,7 @@ def bind(model: nnx.Module, gather: Callable, name: str, policy: Callable) -> nn
     if not plan:
         return model
     for _, module in nnx.iter_modules(model):
-        if type(module) not in _UNITS and _holds_split_leaf_params(module, plan):
+        if type(module) not in _UNIT_CLASSES.values() and _holds_split_leaf_params(module, plan):
             module.__class__ = _unit_class(type(module), gather, name, policy)
     return model
 
@@ -109,7 +108,6 @@ def _unit_class(cls: type, gather: Callable, name: str, policy: Callable) -> typ
         cls.__name__, (cls,), namespace, **({} if pytree is None else {"pytree": pytree})
     )
     _UNIT_CLASSES[key] = unit
-    _UNITS.add(unit)
     return unit
 
 

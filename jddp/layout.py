@@ -102,7 +102,6 @@ class ReplicatedLayout:
 
     mesh: Mesh
     kind = "none"
-    compiler_options = None  # XLA options the jitted step needs for this layout (none)
 
     @property
     def num_shards(self) -> int:
@@ -123,6 +122,11 @@ class ReplicatedLayout:
             return state
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
         return jax.jit(lambda s: s, out_shardings=shardings)(state)
+
+    def compiler_options(self, rematerialises: bool) -> dict[str, str] | None:
+        """XLA options of the jitted step: :func:`keep_checkpoint_barriers` where the model
+        rematerialises (``model.remat``), none otherwise."""
+        return keep_checkpoint_barriers(self.mesh) if rematerialises else None
 
     def grads_io(self, params: PyTree, comm: Any) -> GradsIO:
         """Whole parameters; the gradients all-reduced (``comm.average_grads``)."""

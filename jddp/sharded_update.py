@@ -36,7 +36,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp.comm import Comm
-from jddp.layout import GradsIO, replicated_grads, split_share_of, state_bytes_per_device
+from jddp.layout import (
+    GradsIO,
+    keep_checkpoint_barriers,
+    replicated_grads,
+    split_share_of,
+    state_bytes_per_device,
+)
 from jddp.mesh import DATA_AXIS, DTYPES
 from jddp.optimizer import layer_sq_norms, split_over_data
 from jddp.state import TrainState
@@ -71,12 +77,16 @@ class ShardLayout:
     mesh: Mesh
     reduce_scatter: bool = field(default_factory=lambda: not cpu_gloo())
     kind = "optimizer"
-    compiler_options = None  # XLA options the jitted step needs for this layout (none)
 
     @property
     def num_shards(self) -> int:
         """Devices the update is split over."""
         return self.mesh.shape[DATA_AXIS]
+
+    def compiler_options(self, rematerialises: bool) -> dict[str, str] | None:
+        """XLA options of the jitted step: :func:`jddp.layout.keep_checkpoint_barriers` where
+        the model rematerialises (``model.remat``), none otherwise."""
+        return keep_checkpoint_barriers(self.mesh) if rematerialises else None
 
     def axis(self, shape: tuple[int, ...]) -> int | None:
         """The first axis of ``shape`` whose size the device count divides; None: kept whole."""

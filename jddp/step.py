@@ -322,7 +322,7 @@ def make_train_step(
     clip_grad_norm: float | None = None,
     ema_decay: float = 0.0,
     ema_warmup: bool = True,
-    compiler_options: dict[str, str] | None = None,
+    rematerialises: bool = False,
 ) -> TrainStep:
     """Build the data-parallel train step ``(state, batch) -> (state, metrics)``.
 
@@ -358,8 +358,9 @@ def make_train_step(
     (``optim.clip_grad_norm``; ``train/clipped`` is 1 where it was). ``ema_decay``,
     ``ema_warmup``: how the state's ``ema_params`` (when it has them, :func:`jddp.state.
     create_train_state`) follow the parameters (:func:`ema_decay_at`; a dropped update leaves
-    them too). ``compiler_options``: XLA options for the jitted step (default: the layout's;
-    :func:`jddp.layout.keep_checkpoint_barriers` where the model rematerialises).
+    them too). ``rematerialises``: the model recomputes parts of its forward pass in the
+    backward pass (``model.remat``): the layout's XLA options then keep them apart
+    (:func:`jddp.layout.keep_checkpoint_barriers`).
     """
     task = _classification(task, loss_fn, metrics_fn, compute_dtype, pixel_norm)
     layout = layout or ReplicatedLayout(mesh)
@@ -388,7 +389,7 @@ def make_train_step(
             tx, schedule, tree_norm, all_finite, clip_grad_norm, ema_decay, ema_warmup
         )
     )
-    run = comm.compose(grads_stage, update_stage, compiler_options or layout.compiler_options)
+    run = comm.compose(grads_stage, update_stage, layout.compiler_options(rematerialises))
     return TrainStep(grads_stage, update_stage, run)
 
 
