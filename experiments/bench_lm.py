@@ -2,10 +2,22 @@
 
     .venv/bin/python experiments/bench_lm.py [--configs 1x1,2x1] [--steps 600] [--skip 40]
         [--platform cpu|gpu] [--peak-tflops T] [--machine NAME] [--out PATH] [--quick]
+        [--size 100m] [--layouts none,full,none+blocks] [--set KEY=VALUE ...]
 
 ``python -m jddp.train --config configs/lm_stdlib.yaml`` as ``PxD`` (:func:`benchlib.run_trainer`):
 final ``eval/loss`` (nats per byte) against the unigram baseline, ``train/tokens_per_s``, model
-FLOPs (:func:`step_flops`), GFLOP/s and MFU. Writes ``results/lm-<date>-<machine>.json``.
+FLOPs (:func:`step_flops`), GFLOP/s and MFU, and the step's memory per device as the run logs it
+(``mem/step_bytes_per_device``). ``--size 100m``: the GPT scaled to ~100M parameters
+(``cases.GPT_100M``); ``--layouts``: each ``dist.shard`` value (``SHARD+REMAT``: with that
+``model.remat``) run in turn on every config; ``--set``: more overrides (e.g.
+``train.precision=bfloat16 data.global_batch_size=256``). Writes
+``results/lm-<date>-<machine>.json``.
+
+On a lent GPU, the 100M GPT in bfloat16 under each layout (``gpu_session.sh shard``)::
+
+    python3 experiments/bench_lm.py --platform gpu --peak-tflops 989 --configs 1x1 --size 100m \
+        --layouts none,full,none+blocks --steps 120 --skip 40 \
+        --set train.precision=bfloat16 data.global_batch_size=256
 """
 
 from __future__ import annotations
@@ -16,8 +28,10 @@ import tempfile
 from pathlib import Path
 
 import benchlib
+from cases import GPT_100M, with_overrides
 
 CONFIG = "configs/lm_stdlib.yaml"
+SIZES = {"config": [], "100m": GPT_100M}  # --size: the model's overrides
 
 
 def step_flops(config: dict) -> float:
@@ -49,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--platform", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--peak-tflops", type=float, help="peak for MFU (CPU default: assumed)")
     ap.add_argument("--quick", action="store_true", help="smoke run, numbers meaningless")
+    ap.add_argument("--size", choices=list(SIZES), default="config", help="config: the file's")
+    ap.add_argument("--layouts", default="none", help="dist.shard values (SHARD+REMAT)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides")
     benchlib.output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
@@ -57,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     from examples import lm_stdlib
     from jddp import config as config_lib
 
-    config = config_lib.to_dict(config_lib.load(benchlib.REPO / CONFIG))
+    base = with_overrides([*SIZES[args.size], f"train.steps={args.steps}"], *args.set)
+    config = config_lib.to_dict(config_lib.load(benchlib.REPO / CONFIG, base))
     flops = step_flops(config)
     train, evals = lm_stdlib.data(config["data"])
     baseline = lm_stdlib.unigram_baseline(train, evals)
@@ -65,11 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     peak, peak_note = benchlib.peak_flops(machine, args.platform, args.peak_tflops)
     records = []
     with tempfile.TemporaryDirectory() as tmp:
-        for spec in args.configs.split(","):
+        for spec, layout in (
+            (s, lay) for s in args.configs.split(",") for lay in args.layouts.split(",")
+        ):
             nproc, devices = (int(x) for x in spec.split("x"))
-            overrides = ["--config", CONFIG, f"train.steps={args.steps}", "log.progress=off"]
+            overrides = with_overrides(
+                ["--config", CONFIG, *base, "log.progress=off"], *benchlib.layout_overrides(layout)
+            )
             run = benchlib.run_trainer(
-                Path(tmp) / spec, overrides, nproc=nproc, devices=devices, skip_steps=args.skip
+                Path(tmp) / f"{spec}-{layout}",
+                overrides,
+                nproc=nproc,
+                devices=devices,
+                skip_steps=args.skip,
             )
             rows = run.pop("timed_rows")
             step_s = benchlib.median_p10_p90(run["step_s"])
@@ -78,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             records.append(
                 {
                     "config": spec,
+                    "layout": layout,
                     "eval_loss": run["eval"]["eval/loss"],
                     "eval_accuracy": run["eval"]["eval/accuracy"],
                     "tokens_per_s": tokens_s,
@@ -87,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                     "wall_s": run["wall_s"],
                     "achieved_gflops": achieved / 1e9,
                     "mfu": achieved / peak if peak else None,
+                    "memory": run["memory"],
                     "command": run["command"],
                 }
             )
@@ -95,18 +123,25 @@ def main(argv: list[str] | None = None) -> int:
         f"{peak_note}\n"
     )
     benchlib.md_table(
-        "config | eval loss (nats/byte) | tokens/s | step s | GFLOP/s | MFU | wall s", "lr"
+        "config | layout | eval loss (nats/byte) | tokens/s | step s | GFLOP/s | MFU "
+        "| step MiB/device | compile s | wall s",
+        "llr",
     )
     for r in records:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        step_bytes = r["memory"].get("mem/step_bytes_per_device")
+        mib = f"{step_bytes / 2**20:,.1f}" if step_bytes else "-"
         print(
-            f"| {r['config']} | {r['eval_loss']:.4f} | {r['tokens_per_s']['median']:,.0f} | "
-            f"{r['step_s']['median']:.3f} | {r['achieved_gflops']:.1f} | {mfu} | "
+            f"| {r['config']} | {r['layout']} | {r['eval_loss']:.4f} | "
+            f"{r['tokens_per_s']['median']:,.0f} | {r['step_s']['median']:.4f} | "
+            f"{r['achieved_gflops']:.1f} | {mfu} | {mib} | {r['compile_s'] or 0:.1f} | "
             f"{r['wall_s']:.0f} |"
         )
     result = {
         "machine": machine,
+        "command": benchlib.command_line(),
         "config_file": CONFIG,
+        "overrides": base,
         "config": config,
         "steps": args.steps,
         "skip": args.skip,

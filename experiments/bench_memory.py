@@ -37,18 +37,14 @@ from typing import Any  # noqa: E402
 
 import benchlib  # noqa: E402
 from benchlib import command_line, machine_info, md_table, save_result  # noqa: E402
+from cases import GPT_100M  # noqa: E402
 
 LAYOUTS = [("none", "none"), ("optimizer", "none"), ("full", "none"), ("none", "blocks"),
            ("full", "blocks")]  # fmt: skip
 MODELS = {
     "lm100m": {
         "config": "configs/lm_stdlib.yaml",
-        "overrides": [
-            "model.options.width=768",
-            "model.options.layers=14",
-            "model.options.heads=12",
-            "data.global_batch_size=32",
-        ],
+        "overrides": [*GPT_100M, "data.global_batch_size=32"],
     },  # fmt: skip
     "resnet50": {
         "config": None,

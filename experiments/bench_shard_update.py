@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import benchlib
-from benchlib import machine_info, median_p10_p90, run_trainer, save_result
+from benchlib import layout_overrides, machine_info, median_p10_p90, run_trainer, save_result
 from cases import case
 
 MODELS = ("resnet50", "lm")
@@ -200,12 +200,11 @@ def step_time(
         for r in range(rounds):
             order = layouts[r % len(layouts) :] + layouts[: r % len(layouts)]
             for layout in order:
-                shard, _, remat = layout.partition("+")
                 load = os.getloadavg()[0]
                 with tempfile.TemporaryDirectory() as tmp:
                     got = run_trainer(
                         Path(tmp) / "run",
-                        [*base, f"dist.shard={shard}", f"model.remat={remat or 'none'}"],
+                        [*base, *layout_overrides(layout)],
                         nproc=nproc,
                         devices=devices,
                         env=env,

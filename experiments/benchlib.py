@@ -289,9 +289,10 @@ def run_trainer(
     (``jddp.plot.load_metrics``): ``train/compile_s`` and, for every logging window ending after
     step ``skip_steps``, ``train/step_time_s``, ``train/img_per_s`` (a custom task's
     ``train/examples_per_s``), ``perf/input_wait_fraction`` (all keys: ``timed_rows``); every
-    ``train/loss``, the last eval line. Output: ``workdir/train.log``. A failed run raises
-    SystemExit, or with ``check=False`` returns ``{"error": ...}``. ``tree``: the checkout whose
-    jddp runs (the working directory, first on ``sys.path``)."""
+    ``train/loss``, the last eval line, the ``mem/`` keys (their last values). Output:
+    ``workdir/train.log``. A failed run raises SystemExit, or with ``check=False`` returns
+    ``{"error": ...}``. ``tree``: the checkout whose jddp runs (the working directory, first on
+    ``sys.path``)."""
     from jddp.plot import MetricsError, load_metrics
 
     env = dict(os.environ if env is None else env)
@@ -331,11 +332,19 @@ def run_trainer(
         "step_s": [r["train/step_time_s"] for r in timed],
         "img_per_s": [r.get("train/img_per_s", r.get("train/examples_per_s")) for r in timed],
         "timed_rows": timed,  # every key of those windows (a task's own rates, say)
+        "memory": {k: v for r in rows for k, v in r.items() if k.startswith("mem/")},
         "input_wait_fraction": [r.get("perf/input_wait_fraction") for r in timed],
         "losses": {r["step"]: r["train/loss"] for r in rows if "train/loss" in r},
         "eval": evals[-1] if evals else None,
         "stdout_tail": stdout[-1500:],
     }
+
+
+def layout_overrides(layout: str) -> list[str]:
+    """A ``--layouts`` value's overrides: ``SHARD`` (``dist.shard``) or ``SHARD+REMAT`` (with
+    that ``model.remat``; without it ``none``)."""
+    shard, _, remat = layout.partition("+")
+    return [f"dist.shard={shard}", f"model.remat={remat or 'none'}"]
 
 
 # ----------------------------------------------------------------------- the architecture

@@ -32,6 +32,14 @@ def synthetic(
     ]  # fmt: skip
 
 
+# The GPT of examples/lm_stdlib.py scaled to ~100M parameters (width 768, 14 layers, 12 heads,
+# 128 bytes of context), with configs/lm_stdlib.yaml's AdamW: bench_memory.py's and bench_lm.py's.
+GPT_100M = [
+    "model.options.width=768",
+    "model.options.layers=14",
+    "model.options.heads=12",
+]
+
 CASES: dict[str, list[str]] = {
     # The GPU measurements: configs/imagenet_resnet50.yaml's model, batch and precision.
     "rn50-gpu": [

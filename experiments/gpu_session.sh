@@ -3,7 +3,7 @@
 # and the variables (OUT, JDDP_GPU_DEADLINE_S, JDDP_GPU_SMOKE_INSTALL, JDDP_GPU_SITE, PY) are in
 # experiments/README.md, "On a lent GPU". Run ON the GPU machine from the repo root, with the
 # ".whl" of `bash scripts/gpu_wheels.sh` carried:
-#   bash experiments/gpu_session.sh PART [PART ...]    PART: suite|mpi|bench|torch|e2e|bench2|tune|lm|all
+#   bash experiments/gpu_session.sh PART [PART ...]    PART: suite|mpi|bench|torch|e2e|bench2|tune|lm|shard|all
 #   bash experiments/gpu_session.sh --smoke PART ...   (or JDDP_GPU_SMOKE=1) on a CPU, tiny sizes
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ if [ "${1:-}" = --smoke ]; then SMOKE=1; shift; fi
 PARTS=("$@")
 [ "${PARTS[0]}" = all ] && PARTS=(mpi suite bench bench2)
 for p in "${PARTS[@]}"; do
-  case $p in suite | mpi | bench | torch | e2e | bench2 | tune | lm) ;; *) echo "gpu_session: unknown part '$p'" >&2; exit 2 ;; esac
+  case $p in suite | mpi | bench | torch | e2e | bench2 | tune | lm | shard) ;; *) echo "gpu_session: unknown part '$p'" >&2; exit 2 ;; esac
 done
 OUT=${OUT:-experiments/results/gpu-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -249,9 +249,24 @@ part_lm() {  # the any-task GPT's tokens/s and MFU
   RC[lm]=$?
 }
 
+part_shard() {  # issue 43: the ~100M GPT in bfloat16 under dist.shard none and full, remat
+  local budget lm=(--platform gpu --peak-tflops "${JDDP_GPU_PEAK_TFLOPS:-989}" --size 100m
+    --steps 120 --skip 40 --set train.precision=bfloat16 data.global_batch_size=256)
+  # smoke: the config's small GPT on the CPU, a short eval (the 100M one takes minutes there)
+  [ "$SMOKE" = 1 ] && lm=(--steps 8 --skip 2 --set data.global_batch_size=8 data.options.eval_every=400)
+  budget=$(($(left) - 15))
+  timeout -s INT -k 20 "$budget" $PY experiments/bench_lm.py "${lm[@]}" --configs 1x1 \
+    --layouts "${JDDP_SHARD_LAYOUTS:-none,full,none+blocks}" --machine "$MACHINE" \
+    --out "$OUT/lm-shard.json"
+  RC[shard]=$?
+}
+
 # ---------------------------------------------------------------- run
 need_mpi4jax=0
 for p in "${PARTS[@]}"; do [ "$p" = suite ] || [ "$p" = mpi ] && need_mpi4jax=1; done
+# a suite of named files without the MPI tests needs no mpi4jax (its build takes a minute)
+[[ -n "${JDDP_SUITE_FILES:-}" && "$JDDP_SUITE_FILES" != *mpi* && " ${PARTS[*]} " != *" mpi "* ]] \
+  && need_mpi4jax=0
 if [ $need_mpi4jax = 1 ]; then build_mpi4jax || RC[mpi4jax_build]=1; fi
 $PY experiments/gpu_session.py env "$OUT" || RC[env]=1
 for p in "${PARTS[@]}"; do
