@@ -14,7 +14,7 @@ from flax import nnx
 
 import jddp
 from jddp.errors import ConfigError, DataConfigError
-from tests.helpers import data, read_metrics, run, run_python, start_training
+from tests.helpers import data, optimized_xla, read_metrics, run, run_python, start_training
 from tests.user_models import TinyMLP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -262,6 +262,7 @@ def test_user_model_factory_from_the_cli(tmp_path):
 def test_examples_run(tmp_path, launcher, script, min_accuracy):
     out = run(
         [*launcher, sys.executable, str(ROOT / "examples" / script)],
+        env=optimized_xla(),  # the examples train for hundreds of steps: -O1, not the suite's -O0
         cwd=tmp_path,
         timeout=900,
     )

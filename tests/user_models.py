@@ -96,9 +96,12 @@ PACE_ITERATIONS = 150_000_000  # a scalar loop of ~0.33 s on this VM's CPU (~2.2
 class PacedResNet(ResNet):
     """A ResNet whose forward pass first runs a scalar loop of PACE_ITERATIONS in the compiled
     step; the loop's value enters the images times 0, so the losses are the plain ResNet's bit
-    for bit."""
+    for bit. Only in training: an evaluation's every batch would burn 0.33 s of a core (the
+    tests' tiny eval: 16 batches, ~5 CPU-s a process, measured 2026-11-27)."""
 
     def __call__(self, x_BxHxWxC):
+        if self.bn1.use_running_average:  # evaluation (model.eval()): not paced, no CPU burnt
+            return super().__call__(x_BxHxWxC)
         # data-dependent bounds and a carried float: XLA can neither count nor drop the loop
         limit = PACE_ITERATIONS + (x_BxHxWxC[0, 0, 0, 0] * 0).astype(jnp.int32)
         _, value = jax.lax.while_loop(
