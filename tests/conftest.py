@@ -35,9 +35,10 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # empty). LLVM at -O1 compiled them about twice as fast as XLA's -O2 (the tiny test config's
 # step: 39 s -> 19 s on the 2-core VM), and -O0 faster still: the tiny 4-device run on an empty
 # cache 10.2 -> 6.5 CPU-s, the whole cold suite's counted CPU 1,345 -> 1,209 s (15 min 0 s ->
-# 13 min 13 s, 2026-11-27). The tests' tiny models run about as fast; the few runs whose steps,
-# not their compiles, take the CPU ask for -O1 (tests/helpers.py ``optimized_xla``: an example
-# trained to its documented accuracy, the LARS convergence test). Training programs are the
+# 13 min 13 s, 2026-11-27; an earlier trial on a warm cache had seen 0.96x). The tests' tiny
+# models run about as fast; the few runs whose steps, not their compiles, take the CPU ask for
+# -O1 (tests/helpers.py ``optimized_xla``: an example trained to its documented accuracy, the
+# LARS convergence test; with them 1,029 s, 11 min 12 s cold). Training programs are the
 # same XLA graphs, the same losses; jddp's own default (XLA's -O2) is untouched outside the tests.
 # XLA:CPU's older loop-fusion emitters (``--xla_cpu_use_fusion_emitters=false``) compile a
 # program in about half the time of the MLIR fusion emitters jaxlib 0.10 uses by default (the
@@ -45,9 +46,13 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # 2026-11-27, the 2-core VM) -- on a CI machine's empty cache the suite's compiles were 40% of
 # its CPU. Only on the pinned jaxlib 0.10, where it was measured: XLA aborts on a flag it does
 # not know, and a later jaxlib may drop this one.
+# And one LLVM module per program instead of XLA:CPU's parallel codegen split: on 2 busy cores
+# the split's threads only add work (the tiny run on an empty cache 6.07 -> 5.50 CPU-s, mean of
+# 5 pairs, -O0, 2026-11-27).
 _TEST_XLA_FLAGS = {"xla_backend_optimization_level": "0"}
 if version("jaxlib").startswith("0.10."):  # read without importing JAX
     _TEST_XLA_FLAGS["xla_cpu_use_fusion_emitters"] = "false"
+    _TEST_XLA_FLAGS["xla_cpu_parallel_codegen_split_count"] = "1"
 for _flag, _value in _TEST_XLA_FLAGS.items():
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
