@@ -23,6 +23,7 @@ On a lent GPU, the 100M GPT in bfloat16 under each layout (``gpu_session.sh shar
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 from pathlib import Path
@@ -83,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     peak, peak_note = benchlib.peak_flops(machine, args.platform, args.peak_tflops)
     records = []
     with tempfile.TemporaryDirectory() as tmp:
-        for spec, layout in (
-            (s, lay) for s in args.configs.split(",") for lay in args.layouts.split(",")
-        ):
+        for spec, layout in itertools.product(args.configs.split(","), args.layouts.split(",")):
             nproc, devices = (int(x) for x in spec.split("x"))
             overrides = with_overrides(
                 ["--config", CONFIG, *base, "log.progress=off"], *benchlib.layout_overrides(layout)

@@ -192,8 +192,9 @@ def step_time(
     runs = []
     nproc, devices, env = topology[0], topology[1], None
     if nproc == 1 and devices > 1:  # one plain process (jddp.launch would join gloo)
-        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count"
-        env = {**os.environ, "XLA_FLAGS": f"{flags}={devices}".strip()}
+        from jddp.launch import merge_xla_flags
+
+        env = {**os.environ, "XLA_FLAGS": merge_xla_flags(os.environ.get("XLA_FLAGS"), devices)}
         devices = 1  # the launcher's count: none
     for model in models:
         base = TIME_MODELS[model](steps)
