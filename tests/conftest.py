@@ -56,6 +56,11 @@ if version("jaxlib").startswith("0.10."):  # read without importing JAX
 for _flag, _value in _TEST_XLA_FLAGS.items():
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
+# Every program into the compilation cache, not only those compiling in 0.5 s or more
+# (jddp/proc/xla.py): on an empty cache the suite's processes compiled ~3,700 small programs
+# (a model's initialisation, eager ops), ~1,400 of them distinct -- ~60 CPU-s, two thirds of it
+# compiling again what another process had compiled (2026-11-28, the 2-core VM).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -132,6 +137,8 @@ LONGEST_FIRST = (
     "test_models.py",  # 56 s, 26 s
     "test_optimizer.py",  # 51 s, 26 s
     "test_pack.py",  # 49 s, 31 s
+    "test_recipes.py",  # 51 s, 25 s
+    "test_tasks.py",  # 41 s, 31 s (last, two 10 CPU-s tests ended a suite on one worker)
 )
 
 

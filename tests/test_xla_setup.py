@@ -4,6 +4,7 @@ compilation cache. (Their speed is measured in experiments/bench_xla.py, not tes
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -68,9 +69,11 @@ def test_each_process_computes_on_its_share_of_the_cores():
     assert out.stdout.split()[:3] == ["0", str(cores), "None"], out.stdout
 
 
-def test_train_compilation_cache_dir_is_where_jax_caches(tmp_path):
+@pytest.mark.parametrize(("jax_min_s", "kept_s"), [(None, "0.5"), ("0", "0.0"), ("2", "2.0")])
+def test_train_compilation_cache_dir_is_where_jax_caches(tmp_path, jax_min_s, kept_s):
     """``train.compilation_cache_dir`` (``~`` expanded) becomes JAX's persistent cache, and
-    programs taking 0.5 s or more to compile are kept (JAX's default: 1 s)."""
+    programs taking 0.5 s or more to compile are kept (JAX's default: 1 s), unless JAX's own
+    ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise (the tests set 0)."""
     probe = (
         "import jax\n"
         "from jddp.proc.xla import enable_compilation_cache\n"
@@ -80,10 +83,45 @@ def test_train_compilation_cache_dir_is_where_jax_caches(tmp_path):
     )
     env = {**os.environ, "HOME": str(tmp_path)}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
+    if jax_min_s is not None:
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = jax_min_s
     out = run_python("-c", probe, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     folder = str(tmp_path / "jddp-cache-probe")
-    assert out.stdout.split() == [folder, folder, "0.5"]
+    assert out.stdout.split() == [folder, folder, kept_s]
+
+
+def test_a_cache_entry_is_read_whole_or_not_at_all(tmp_path):
+    """While a process writes a compilation-cache entry, a reader finds no entry or the whole
+    one, never the part written so far (JAX writes in place: a part read is a warning on stderr
+    and a compile again); the entry reads back as written, nothing else is left beside it."""
+    from jax._src.lru_cache import LRUCache
+
+    from jddp.proc.xla import _whole_cache_entries
+
+    _whole_cache_entries()  # as enable_compilation_cache does in every jddp process
+    cache = LRUCache(str(tmp_path), max_size=-1)  # JAX's default: no size limit
+    value = os.urandom(1 << 25)
+    sizes, writing = [], threading.Event()
+
+    def read():
+        writing.wait()
+        while True:
+            found = cache.get("key")
+            if found is not None:
+                sizes.append(len(found))
+                if len(found) == len(value):
+                    return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    writing.set()
+    cache.put("key", value)
+    reader.join(timeout=120)
+    assert sizes and set(sizes) == {len(value)}, f"parts read: {sorted(set(sizes))[:5]}"
+    assert cache.get("key") == value
+    assert [p.name for p in tmp_path.iterdir()] == ["key-cache"]
 
 
 SLURM_STEP_2_TASKS = {"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0"}

@@ -66,10 +66,13 @@ def apply_cpu_flags(environ: dict[str, str] | None = None) -> list[str]:
 
 def enable_compilation_cache(directory: str | None) -> Path | None:
     """Use ``directory`` (``~`` expanded) as JAX's persistent compilation cache, unless it is
-    None or the user configured one already; returns the folder in use."""
+    None or the user configured one already; returns the folder in use. Programs that took
+    0.5 s or more to compile are kept (JAX's own ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
+    and ``..._MIN_ENTRY_SIZE_BYTES``, where set, win)."""
     import jax  # lazily: the CLIs import this module before JAX may start (apply_cpu_flags)
 
     _same_cpu_cache_key_on_every_process()
+    _whole_cache_entries()
     current = jax.config.jax_compilation_cache_dir
     if current:
         return Path(current)
@@ -77,9 +80,14 @@ def enable_compilation_cache(directory: str | None) -> Path | None:
         return None
     path = Path(directory).expanduser()
     jax.config.update("jax_compilation_cache_dir", str(path))
-    # Cache every program that took a while to compile (the default skips those under 1 s).
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # Cache every program that took a while to compile (the default skips those under 1 s),
+    # unless JAX's own variable says otherwise (``=0`` keeps every program: a restart then
+    # loads the model's small initialisation programs too, ~0.3 CPU-s per process on the tests'
+    # tiny runs).
+    for option, value in (("jax_persistent_cache_min_compile_time_secs", 0.5),
+                          ("jax_persistent_cache_min_entry_size_bytes", 0)):  # fmt: skip
+        if option.upper() not in os.environ:
+            jax.config.update(option, value)
     return path
 
 
@@ -126,3 +134,43 @@ def _same_cpu_cache_key_on_every_process() -> None:
     cache_key.get = key
     cache_key._hash_serialized_compile_options = options
     cache_key._hash_accelerator_config = accelerator_config
+
+
+def _whole_cache_entries() -> None:
+    """Make JAX's persistent cache write each entry whole or not at all.
+
+    Without a size limit (JAX's default) JAX writes an entry in place, and a process reading it
+    meanwhile -- another job sharing the folder (``~/.cache/jddp/jax`` is every run's default),
+    a rank a few milliseconds behind the one writing -- reads the part written so far: JAX warns
+    on stderr that the entry cannot be read and compiles the program again. Here the entry is
+    written beside its final name and renamed into place (atomic on a local file system). With
+    a size limit JAX locks the folder itself; on a remote file system and where JAX lacks
+    ``LRUCache`` nothing changes."""
+    try:
+        from jax._src import lru_cache
+    except ImportError:
+        return
+    put = getattr(getattr(lru_cache, "LRUCache", None), "put", None)
+    suffix = getattr(lru_cache, "_CACHE_SUFFIX", None)
+    if put is None or suffix is None or getattr(put, "jddp", False):
+        return
+
+    def whole_put(self, key: str, value: bytes) -> None:
+        folder = os.fspath(getattr(self, "path", "://"))
+        if getattr(self, "eviction_enabled", True) or not key or "://" in folder:
+            return put(self, key, value)
+        final = os.path.join(folder, f"{key}{suffix}")
+        if os.path.exists(final):
+            return None  # as JAX: the first entry written stays
+        partial = os.path.join(folder, f".{key}.{os.getpid()}.{threading.get_ident()}.partial")
+        try:
+            with open(partial, "wb") as f:
+                f.write(value)
+            os.replace(partial, final)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+        return None
+
+    whole_put.jddp = True  # type: ignore[attr-defined]
+    lru_cache.LRUCache.put = whole_put
