@@ -23,6 +23,7 @@ from jddp.config import Config, FitConfig
 from jddp.data.source import as_source  # noqa: F401 - jddp.as_source
 from jddp.errors import PREEMPTED, ConfigError, Preempted
 from jddp.optimizer import describe_optax
+from jddp.proc.collector import collecting_less_often
 from jddp.run.callbacks import Callback, EarlyStopping  # noqa: F401 - jddp.Callback, ...
 from jddp.run.trainer import RunResult, train_and_evaluate
 
@@ -163,7 +164,8 @@ def fit(
     if train_data is not None:
         parts.splits = user_splits(train_data, eval_data, parts.custom)
     exit_75_on_uncaught_preemption()
-    return train_and_evaluate(cfg, parts)
+    with collecting_less_often():  # tracing's garbage (jddp/proc/collector.py); yours after
+        return train_and_evaluate(cfg, parts)
 
 
 def exit_75_on_uncaught_preemption() -> None:

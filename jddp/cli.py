@@ -14,6 +14,7 @@ from typing import Any
 from jddp import errors
 from jddp.errors import ConfigError, JddpError, Preempted, one_line
 from jddp.proc import watchdog
+from jddp.proc.collector import collect_less_often
 from jddp.proc.cores import size_cpu_threads
 from jddp.proc.versions import check_versions
 from jddp.proc.xla import apply_cpu_flags
@@ -50,6 +51,7 @@ def run(body: Callable[[Session], int]) -> int:
     # A crash in native code (XLA, a data-loading extension) then leaves the Python stacks of
     # every thread on stderr instead of a bare "killed by SIGSEGV".
     faulthandler.enable(all_threads=True)
+    collect_less_often()  # before JAX's imports: they too allocate for the collector to walk
     session = Session()
     try:
         return body(session)

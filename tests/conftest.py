@@ -61,6 +61,11 @@ for _flag, _value in _TEST_XLA_FLAGS.items():
 # (a model's initialisation, eager ops), ~1,400 of them distinct -- ~60 CPU-s, two thirds of it
 # compiling again what another process had compiled (2026-11-28, the 2-core VM).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# The workers' in-process tests trace as jddp's processes do, and their heaps grow over a
+# session: the same collector settings (jddp/proc/collector.py).
+from jddp.proc.collector import collect_less_often  # noqa: E402 - after the environment above
+
+collect_less_often()
 
 
 @pytest.fixture(scope="session", autouse=True)

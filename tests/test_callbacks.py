@@ -2,6 +2,8 @@
 the end, on process 0, outside the step; a callback's stop ends the run as a finished one;
 early stopping decides from the eval lines, the same after a resume."""
 
+import gc
+
 import numpy as np
 import optax
 import pytest
@@ -35,6 +37,7 @@ class Recorder(jddp.Callback):
 
     def on_start(self, step, history):
         self.calls.append(("start", step, len(history)))
+        self.gc_threshold = gc.get_threshold()
 
     def on_log(self, step, metrics):
         self.calls.append(("log", step))
@@ -54,7 +57,13 @@ def test_callbacks_see_each_line_and_a_stop_ends_the_run_as_finished(tmp_path, c
     """on_log returning True at step 5 (read one step late, as every line) stops every process
     after the next step the flag reaches: saved, evaluated, exit 0, the summary says why."""
     rec = Recorder(stop_at_log=5)
-    result = fit(tmp_path / "run", 20, callbacks=[rec], lr=0.1)
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)  # Python's own: fit collects less often, then puts them back
+    try:
+        result = fit(tmp_path / "run", 20, callbacks=[rec], lr=0.1)
+        assert rec.gc_threshold == (50_000, 10, 10) and gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)
     # the flag rides in the next batch dispatched (step 7), read with it one step late: 8
     assert result.step == 8
     kinds = [c[0] for c in rec.calls]

@@ -124,6 +124,20 @@ def test_a_cache_entry_is_read_whole_or_not_at_all(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["key-cache"]
 
 
+@pytest.mark.parametrize(("gc_defaults", "young"), [(None, 50_000), ("0", 700)])
+def test_a_command_collects_tracings_garbage_less_often(gc_defaults, young):
+    """A jddp command collects Python's youngest generation every 50,000 allocations, not 700
+    (tracing's short-lived objects: jddp/proc/collector.py, experiments/bench_gc.py);
+    ``JDDP_GC_DEFAULTS=0`` keeps Python's settings."""
+    probe = "import gc\nfrom jddp.cli import run\nrun(lambda s: print(*gc.get_threshold()) or 0)\n"
+    env = {k: v for k, v in os.environ.items() if k != "JDDP_GC_DEFAULTS"}
+    if gc_defaults is not None:
+        env["JDDP_GC_DEFAULTS"] = gc_defaults
+    out = run_python("-c", probe, env=env, fresh=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(young), "10", "10"]
+
+
 SLURM_STEP_2_TASKS = {"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0"}
 
 

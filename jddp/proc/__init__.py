@@ -4,6 +4,7 @@
 * :mod:`~jddp.proc.versions`: installed jax/flax pairs known not to work, refused in one line;
 * :mod:`~jddp.proc.cores`: the cores this process owns (as its launcher says) and its pinning;
 * :mod:`~jddp.proc.xla`: XLA flags jddp chooses, the persistent compilation cache;
+* :mod:`~jddp.proc.collector`: Python's garbage collector, run less often while JAX traces;
 * :mod:`~jddp.proc.lifeline`: dying with the parent (a launcher's ranks, a rank's input workers);
 * :mod:`~jddp.proc.signals`: stop signals (SIGTERM, SIGUSR1, SIGINT, SIGHUP) turned into a
   per-batch flag every process sees;
