@@ -44,6 +44,7 @@ def cpu_s(cmd: list[str], env: dict[str, str], cwd: Path) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: %(default)s")
     benchlib.output_args(ap)
     args = ap.parse_args()
     base = trainer_env("cpu", "--xla_force_host_platform_device_count=2")
@@ -52,7 +53,8 @@ def main() -> None:
     }
     rows = []
     benchlib.md_table("case | Python's settings, CPU-s | jddp's, CPU-s | ratio", "lr")
-    for name, command in CASES.items():
+    for name in args.cases.split(","):
+        command = CASES[name]
         with tempfile.TemporaryDirectory() as tmp:
             cmd = command(Path(tmp) / "run")
             cpu_s(cmd, settings["jddp"], Path(tmp))  # warms the compilation cache
