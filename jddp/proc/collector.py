@@ -1,12 +1,13 @@
 """Python's cyclic garbage collector in a process that traces JAX programs.
 
 Building a model, tracing and lowering its steps and writing checkpoints allocate millions of
-short-lived objects, and Python collects its youngest generation every 700 net allocations:
-~670 collections took 0.60 of the 4.9 CPU-s of the tests' tiny run (2 devices, 4 steps, warm
-compilation cache; 0.62 of 13.6 CPU-s in ``examples/custom_cnn_digits.py``), each one walking
-objects about to die anyway. With the youngest generation collected every 50,000 allocations
-the same run took 7 collections and 0.12 CPU-s (the example 10 and 0.22; 2-core VM,
-2026-11-28). Cyclic garbage still goes, later; the older generations keep their thresholds.
+short-lived objects, and Python collects its youngest generation every 700 net allocations: in
+the tests' tiny run (2 devices, 4 steps, warm compilation cache) ~665 collections took 0.47-0.51
+of the main thread's 2.5-2.7 CPU-s, each walking objects about to die anyway. Collected every
+50,000 allocations: 59 collections, 0.12-0.13 s; the whole process 0.93-0.95x its CPU
+(``experiments/bench_gc.py``, 2-core VM, 2026-11-28; a 1,000-step ``jddp.fit`` of a small CNN
+showed no difference beyond its noise). Cyclic garbage still goes, later; the older
+generations keep their thresholds.
 ``JDDP_GC_DEFAULTS=0`` keeps Python's own settings.
 """
 
