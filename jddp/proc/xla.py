@@ -82,8 +82,8 @@ def enable_compilation_cache(directory: str | None) -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     # Cache every program that took a while to compile (the default skips those under 1 s),
     # unless JAX's own variable says otherwise (``=0`` keeps every program: a restart then
-    # loads the model's small initialisation programs too, ~0.3 CPU-s per process on the tests'
-    # tiny runs).
+    # loads the model's small initialisation programs too; the tests set it, whose cold suite
+    # compiled ~1,300 such programs ~3,700 times: experiments/RESULTS.md section 12).
     for option, value in (("jax_persistent_cache_min_compile_time_secs", 0.5),
                           ("jax_persistent_cache_min_entry_size_bytes", 0)):  # fmt: skip
         if option.upper() not in os.environ:
