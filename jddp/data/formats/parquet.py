@@ -195,7 +195,7 @@ class ParquetSource(EncodedImageSource):
             collections.OrderedDict()
         )
         self._cached_bytes = 0
-        self._files: dict[int, Any] = {}
+        self._files: dict[tuple[int, int], Any] = {}  # (thread, shard)
         self._pid = os.getpid()
         self.payloads(np.zeros(1, np.int64))  # a null image or a path not there: said at start
 
@@ -232,15 +232,18 @@ class ParquetSource(EncodedImageSource):
         return f"shard {str(self.shards[shard])!r} row {i - int(self._shard_starts[shard])}"
 
     def _file(self, shard: int) -> Any:
-        """This process's open ``ParquetFile`` of ``shard`` (opened on first use)."""
+        """This thread's open ``ParquetFile`` of ``shard`` (opened on first use). One per
+        thread: pyarrow's reader is not safe to share, two input threads reading row groups of
+        one file at once crashed a rank with SIGSEGV in ``read_row_group`` (2026-11-28)."""
         if self._pid != os.getpid():  # a forked copy: the parent's files and cache are not ours
             self._files, self._cache, self._cached_bytes = {}, collections.OrderedDict(), 0
             self._pid = os.getpid()
-        file = self._files.get(shard)
+        key = (threading.get_ident(), shard)  # a finished thread's id reused: its file is free
+        file = self._files.get(key)
         if file is None:
             file = open_shard(self.shards[shard])
             with self._lock:
-                self._files.setdefault(shard, file)
+                self._files[key] = file
         return file
 
     def _row_group(self, group: int) -> Any:
