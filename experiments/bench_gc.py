@@ -20,13 +20,12 @@ from pathlib import Path
 
 import benchlib
 from benchlib import trainer_env
+from cases import case
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_cnn_digits.py"
-TINY = [
-    "model.name=resnet10", "model.width=4", "data.name=synthetic", "data.image_size=8",
-    "data.global_batch_size=16", "optim.schedule=constant", "optim.lr=0.05", "train.steps=4",
-    "log.every_steps=1", "log.progress=off", "checkpoint.resume=false",
-]  # fmt: skip
+# The test suite's tiny run (cases.py), one process, per-device BatchNorm, no periodic saves.
+TINY = case("tiny", "model.name=resnet10", "model.sync_batchnorm=false", "train.steps=4",
+            "checkpoint.every_steps=0", "checkpoint.resume=false")  # fmt: skip
 CASES = {
     "tiny train CLI": lambda wd: [sys.executable, "-m", "jddp.train", f"workdir={wd}", *TINY],
     "custom_cnn_digits.py": lambda wd: [sys.executable, str(EXAMPLE)],
