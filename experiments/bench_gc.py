@@ -5,7 +5,8 @@ Each pair runs the same command twice, once with Python's collector settings
 (``JDDP_GC_DEFAULTS=0``) and once with jddp's, in alternating order; the CPU seconds are the
 children's (``getrusage``), the compilation cache warm from a first, unmeasured run. Cases: the
 tests' tiny ``python -m jddp.train`` run (ResNet-10 of width 4 on 8x8 synthetic images, 2 fake
-CPU devices, 4 steps) and ``examples/custom_cnn_digits.py`` (``jddp.fit``, 1,000 steps).
+CPU devices, 4 steps) and ``examples/custom_cnn_digits.py`` (``jddp.fit``; 1,000 steps in the
+figures of 2026-11-28, 400 since the example's learning rate went up).
 Writes ``results/gc-<date>-<machine>.json`` (or ``--out``)."""
 
 from __future__ import annotations
