@@ -146,6 +146,19 @@ def ema_decay_at(step: jax.Array, decay: float, warmup: bool) -> jax.Array:
     return d
 
 
+def computed_once(flag: jax.Array) -> jax.Array:
+    """The boolean scalar ``flag``, computed once in the compiled step however many arrays
+    select on it.
+
+    XLA fuses a cheap scalar producer into every consumer: the non-finite check's and-chain over
+    the gradient's leaves was copied into the select of each parameter, optimizer and model
+    state array (the tests' ResNet-10 step: 4,001 of its 16,590 HLO instructions were that
+    chain's ``and``, 5,786 the fusions' parameters). A square root is an op XLA does not
+    duplicate, so the chain stays in the one fusion that ends in it; sqrt(1) > 0 and not
+    sqrt(0) > 0: the same flag."""
+    return jnp.sqrt(flag.astype(jnp.float32)) > 0
+
+
 def _make_update_stage(
     tx: optax.GradientTransformation,
     schedule: optax.Schedule | None,
@@ -184,7 +197,7 @@ def _make_update_stage(
         params = optax.apply_updates(state.params, updates)
         # A non-finite loss or gradient drops the whole update, identically on every replica
         # (all of them see the same averaged values), so the state never holds NaNs.
-        finite = jnp.isfinite(metrics["train/loss"]) & all_finite(grads)
+        finite = computed_once(jnp.isfinite(metrics["train/loss"]) & all_finite(grads))
         params, opt_state, stats = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             (params, opt_state, stats),

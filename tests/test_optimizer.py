@@ -219,6 +219,50 @@ def test_clip_grad_norm_is_optax_clip_by_global_norm_before_the_optimizer():
     assert float(out["loose"][1]["train/clipped"]) == 0.0
 
 
+def test_the_non_finite_check_is_computed_once_in_the_compiled_step():
+    """The and-chain over the gradient's leaves that decides whether the update is kept is in
+    the compiled step once, not once more for every parameter and optimizer array that selects
+    on it (XLA copies a cheap scalar producer into each consumer; jddp.step ``computed_once``):
+    a 12-leaf MLP under Adam had 490 ``and`` instructions (36 selects times 12, and the
+    reductions'), 34 now (jaxlib 0.10.2, XLA:CPU)."""
+    import re
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jddp import XlaComm, make_mesh, make_train_step
+    from jddp.data.loader import batch_layout, place_batch
+    from jddp.state import create_train_state
+
+    class Deep(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            sizes = [192, 16, 16, 16, 16, 16, 10]
+            self.layers = nnx.List(
+                [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes, sizes[1:], strict=False)]
+            )
+
+        def __call__(self, x):
+            x = x.reshape(x.shape[0], -1)
+            for layer in self.layers:
+                x = nnx.relu(layer(x))
+            return x
+
+    mesh = make_mesh(jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    batch = {"images": rng.normal(size=(16, 8, 8, 3)).astype(np.float32),
+             "labels": rng.integers(0, 10, 16).astype(np.int32)}  # fmt: skip
+    placed = {"data": place_batch(batch, mesh, batch_layout(mesh, 16))}
+    tx = optax.adam(0.01)
+    model_def, state = create_train_state(Deep(nnx.Rngs(0)), tx, mesh)
+    leaves = len(jax.tree.leaves(state.params))
+    assert leaves == 12
+    step = make_train_step(model_def, tx, mesh, XlaComm())
+    compiled = step.lower(state, placed).compile().as_text()
+    ands = len(re.findall(r" and\(", compiled))
+    assert 0 < ands < 4 * leaves, ands
+
+
 @pytest.mark.parametrize("how", ["inject_hyperparams", "lr_schedule", "neither"])
 def test_the_learning_rate_of_your_own_optimizer_is_logged(tmp_path, how):
     """train/lr for an optax optimizer: read from optax.inject_hyperparams, or from the
