@@ -157,6 +157,31 @@ def run_pids(workdir, exclude: int | None = None) -> list[int]:
     return [int(p) for p in out.stdout.split() if int(p) != exclude]
 
 
+def pid_gone(pid: int, timeout: float = 5.0) -> bool:
+    """True once ``pid`` no longer exists or is a zombie (the launcher is gone, so not ours)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        state = next((ln for ln in status.splitlines() if ln.startswith("State:")), "")
+        if "Z" in state.split(":", 1)[-1].split()[:1]:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def kill_leftovers(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` that is still there (a test's cleanup)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def fake_devices(count: int, env=None) -> dict[str, str]:
     """``env`` (default: this process's) for a process that sees ``count`` fake CPU devices: the
     device-count flag in ``XLA_FLAGS`` set as ``jddp.launch`` sets it, JAX on the CPU."""

@@ -12,7 +12,9 @@ import pytest
 from tests.helpers import (
     TWO_BY_TWO,
     assert_losses_match,
+    kill_leftovers,
     launch_cmd,
+    pid_gone,
     read_losses,
     read_metrics,
     run,
@@ -228,3 +230,50 @@ def test_dead_peer_without_launcher_times_out(tmp_path):
         procs[0].kill()
     assert time.monotonic() - killed_at < 60
     assert procs[0].returncode != 0
+
+
+@pytest.mark.slow
+def test_training_ranks_die_with_a_sigkilled_launcher_and_the_rerun_resumes(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of ``jddp.launch`` under training: both ranks go within 10 s (PDEATHSIG), and
+    the same command takes over their stale lock and resumes. (Not among test_launch.py's
+    serial tests: SIGKILL needs no idle machine to land in 10 s, and its 8 s of training kept
+    the other workers waiting at the suite's start.)"""
+    wd = tmp_path / "run"
+    cmd = launch_cmd(2, 1, wd, "train.steps=100000", "checkpoint.every_steps=1")
+    metrics = wd / "metrics.jsonl"
+    logs = [tmp_path / f"{name}.log" for name in ("out1", "err1", "out2", "err2")]
+    first = rerun = None
+    try:
+        with open(logs[0], "w") as out, open(logs[1], "w") as err:
+            first = start(cmd, stdout=out, stderr=err)
+        trained = lambda: metrics.exists() and metrics.read_text().strip() and steps_saved(wd)  # noqa: E731
+        assert wait_for(trained, 300), logs[1].read_text()[-3000:]
+        ranks = run_pids(wd, exclude=first.pid)
+        assert len(ranks) == 2, ranks
+        first.kill()  # kill -9: no chance to forward anything
+        first.wait(timeout=30)
+        t0 = time.monotonic()
+        for pid in ranks:
+            assert pid_gone(pid, timeout=max(0.0, 10 - (time.monotonic() - t0))), pid
+        assert run_pids(wd) == []
+        # The same command again: the ranks' lock is stale, so it is taken over and the run
+        # resumes from the last checkpoint.
+        with open(logs[2], "w") as out, open(logs[3], "w") as err:
+            rerun = start(cmd, stdout=out, stderr=err)
+        resumed = lambda: "resumed from" in logs[2].read_text() or rerun.poll() is not None  # noqa: E731
+        assert wait_for(resumed, 300)
+        assert rerun.poll() is None, logs[3].read_text()[-3000:]
+        assert "in use by a live run" not in logs[3].read_text()
+        rerun.terminate()  # forwarded: the ranks save and stop
+        rerun.wait(timeout=110)  # before the launcher's own 120-s escalation
+        assert "taking over stale lock" in logs[3].read_text()
+        # SIGTERM reached jddp's handler, not only jax.distributed's (TSL's preemption notifier)
+        assert rerun.returncode == 75, logs[3].read_text()[-3000:]
+    finally:
+        for p in (first, rerun):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        kill_leftovers(run_pids(wd))

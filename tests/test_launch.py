@@ -15,7 +15,12 @@ import pytest
 
 from jddp import launch
 from jddp.launch import local
-from tests.helpers import launch_cmd, run, run_pids, start, steps_saved, wait_for
+from tests.helpers import (
+    kill_leftovers,
+    pid_gone,
+    run,
+    start,
+)
 
 pytestmark = pytest.mark.serial  # launcher tests start processes and time their exits
 PY = sys.executable
@@ -59,22 +64,6 @@ def run_launcher(
     t0 = time.monotonic()
     proc = run(launcher_argv(*flags, "--", *cmd), env=env, timeout=timeout)
     return proc, time.monotonic() - t0
-
-
-def pid_gone(pid: int, timeout: float = 5.0) -> bool:
-    """True once ``pid`` no longer exists or is a zombie (the launcher is gone, so not ours)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        state = next((ln for ln in status.splitlines() if ln.startswith("State:")), "")
-        if "Z" in state.split(":", 1)[-1].split()[:1]:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
 
 
 def read_pids(tmp_path: Path, names: list[str]) -> list[int]:
@@ -503,14 +492,6 @@ def test_helpers() -> None:
     assert 0 < port < 65536
 
 
-def _sigkill_leftovers(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
 def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
     """kill -9 of the launcher cannot forward anything: the ranks must still go (PDEATHSIG),
     also a rank that ignores SIGTERM."""
@@ -527,7 +508,7 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
         for pid in pids:
             assert pid_gone(pid, timeout=10), f"rank pid {pid} outlived its launcher"
     finally:
-        _sigkill_leftovers(pids)
+        kill_leftovers(pids)
 
 
 def test_rank_watches_its_launcher_where_pdeathsig_is_missing(tmp_path: Path) -> None:
@@ -557,56 +538,13 @@ time.sleep(600)
         proc.kill()
         proc.wait()
         if child is not None:
-            _sigkill_leftovers([child])
+            kill_leftovers([child])
 
 
 def test_watch_launcher_is_off_without_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("JDDP_LAUNCHER_PID", raising=False)
     assert launch.watch_launcher() is None
     assert launch.child_env({}, rank=0, nproc=1, port=1)["JDDP_LAUNCHER_PID"] == str(os.getpid())
-
-
-@pytest.mark.slow
-def test_training_ranks_die_with_a_sigkilled_launcher_and_the_rerun_resumes(
-    tmp_path: Path,
-) -> None:
-    wd = tmp_path / "run"
-    cmd = launch_cmd(2, 1, wd, "train.steps=100000", "checkpoint.every_steps=1")
-    metrics = wd / "metrics.jsonl"
-    logs = [tmp_path / f"{name}.log" for name in ("out1", "err1", "out2", "err2")]
-    first = rerun = None
-    try:
-        with open(logs[0], "w") as out, open(logs[1], "w") as err:
-            first = start(cmd, stdout=out, stderr=err)
-        trained = lambda: metrics.exists() and metrics.read_text().strip() and steps_saved(wd)  # noqa: E731
-        assert wait_for(trained, 300), logs[1].read_text()[-3000:]
-        ranks = run_pids(wd, exclude=first.pid)
-        assert len(ranks) == 2, ranks
-        first.kill()  # kill -9: no chance to forward anything
-        first.wait(timeout=30)
-        t0 = time.monotonic()
-        for pid in ranks:
-            assert pid_gone(pid, timeout=max(0.0, 10 - (time.monotonic() - t0))), pid
-        assert run_pids(wd) == []
-        # The same command again: the ranks' lock is stale, so it is taken over and the run
-        # resumes from the last checkpoint.
-        with open(logs[2], "w") as out, open(logs[3], "w") as err:
-            rerun = start(cmd, stdout=out, stderr=err)
-        resumed = lambda: "resumed from" in logs[2].read_text() or rerun.poll() is not None  # noqa: E731
-        assert wait_for(resumed, 300)
-        assert rerun.poll() is None, logs[3].read_text()[-3000:]
-        assert "in use by a live run" not in logs[3].read_text()
-        rerun.terminate()  # forwarded: the ranks save and stop
-        rerun.wait(timeout=110)  # before the launcher's own 120-s escalation
-        assert "taking over stale lock" in logs[3].read_text()
-        # SIGTERM reached jddp's handler, not only jax.distributed's (TSL's preemption notifier)
-        assert rerun.returncode == 75, logs[3].read_text()[-3000:]
-    finally:
-        for p in (first, rerun):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
-        _sigkill_leftovers(run_pids(wd))
 
 
 def test_rank_behind_a_forking_wrapper_dies_with_a_sigkilled_launcher(tmp_path: Path) -> None:
@@ -630,4 +568,4 @@ def test_rank_behind_a_forking_wrapper_dies_with_a_sigkilled_launcher(tmp_path: 
     finally:
         launcher.kill()
         launcher.communicate()
-        _sigkill_leftovers(read_pids(tmp_path, [p.name for p in tmp_path.glob("pid[01]")]))
+        kill_leftovers(read_pids(tmp_path, [p.name for p in tmp_path.glob("pid[01]")]))
