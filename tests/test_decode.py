@@ -9,7 +9,6 @@ import math
 import numpy as np
 import pytest
 from PIL import Image
-from sklearn.datasets import load_sample_images
 
 from jddp.data import augment as aug
 from jddp.data import decode
@@ -27,6 +26,8 @@ def _encode(img: Image.Image, fmt: str = "JPEG", **kw) -> bytes:
 @pytest.fixture(scope="module")
 def photos() -> list[bytes]:
     """The two real photos scikit-learn ships, as 500x375 JPEGs (quality 90)."""
+    from sklearn.datasets import load_sample_images  # not at collection: ~1.5 s per worker
+
     images = [Image.fromarray(p) for p in load_sample_images().images]
     return [_encode(p.resize((500, 375), Image.Resampling.BILINEAR), quality=90) for p in images]
 

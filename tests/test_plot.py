@@ -4,11 +4,18 @@ import json
 
 import pytest
 
-from jddp import plot
 from tests.helpers import run_python
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = {"loss.png", "accuracy.png", "lr.png", "throughput.png"}
+
+
+@pytest.fixture
+def plot():
+    """``jddp.plot``, imported by the tests that call it (matplotlib: not at collection)."""
+    from jddp import plot
+
+    return plot
 
 
 def write_run(path, with_lr=True, junk=False):
@@ -42,7 +49,7 @@ def assert_png(path):
     assert len(data) > 5000
 
 
-def test_two_runs_default_out(tmp_path, capsys):
+def test_two_runs_default_out(tmp_path, capsys, plot):
     a = write_run(tmp_path / "a", junk=True)
     b = write_run(tmp_path / "b", with_lr=False)
     assert plot.main([str(a), str(b)]) == 0
@@ -54,7 +61,7 @@ def test_two_runs_default_out(tmp_path, capsys):
     assert sorted(printed) == sorted(str(out_dir / n) for n in ALL_PLOTS)
 
 
-def test_lr_skipped_only_when_no_run_has_it(tmp_path):
+def test_lr_skipped_only_when_no_run_has_it(tmp_path, plot):
     a = write_run(tmp_path / "a", with_lr=False)
     b = write_run(tmp_path / "b", with_lr=False)
     out = tmp_path / "out"
@@ -63,13 +70,13 @@ def test_lr_skipped_only_when_no_run_has_it(tmp_path):
     assert not (out / "lr.png").exists()
 
 
-def test_colliding_names_use_path(tmp_path):
+def test_colliding_names_use_path(tmp_path, plot):
     dirs = [tmp_path / "x" / "run", tmp_path / "y" / "run", tmp_path / "z" / "other"]
     assert plot._labels(dirs) == [str(dirs[0]), str(dirs[1]), "other"]
 
 
 @pytest.mark.parametrize("case", ["no_dir", "no_file", "no_valid_line"])
-def test_bad_workdir_exits_2(tmp_path, capsys, case):
+def test_bad_workdir_exits_2(tmp_path, capsys, case, plot):
     good = write_run(tmp_path / "good")
     bad = tmp_path / "bad"
     expected = bad
@@ -95,7 +102,7 @@ def test_module_entry_point(tmp_path):
     assert_png(out / "loss.png")
 
 
-def test_nonfinite_points_are_marked_and_reported(tmp_path, capsys):
+def test_nonfinite_points_are_marked_and_reported(tmp_path, capsys, plot):
     """NaN/Inf values are drawn (an x at their steps: the PNG differs from the same run without
     those values) and reported, one line per series with the count and the first step."""
     clean = write_run(tmp_path / "clean" / "run")  # one name: one legend in both
