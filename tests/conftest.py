@@ -56,6 +56,11 @@ if version("jaxlib").startswith("0.10."):  # read without importing JAX
 for _flag, _value in _TEST_XLA_FLAGS.items():
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
+# NumPy's OpenBLAS with one thread in every process of the suite: its other threads spin for a
+# while after each BLAS call (the synthetic data's labels, the resize's einsum), on CI's 2
+# busy cores: the tiny 2-device run 3.95 -> 3.82 and 4.06 -> 3.85 CPU-s (5 and 6 alternating
+# pairs, 2026-11-28, the 2-core VM). The steps are XLA's, which does not use OpenBLAS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Every program into the compilation cache, not only those compiling in 0.5 s or more
 # (jddp/proc/xla.py): on an empty cache the suite's processes compiled ~3,700 small programs
 # (a model's initialisation, eager ops), ~1,400 of them distinct -- ~60 CPU-s, two thirds of it
