@@ -184,6 +184,21 @@ def test_lars_at_16x_the_batch_reaches_the_small_batch_accuracy(tmp_path):
     assert accuracy["lars"] >= accuracy["small"] - 0.02, accuracy
 
 
+def _one_device_batch():
+    """A one-device mesh and 16 random 8x8 images with labels placed on it, as a step takes."""
+    import jax
+    import numpy as np
+
+    from jddp import make_mesh
+    from jddp.data.loader import batch_layout, place_batch
+
+    mesh = make_mesh(jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    batch = {"images": rng.normal(size=(16, 8, 8, 3)).astype(np.float32),
+             "labels": rng.integers(0, 10, 16).astype(np.int32)}  # fmt: skip
+    return mesh, {"data": place_batch(batch, mesh, batch_layout(mesh, 16))}
+
+
 def test_clip_grad_norm_is_optax_clip_by_global_norm_before_the_optimizer():
     """optim.clip_grad_norm: the step's update equals optax.chain(clip_by_global_norm, tx)'s
     without it (any optimizer, also one given to jddp.fit); train/grad_norm is the norm before
@@ -192,16 +207,11 @@ def test_clip_grad_norm_is_optax_clip_by_global_norm_before_the_optimizer():
     import numpy as np
     from flax import nnx
 
-    from jddp import XlaComm, make_mesh, make_train_step
-    from jddp.data.loader import batch_layout, place_batch
+    from jddp import XlaComm, make_train_step
     from jddp.state import create_train_state
     from tests.user_models import TinyMLP
 
-    mesh = make_mesh(jax.devices()[:1])
-    rng = np.random.default_rng(0)
-    batch = {"images": rng.normal(size=(16, 8, 8, 3)).astype(np.float32),
-             "labels": rng.integers(0, 10, 16).astype(np.int32)}  # fmt: skip
-    placed = {"data": place_batch(batch, mesh, batch_layout(mesh, 16))}
+    mesh, placed = _one_device_batch()
     out = {}
     for name, tx, clip in [
         ("jddp", optax.adam(0.01), 0.05),
@@ -228,11 +238,9 @@ def test_the_non_finite_check_is_computed_once_in_the_compiled_step():
     import re
 
     import jax
-    import numpy as np
     from flax import nnx
 
-    from jddp import XlaComm, make_mesh, make_train_step
-    from jddp.data.loader import batch_layout, place_batch
+    from jddp import XlaComm, make_train_step
     from jddp.state import create_train_state
 
     class Deep(nnx.Module):
@@ -248,11 +256,7 @@ def test_the_non_finite_check_is_computed_once_in_the_compiled_step():
                 x = nnx.relu(layer(x))
             return x
 
-    mesh = make_mesh(jax.devices()[:1])
-    rng = np.random.default_rng(0)
-    batch = {"images": rng.normal(size=(16, 8, 8, 3)).astype(np.float32),
-             "labels": rng.integers(0, 10, 16).astype(np.int32)}  # fmt: skip
-    placed = {"data": place_batch(batch, mesh, batch_layout(mesh, 16))}
+    mesh, placed = _one_device_batch()
     tx = optax.adam(0.01)
     model_def, state = create_train_state(Deep(nnx.Rngs(0)), tx, mesh)
     leaves = len(jax.tree.leaves(state.params))
