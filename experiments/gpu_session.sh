@@ -3,7 +3,7 @@
 # and the variables (OUT, JDDP_GPU_DEADLINE_S, JDDP_GPU_SMOKE_INSTALL, JDDP_GPU_SITE, PY) are in
 # experiments/README.md, "On a lent GPU". Run ON the GPU machine from the repo root, with the
 # ".whl" of `bash scripts/gpu_wheels.sh` carried:
-#   bash experiments/gpu_session.sh PART [PART ...]    PART: suite|mpi|bench|torch|e2e|bench2|tune|lm|shard|all
+#   bash experiments/gpu_session.sh PART [PART ...]    PART: suite|mpi|bench|torch|e2e|bench2|tune|lm|shard|finite|all
 #   bash experiments/gpu_session.sh --smoke PART ...   (or JDDP_GPU_SMOKE=1) on a CPU, tiny sizes
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ if [ "${1:-}" = --smoke ]; then SMOKE=1; shift; fi
 PARTS=("$@")
 [ "${PARTS[0]}" = all ] && PARTS=(mpi suite bench bench2)
 for p in "${PARTS[@]}"; do
-  case $p in suite | mpi | bench | torch | e2e | bench2 | tune | lm | shard) ;; *) echo "gpu_session: unknown part '$p'" >&2; exit 2 ;; esac
+  case $p in suite | mpi | bench | torch | e2e | bench2 | tune | lm | shard | finite) ;; *) echo "gpu_session: unknown part '$p'" >&2; exit 2 ;; esac
 done
 OUT=${OUT:-experiments/results/gpu-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
@@ -259,6 +259,13 @@ part_shard() {  # issue 43: the ~100M GPT in bfloat16 under dist.shard none and 
     --layouts "${JDDP_SHARD_LAYOUTS:-none,full,none+blocks}" --machine "$MACHINE" \
     --out "$OUT/lm-shard.json"
   RC[shard]=$?
+}
+
+part_finite() {  # the non-finite check computed once vs copied into every select: ResNet-50 bf16
+  local fc=()
+  [ "$SMOKE" = 1 ] && fc=(--smoke --steps 5 --rounds 1)
+  $PY experiments/bench_finite_check.py "${fc[@]}" --machine "$MACHINE" --out "$OUT/finite-check.json"
+  RC[finite]=$?
 }
 
 # ---------------------------------------------------------------- run
