@@ -262,7 +262,7 @@ part_shard() {  # issue 43: the ~100M GPT in bfloat16 under dist.shard none and 
 }
 
 part_finite() {  # the non-finite check computed once vs copied into every select: ResNet-50 bf16
-  local fc=()
+  local fc=(${JDDP_FINITE_ARGS:-})
   [ "$SMOKE" = 1 ] && fc=(--smoke --steps 5 --rounds 1)
   $PY experiments/bench_finite_check.py "${fc[@]}" --machine "$MACHINE" --out "$OUT/finite-check.json"
   RC[finite]=$?
