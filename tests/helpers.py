@@ -23,6 +23,7 @@ import pytest
 
 from jddp.launch import merge_xla_flags
 from jddp.metrics import read_metrics
+from jddp.proc import preload
 
 # A tiny run: ResNet-18 of width 4 on 8x8 synthetic images, constant lr, a line every step.
 TINY = [
@@ -204,10 +205,9 @@ def optimized_xla(env=None) -> dict[str, str]:
 
 REPO = Path(__file__).resolve().parents[1]
 # jddp's commands that :func:`run` forks from the worker's CLI server (tests/cli_server.py): those
-# that import JAX themselves. Not ``jddp.pack``: it never imports JAX, and a command that finds
-# JAX imported behaves otherwise (a failed pack would skip the interpreter's teardown, and its
-# pool's semaphores leak with a warning: jddp/cli.py ``stop_peers``).
-FORKED_MODULES = ("jddp.train", "jddp.evaluate", "jddp.export", "jddp.predict")
+# that jddp.launch forks too (jddp/proc/preload.py), and the launcher itself, which then forks
+# its ranks of those from the server's imports.
+FORKED_MODULES = (*preload.FORKED_MODULES, "jddp.launch")
 _CLI_SERVER: dict = {}  # this worker's: "job", "socket", "env", "read", "set" (cli_server.py)
 _CLI_SERVER_BUSY = threading.Lock()
 forked_cpu_s = 0.0  # CPU seconds of the commands the server ran for this process (JDDP_TEST_USAGE)
@@ -242,16 +242,12 @@ def _stop_cli_server(job: subprocess.Popen, folder: Path) -> None:
 def _forkable(cmd, env) -> str | None:
     """The jddp module ``cmd`` runs as ``python -m MODULE ...`` when the CLI server can run it
     as a new process would (the environment differs from the server's only in variables that
-    its imports did not read: :func:`tests.cli_server.may_differ`), else None."""
-    from tests.cli_server import may_differ
-
+    its imports did not read: :meth:`jddp.proc.preload.Imports.allows`), else None."""
     if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or cmd[2] not in FORKED_MODULES:
         return None
     server = _cli_server()
-    env = os.environ if env is None else env
-    differs = {k for k in set(env) | set(server["env"]) if env.get(k) != server["env"].get(k)}
-    alike = all(may_differ(k, env.get(k), server["read"], server["set"]) for k in differs)
-    return cmd[2] if alike else None
+    imports = preload.Imports(server["read"], server["set"], server["env"])
+    return cmd[2] if imports.allows(os.environ if env is None else env) else None
 
 
 def _run_forked(module, cmd, env, timeout, cwd) -> subprocess.CompletedProcess:

@@ -569,3 +569,48 @@ def test_rank_behind_a_forking_wrapper_dies_with_a_sigkilled_launcher(tmp_path: 
         launcher.kill()
         launcher.communicate()
         kill_leftovers(read_pids(tmp_path, [p.name for p in tmp_path.glob("pid[01]")]))
+
+
+def _open_for_writing_once_read(fifo: Path, timeout: float = 60) -> int:
+    """The write end of ``fifo`` as soon as a process opens it for reading (one blocked in
+    ``open`` counts: until then ``O_NONBLOCK`` says ENXIO)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+@pytest.mark.parametrize("spawn", [False, True], ids=["forked", "spawned"])
+def test_a_rank_of_jddp_train_is_forked_from_the_launcher_unless_spawn(
+    tmp_path: Path, spawn: bool
+) -> None:
+    """``python -m jddp.train`` with the launcher's Python: the rank is forked from the launcher
+    (jddp/launch/forked.py): its command line is the launcher's; with ``--spawn`` a new
+    interpreter's. Either way the same outcome: a bad config is one line and exit 2. The rank
+    is caught while it opens its config, a named pipe the test then writes."""
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    rank_command = [PY, "-m", "jddp.train", "--config", str(fifo)]
+    flags = ["--nproc", "1", *(["--spawn"] if spawn else [])]
+    launcher = start(launcher_argv(*flags, "--", *rank_command))
+    try:
+        writer = _open_for_writing_once_read(fifo)
+        children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()
+        (rank,) = [int(pid) for pid in children.split()]
+        shown = Path(f"/proc/{rank}/cmdline").read_bytes().decode().split("\0")[:-1]
+        assert shown == (rank_command if spawn else launcher.args), shown
+        os.write(writer, b"no_such_section: 1\n")
+        os.close(writer)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        launcher.communicate()
+    assert launcher.returncode == 2, err
+    assert err.splitlines() == [
+        "[rank 0] jddp: error: unknown config key 'no_such_section'; see --help for every key",
+        "jddp.launch: rank 0 exited with code 2; no other process is left",
+    ]

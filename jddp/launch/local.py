@@ -10,8 +10,10 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 from jddp.errors import PREEMPTED
+from jddp.launch.forked import ForkedRank, start_forked
 from jddp.launch.supervise import (
     HELD_SIGNALS,
     PROG,
@@ -27,6 +29,7 @@ from jddp.launch.supervise import (
     pump,
     signal_name,
 )
+from jddp.proc import preload
 from jddp.proc.lifeline import die_with_parent, load_prctl
 
 _POLL_INTERVAL = 0.05
@@ -37,13 +40,21 @@ class Launcher:
 
     first_failure: tuple[int, int] | None = None  # (rank, returncode) of the cause, if any
 
-    def __init__(self, command: list[str], nproc: int, kill_timeout: float) -> None:
+    def __init__(
+        self,
+        command: list[str],
+        nproc: int,
+        kill_timeout: float,
+        forked: tuple[str, preload.Imports] | None = None,
+    ) -> None:
         self.command = command
         self.nproc = nproc
         self.kill_timeout = kill_timeout
+        # (module, imports): ranks of ``python -m MODULE`` forked from this process's imports.
+        self.forked = forked
         self.stdout = Output("stdout")
         self.stderr = Output("stderr")
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes] | ForkedRank] = []
         self.readers: list[threading.Thread] = []
         # Process groups we may still signal (pgid == child pid since start_new_session=True).
         self.live_groups: set[int] = set()
@@ -160,15 +171,7 @@ class Launcher:
             for env in envs:
                 if self.signal_received is not None:
                     break
-                proc = subprocess.Popen(
-                    self.command,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                    preexec_fn=die_with_launcher,
-                )
+                proc = self._start_rank(env, die_with_launcher)
                 self.procs.append(proc)
                 self.started_at[proc.pid] = time.monotonic()
                 self.live_groups.add(proc.pid)
@@ -187,6 +190,26 @@ class Launcher:
                     )
                     t.start()
                     self.readers.append(t)
+
+    def _start_rank(
+        self, env: dict[str, str], die_with_launcher: Callable[[], None]
+    ) -> subprocess.Popen[bytes] | ForkedRank:
+        """One rank: forked (:mod:`.forked`) when the command and its environment allow it and
+        no other thread runs here (a fork copies only the calling thread), else a new process."""
+        if self.forked is not None and threading.active_count() == 1:
+            module, imports = self.forked
+            if imports.allows(env):
+                pipes = [p.fileno() for proc in self.procs for p in (proc.stdout, proc.stderr)]
+                return start_forked(module, self.command[3:], env, die_with_launcher, pipes)
+        return subprocess.Popen(
+            self.command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_launcher,
+        )
 
     def wait(self) -> int:
         """Supervise the children until all have exited; return the launcher's exit code."""

@@ -1,0 +1,119 @@
+"""A rank of ``python -m jddp.launch`` forked from the launcher, which imported the command's
+libraries once (:mod:`jddp.proc.preload`), instead of a new interpreter that imports them again.
+
+The child is what :class:`subprocess.Popen` would have started with ``start_new_session=True``,
+``stdin=DEVNULL``, ``stdout=PIPE``, ``stderr=PIPE`` and the launcher's ``preexec_fn``: its own
+session and process group, PDEATHSIG tied to the launcher, no other file descriptor of the
+launcher's children. :class:`ForkedRank` is the ``Popen`` the launcher supervises.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import IO
+
+from jddp.errors import STOP_SIGNALS
+from jddp.proc import preload
+
+_WAIT_INTERVAL_S = 0.01
+
+
+class ForkedRank:
+    """The part of :class:`subprocess.Popen` the launcher uses, for a forked child."""
+
+    def __init__(self, pid: int, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+        self.pid, self.stdout, self.stderr = pid, stdout, stderr
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit code (``-N`` for signal N) once the child ended, else None."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: nothing more to learn
+                pid, status = self.pid, 255 << 8
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the end, at most ``timeout`` seconds (``subprocess.TimeoutExpired``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+            time.sleep(_WAIT_INTERVAL_S)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def start_forked(
+    module: str,
+    args: Sequence[str],
+    env: Mapping[str, str],
+    in_child: Callable[[], None],
+    launchers_fds: Iterable[int],
+    cwd: str | None = None,
+) -> ForkedRank:
+    """Fork ``python -m MODULE ARGS`` with environment ``env`` in the folder ``cwd`` (default:
+    this process's); ``in_child`` runs in the child first (the launcher's PDEATHSIG),
+    ``launchers_fds`` (its other children's pipes) are closed there. The launcher's stop
+    signals wait, blocked, until the child has its handlers reset: a signal the launcher
+    forwards meanwhile reaches the rank's defaults, never the launcher's handler copied into
+    the child."""
+    launchers_fds = list(launchers_fds)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = -1
+    try:
+        pid = os.fork()
+        if pid == 0:
+            inherited = [out_r, err_r, ready_r, *launchers_fds]
+            folder = cwd or os.getcwd()
+            _child(module, args, env, folder, in_child, inherited, (out_w, err_w), ready_w, blocked)
+    finally:
+        if pid != 0:
+            for fd in (out_w, err_w, ready_w):
+                os.close(fd)
+            if pid > 0:
+                os.read(ready_r, 1)  # EOF once the child has reset its handlers (or ended)
+            else:  # the fork failed: its OSError goes up
+                os.close(out_r)
+                os.close(err_r)
+            os.close(ready_r)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return ForkedRank(pid, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+
+
+def _child(module, args, env, cwd, in_child, close_fds, outputs, ready_w, blocked) -> None:
+    """The forked child: never returns into the launcher's code; ends by ``os._exit``."""
+    code = 1
+    try:
+        preload.reset_signal_handlers()
+        os.setsid()
+        os.close(ready_w)
+        in_child()
+        for fd in close_fds:
+            os.close(fd)
+        preload.become(module, args, env, cwd, outputs)
+        # A stop signal that came meanwhile reaches the command now, as one that reaches a new
+        # interpreter before the command's first statement.
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        code = preload.run_as_main(module)
+    except BaseException:
+        try:
+            why = f"jddp.launch: a forked rank failed to start: {sys.exc_info()[1]!r}\n"
+            os.write(2, why.encode())
+        except OSError:
+            pass
+    finally:
+        os._exit(code)

@@ -1,0 +1,269 @@
+"""jddp's commands started by fork from an interpreter that has already imported their libraries.
+
+``python -m jddp.launch`` imports what ``python -m jddp.train`` (and evaluate, export, predict)
+load once (:data:`PRELOADED`: JAX, Flax, Optax, Orbax, grain, tensorboardX), then forks each
+rank from itself instead of starting a new interpreter that imports them again: ~1.4 CPU-s and
+as much of the rank's start saved per rank and per restart (2-core VM, 2026-11-28). The tests'
+CLI server (tests/cli_server.py) does the same for single commands.
+
+A forked command is the process ``python -m MODULE ARGS`` would be (:func:`become`,
+:func:`run_as_main`): its own ``__main__``, ``sys.argv``, ``sys.path[0]``, working folder,
+environment, standard streams and signal handlers, ending as the interpreter ends (``SystemExit``'s
+code, an uncaught exception's traceback and exit 1, Ctrl-C's death by SIGINT; threads joined and
+atexit handlers run). JAX's backend has not started before the fork (no device, no thread pool;
+``XLA_FLAGS`` and the CUDA variables are read when it starts, in the child), but what the imports
+read from the environment is the importer's: a command is forked only when its environment differs
+from the one the imports saw in nothing they looked up, nor in what native code may read while
+loading (:func:`may_differ`). What a forked process shows as its command line (``ps``,
+``/proc/PID/cmdline``) is its parent's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import gc
+import importlib
+import io
+import os
+import runpy
+import shutil
+import signal
+import sys
+import threading
+import traceback
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+# What a tiny training run imports besides: ``jddp.run.trainer`` brings JAX, Flax, Optax and
+# Orbax; lowering the first program loads XLA's MLIR dialect (~80 ms), the loader grain, the
+# event files tensorboardX.
+PRELOADED = ("jddp.run.trainer", "jaxlib.mlir.dialects.mhlo", "grain", "tensorboardX")
+# jddp's commands that run forked: those that import JAX. Not ``jddp.pack``: it never imports
+# JAX, and a command that finds JAX imported behaves otherwise (a failed pack would skip the
+# interpreter's teardown, and its pool's semaphores leak with a warning: jddp/cli.py
+# ``stop_peers``). Not a user's script: it may set ``JAX_*`` variables before importing JAX.
+FORKED_MODULES = ("jddp.train", "jddp.evaluate", "jddp.export", "jddp.predict")
+# Variables that native code may read while the libraries load (the loader, the interpreter,
+# OpenMP/OpenBLAS, TSL's logging, JAX's and XLA's plugins) or that a library reads by iterating
+# over the environment (tqdm's TQDM_*): a command whose environment differs in one of them is not
+# forked. XLA_FLAGS is not among them: XLA reads it when JAX's backend starts, in the child (4
+# fake devices from a child's own XLA_FLAGS, checked); nor PYTHONUNBUFFERED, which :func:`become`
+# applies to the streams it makes.
+READ_WHILE_LOADING = ("PYTHON", "LD_", "GLIBC_", "MALLOC_", "OMP_", "OPENBLAS_", "GOTO", "TF_",
+                      "JAX_", "XLA_", "TPU_", "CUDA", "NVIDIA", "NCCL_", "TQDM_")  # fmt: skip
+APPLIED_BY_BECOME = ("XLA_FLAGS", "PYTHONUNBUFFERED")
+
+
+@dataclass
+class Imports:
+    """What :func:`preload` imported under: the variables the imports looked up (``read``), those
+    they set (``set_by_imports``: tensorboardX sets CRC32C_SW_MODE) and the whole environment
+    they saw."""
+
+    read: set[str]
+    set_by_imports: dict[str, str]
+    environ: dict[str, str] = field(default_factory=dict)
+
+    def allows(self, env: Mapping[str, str]) -> bool:
+        """Whether a command with environment ``env`` may run forked from these imports."""
+        names = set(env) | set(self.environ)
+        differs = [name for name in names if env.get(name) != self.environ.get(name)]
+        return all(may_differ(n, env.get(n), self.read, self.set_by_imports) for n in differs)
+
+
+_imports: Imports | None = None  # this process's (and, inherited, its forked children's)
+
+
+def may_differ(name: str, value: str | None, read: set[str], set_by_imports: dict) -> bool:
+    """Whether the variable ``name`` may be ``value`` in a forked command while the environment
+    the imports saw had another value: neither the imports read it (``read``) nor may native code
+    have, or the imports set it (``set_by_imports``) and a new process's imports would have found
+    or set the same."""
+    if name in set_by_imports and value in (None, set_by_imports[name]):
+        return True
+    if name in read:
+        return False
+    return name in APPLIED_BY_BECOME or not name.startswith(READ_WHILE_LOADING)
+
+
+@contextlib.contextmanager
+def recording_reads(read: set[str]) -> Iterator[set[str]]:
+    """Add to ``read`` every variable Python code looks up in ``os.environ`` meanwhile
+    (``os.environ[...]``, ``.get``, ``os.getenv``, ``in``)."""
+    environ = type(os.environ)
+    getitem, contains = environ.__getitem__, environ.__contains__
+
+    def recorded_getitem(self, key):
+        # Not a walk over every variable (``.items()``, ``.values()``: tqdm's for TQDM_*,
+        # wsgiref's copy), which would count every variable as read; ``.get`` is a lookup.
+        caller = sys._getframe(1).f_code
+        if caller.co_name != "__iter__" or caller.co_filename != "<frozen _collections_abc>":
+            read.add(key)
+        return getitem(self, key)
+
+    def recorded_contains(self, key):
+        read.add(key)
+        return contains(self, key)
+
+    environ.__getitem__, environ.__contains__ = recorded_getitem, recorded_contains
+    try:
+        yield read
+    finally:
+        environ.__getitem__, environ.__contains__ = getitem, contains
+
+
+def preload(environ: Mapping[str, str] | None = None) -> Imports | None:
+    """Import :data:`PRELOADED` once per process, recording what the imports read, with
+    ``os.environ`` set to ``environ`` meanwhile (default: as it is); the record, or None where
+    forking is not for this process: not Linux, JAX imported already by someone else (what it
+    read is unknown), an import failed (the command, started anew, will say why)."""
+    global _imports
+    if _imports is not None:
+        return _imports
+    if not sys.platform.startswith("linux") or "jax" in sys.modules:
+        return None
+    before = dict(os.environ)
+    saw = dict(before if environ is None else environ)
+    read: set[str] = set()
+    os.environ.clear()
+    os.environ.update(saw)
+    try:
+        with recording_reads(read):
+            for name in PRELOADED:
+                importlib.import_module(name)
+    except Exception:
+        return None
+    finally:
+        set_by_imports = {k: v for k, v in os.environ.items() if saw.get(k) != v}
+        os.environ.clear()
+        os.environ.update(before)
+    gc.collect()
+    # The imports' objects out of the collector's reach, here and (never unfrozen) in every
+    # child: a child's collections do not touch, and so copy, the pages they are on. They live
+    # as long as the process anyway. (Unfrozen, a forked child's first full collection copied
+    # them all: a config error's child 0.11 -> 0.42 CPU-s, 2026-11-27.)
+    gc.freeze()
+    _imports = Imports(read, set_by_imports, saw)
+    return _imports
+
+
+def forked_module(command: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """The jddp module of ``command`` when it is ``PYTHON -m MODULE ...`` with MODULE one of
+    :data:`FORKED_MODULES` and PYTHON this interpreter (as found on ``env``'s PATH); else None."""
+    if len(command) < 3 or command[1] != "-m" or command[2] not in FORKED_MODULES:
+        return None
+    found = shutil.which(command[0], path=env.get("PATH", os.defpath))
+    if found is None:
+        return None
+    found, own = os.path.abspath(found), os.path.abspath(sys.executable)
+    # ``python`` and ``python3`` of one virtual environment: the same folder, the same file.
+    same = found == own or (
+        os.path.dirname(found) == os.path.dirname(own) and os.path.samefile(found, own)
+    )
+    return command[2] if same else None
+
+
+def reset_signal_handlers() -> None:
+    """Every signal's handler as a new interpreter has it: SIGINT raises KeyboardInterrupt,
+    whatever Python code caught is back to the default (ignored ones stay ignored, as across
+    ``exec``)."""
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (ValueError, OSError):
+            continue
+        if sig == signal.SIGINT:
+            signal.signal(sig, signal.default_int_handler)
+        elif callable(handler):
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def _text_stream(fd: int, like: io.TextIOBase, writing: bool, unbuffered: bool) -> io.TextIOWrapper:
+    """A standard stream over ``fd`` as the interpreter makes it at start (``like``'s encoding):
+    stderr and a terminal line-buffered, stderr's undecodable characters escaped,
+    ``PYTHONUNBUFFERED`` writing through."""
+    raw = io.FileIO(fd, "w" if writing else "r", closefd=False)
+    if writing and unbuffered:
+        buffer: io.RawIOBase | io.BufferedIOBase = raw
+    else:
+        buffer = io.BufferedWriter(raw) if writing else io.BufferedReader(raw)
+    line_buffered = writing and (fd == 2 or os.isatty(fd))
+    return io.TextIOWrapper(
+        buffer,
+        encoding=getattr(like, "encoding", None) or "utf-8",
+        errors="backslashreplace" if fd == 2 else getattr(like, "errors", None) or "strict",
+        line_buffering=line_buffered and not unbuffered,
+        write_through=writing and unbuffered,
+    )
+
+
+def become(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str,
+           outputs: Sequence[int]) -> None:  # fmt: skip
+    """In a forked child: the process ``python -m MODULE ARGS`` would be, up to running the
+    module: stdin ``/dev/null``, stdout and stderr the two file descriptors ``outputs`` (closed
+    here: the child holds them as 1 and 2), the working folder ``cwd`` first on ``sys.path``,
+    the environment ``env``, a new ``__main__`` and signal handlers as a new interpreter's."""
+    reset_signal_handlers()
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    os.close(stdin)
+    for fd, target in zip((1, 2), outputs, strict=True):
+        os.dup2(target, fd)
+        os.close(target)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    sys.stdin = sys.__stdin__ = _text_stream(0, sys.__stdin__, False, unbuffered)
+    sys.stdout = sys.__stdout__ = _text_stream(1, sys.__stdout__, True, unbuffered)
+    sys.stderr = sys.__stderr__ = _text_stream(2, sys.__stderr__, True, unbuffered)
+    sys.path[0] = cwd  # as ``python -m``: the working folder first
+    sys.argv = ["-m", *args]  # runpy puts the module's file in argv[0]
+    sys.orig_argv = [sys.executable, "-m", module, *args]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+
+
+def _system_exit_code(exit: SystemExit) -> int:
+    """The exit status the interpreter makes of an uncaught ``SystemExit`` (a message: printed,
+    status 1)."""
+    code = exit.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def run_as_main(module: str) -> int:
+    """In a forked child after :func:`become`: run ``module`` as ``__main__`` and end as the
+    interpreter ends it (non-daemon threads joined, atexit handlers run, streams flushed); the
+    exit status for ``os._exit``. An uncaught KeyboardInterrupt ends the process by SIGINT, as
+    the interpreter does."""
+    interrupted = False
+    try:
+        runpy._run_module_as_main(module, alter_argv=True)
+        code = 0
+    except SystemExit as e:
+        code = _system_exit_code(e)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code, interrupted = 1, True
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter calls
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)  # what native code printed through C's stdio
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code

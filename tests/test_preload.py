@@ -1,0 +1,116 @@
+"""jddp/proc/preload.py and jddp/launch/forked.py: which commands run forked from preloaded
+libraries, and that a forked command is the process ``python -m MODULE ARGS`` would be."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+from jddp.proc import preload
+from tests.helpers import run
+
+PY = sys.executable
+
+
+def test_only_jddps_commands_with_this_python_run_forked(tmp_path):
+    env = dict(os.environ)
+    assert preload.forked_module([PY, "-m", "jddp.train", "x=1"], env) == "jddp.train"
+    assert preload.forked_module([PY, "-m", "jddp.evaluate", "w"], env) == "jddp.evaluate"
+    # Found on PATH: ``python`` of this interpreter's own folder.
+    env_on_path = {**env, "PATH": os.path.dirname(PY)}
+    name = os.path.basename(PY)
+    assert preload.forked_module([name, "-m", "jddp.predict"], env_on_path) == "jddp.predict"
+    assert preload.forked_module([PY, "-m", "jddp.pack", "a", "b"], env) is None  # no JAX
+    assert preload.forked_module([PY, "examples/lm_stdlib.py"], env) is None  # a script
+    assert preload.forked_module([PY, "-u", "-m", "jddp.train"], env) is None  # an option
+    other = tmp_path / "python"
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    assert preload.forked_module([str(other), "-m", "jddp.train"], env) is None
+    assert preload.forked_module(["no-such-python", "-m", "jddp.train"], env) is None
+
+
+def test_a_command_runs_forked_only_where_the_imports_saw_its_environment():
+    # tensorboardX looks CRC32C_SW_MODE up and sets it where it is not set.
+    read = {"JDDP_SEEN", "HOME", "CRC32C_SW_MODE"}
+    imports = preload.Imports(read, {"CRC32C_SW_MODE": "auto"}, {"HOME": "/h"})
+    assert imports.allows({"HOME": "/h"})
+    # Not read by the imports, nor by native code while loading: may be anything.
+    assert imports.allows({"HOME": "/h", "JDDP_PROCESS_ID": "1", "XLA_FLAGS": "--x=1"})
+    assert imports.allows({"HOME": "/h", "PYTHONUNBUFFERED": "1"})  # become() applies it
+    assert imports.allows({"HOME": "/h", "CRC32C_SW_MODE": "auto"})  # what the imports set
+    assert not imports.allows({"HOME": "/elsewhere"})  # read by the imports
+    assert not imports.allows({"HOME": "/h", "JDDP_SEEN": "1"})
+    assert not imports.allows({"HOME": "/h", "JAX_ENABLE_X64": "1"})  # JAX reads it at import
+    assert not imports.allows({"HOME": "/h", "LD_PRELOAD": "x.so"})
+    assert not imports.allows({"HOME": "/h", "CRC32C_SW_MODE": "none"})
+
+
+# The driver forks each module of CASES with jddp.launch's own function, from a process with a
+# handler for SIGUSR1 and SIGTERM (as the launcher has), and prints what came back.
+MODULES = {
+    "shows": """
+        import os, signal, sys
+        print(__name__, sys.argv[1:], os.getcwd() == sys.path[0], os.environ.get("PROBE"))
+        print(signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
+              signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+              signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+              sys.stdin.read() == "", sys.orig_argv[1:3])
+        """,
+    "ends": """
+        import atexit, threading, time
+        atexit.register(lambda: print("atexit ran", flush=True))
+        def late():
+            time.sleep(0.3)
+            print("thread joined", flush=True)
+        threading.Thread(target=late).start()
+        print("main done", flush=True)
+        """,
+    "code3": "import sys; sys.exit(3)",
+    "message": "import sys; sys.exit('a message for stderr')",
+    "raises": "raise ValueError('boom')",
+    "interrupted": "raise KeyboardInterrupt",
+    "unbuffered": "import os, sys; sys.stdout.write('no newline'); os._exit(0)",
+}
+DRIVER = """
+import json, os, signal, sys
+from jddp.launch.forked import start_forked
+signal.signal(signal.SIGUSR1, lambda *a: None)
+signal.signal(signal.SIGTERM, lambda *a: None)
+folder = sys.argv[1]
+results = {}
+for name in sys.argv[2:]:
+    env = {**os.environ, "PROBE": "seen", "PYTHONUNBUFFERED": "1"}
+    rank = start_forked(name, ["a1", "a2"], env, lambda: None, [], cwd=folder)
+    out, err = rank.stdout.read().decode(), rank.stderr.read().decode()
+    results[name] = [rank.wait(10), out, err]
+print(json.dumps(results))
+"""
+
+
+def test_a_forked_command_is_what_python_dash_m_would_be(tmp_path):
+    """Its own __main__, argv, working folder first on sys.path, environment, stdin /dev/null,
+    signal handlers as a new interpreter's (not the forking process's); and its end as the
+    interpreter's: threads joined before atexit handlers, SystemExit's code or message, an
+    uncaught exception's traceback and 1, Ctrl-C's death by SIGINT; PYTHONUNBUFFERED honoured."""
+    for name, body in MODULES.items():
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    out = run([PY, "-c", DRIVER, str(tmp_path), *MODULES], timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    code, printed, err = got["shows"]
+    assert (code, err) == (0, ""), err
+    assert printed.splitlines() == [
+        "__main__ ['a1', 'a2'] True seen",
+        "True True True True ['-m', 'shows']",
+    ]
+    assert got["ends"] == [0, "main done\nthread joined\natexit ran\n", ""]
+    assert got["code3"] == [3, "", ""]
+    assert got["message"] == [1, "", "a message for stderr\n"]
+    code, _, err = got["raises"]
+    assert code == 1 and err.startswith("Traceback") and "ValueError: boom" in err, err
+    code, _, err = got["interrupted"]
+    assert code == -2 and "KeyboardInterrupt" in err, err
+    assert got["unbuffered"] == [0, "no newline", ""]
