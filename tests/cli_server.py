@@ -3,9 +3,10 @@
     python -m tests.cli_server SOCKET     (started by tests/helpers.py, one per pytest worker)
 
 Imports the libraries jddp's commands load once (:func:`jddp.proc.preload.preload`, as
-``python -m jddp.launch`` does before it forks its ranks), then serves one request at a time on
-the Unix socket ``SOCKET``: a JSON line ``{"module", "args", "env", "cwd"}`` with the write ends
-of two pipes passed along. For each it forks a child that becomes ``python -m MODULE ARGS`` as
+``python -m jddp.launch`` does before it forks its ranks), then serves requests on
+the Unix socket ``SOCKET``: a JSON line ``{"module", "args", "env", "cwd"}`` (and ``"session"``:
+its own session, as ``start_new_session``) with the write ends of its stdout and stderr passed
+along. For each it forks a child that becomes ``python -m MODULE ARGS`` as
 the interpreter starts one (:func:`jddp.proc.preload.become`: the module runs as ``__main__``;
 ``sys.argv``, ``sys.path[0]``, the working folder, the environment and the standard streams as
 a new process has them; stdout and stderr the two pipes, which the test reads to their end as
@@ -32,6 +33,8 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import select
+import signal
 import socket
 import sys
 
@@ -49,40 +52,57 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 def serve(path: str, read: set[str], set_by_imports: dict) -> tuple[dict, list[int]]:
     """Say ``{"ready", "read", "set"}`` (the variables the imports read, and those they set)
-    on stdout, then answer requests until the pytest worker that started this server is gone;
-    in a forked child, return its request and output pipes."""
+    on stdout, then answer requests until the pytest worker that started this server is gone,
+    as many commands at a time as the worker asks for (a command it started and one it runs
+    meanwhile); in a forked child, return its request and output pipes."""
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
-    listener.listen(1)
-    listener.settimeout(1.0)
+    listener.listen(8)
+    # A child's end wakes the loop: SIGCHLD's number on this pipe (the handler itself is empty).
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    running: dict[int, socket.socket] = {}  # pid -> the connection its end is answered on
     ready = {"ready": True, "read": sorted(read), "set": set_by_imports}
     print(json.dumps(ready), flush=True)
     while os.getppid() == parent:
-        try:
+        readable, _, _ = select.select([listener, wake_r], [], [], 1.0)
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+        if listener in readable:
             conn, _ = listener.accept()
-        except TimeoutError:
-            continue
-        with conn:
             conn.settimeout(None)
             request, outputs = _receive(conn)
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
-            if pid == 0:
-                listener.close()
-                conn.close()
+            if pid == 0:  # no trace of the server: its sockets, pipe and SIGCHLD handler
+                signal.set_wakeup_fd(-1)
+                for sock in (listener, conn, *running.values()):
+                    sock.close()
+                os.close(wake_r)
+                os.close(wake_w)
+                if request.get("session"):
+                    os.setsid()
                 return request, outputs
             for fd in outputs:  # the child and what it starts hold them now: EOF when all end
                 os.close(fd)
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-            _, status, usage = os.wait4(pid, 0)
+            running[pid] = conn
+        for pid, conn in list(running.items()):
+            ended, status, usage = os.wait4(pid, os.WNOHANG)
+            if ended == 0:
+                continue
             code = os.waitstatus_to_exitcode(status)
             cpu_s = usage.ru_utime + usage.ru_stime
             try:
                 conn.sendall(json.dumps({"code": code, "cpu_s": cpu_s}).encode() + b"\n")
             except OSError:  # the test gave up on it (a timeout): nothing to answer
                 pass
+            conn.close()
+            del running[pid]
     sys.exit(0)
 
 

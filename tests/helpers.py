@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import selectors
 import shutil
 import signal
@@ -14,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -209,7 +209,6 @@ REPO = Path(__file__).resolve().parents[1]
 # its ranks of those from the server's imports.
 FORKED_MODULES = (*preload.FORKED_MODULES, "jddp.launch")
 _CLI_SERVER: dict = {}  # this worker's: "job", "socket", "env", "read", "set" (cli_server.py)
-_CLI_SERVER_BUSY = threading.Lock()
 forked_cpu_s = 0.0  # CPU seconds of the commands the server ran for this process (JDDP_TEST_USAGE)
 
 
@@ -220,7 +219,9 @@ def _cli_server() -> dict:
         folder = Path(tempfile.mkdtemp(prefix="jddp-cli-server-"))
         sock, server_err = folder / "socket", folder / "server.err"
         with open(server_err, "w") as err:
-            command = [sys.executable, "-m", "tests.cli_server", str(sock)]
+            # Room in its arguments for a forked command's own (jddp.proc.preload's
+            # show_command_line): ``ps`` and ``pgrep -f workdir=...`` (run_pids) see them.
+            command = [sys.executable, "-m", "tests.cli_server", str(sock), " " * 8192]
             job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
         ready, printed = job.stdout.readline(), server_err.read_text()
         # The imports print nothing: a warning there would be in every command's "one line".
@@ -250,60 +251,107 @@ def _forkable(cmd, env) -> str | None:
     return cmd[2] if imports.allows(os.environ if env is None else env) else None
 
 
-def _run_forked(module, cmd, env, timeout, cwd) -> subprocess.CompletedProcess:
-    """:func:`run` of ``python -m MODULE ARGS`` by the CLI server: the same outcome as a new
-    process (exit code, output read to its end), without the interpreter's start and the
-    imports."""
-    global forked_cpu_s
-    request = {
-        "module": module,
-        "args": [str(a) for a in cmd[3:]],
-        "env": dict(os.environ if env is None else env),
-        "cwd": os.path.abspath(cwd or os.getcwd()),
-    }
-    deadline = time.monotonic() + timeout
-    pipes = [os.pipe(), os.pipe()]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(str(_cli_server()["socket"]))
-        payload = json.dumps(request).encode() + b"\n"
-        socket.send_fds(conn, [payload[:1]], [w for _, w in pipes])
-        conn.sendall(payload[1:])
-        for _, w in pipes:
-            os.close(w)
-        with conn.makefile("rb") as answers:
-            pid = json.loads(answers.readline())["pid"]
-            stdout, stderr = _read_to_end([r for r, _ in pipes], deadline)
-            if stdout is None:  # past the deadline
-                os.kill(pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(cmd, timeout, stderr)
-            conn.settimeout(max(deadline - time.monotonic(), 1.0))
-            done = json.loads(answers.readline())
-    forked_cpu_s += done["cpu_s"]
-    return subprocess.CompletedProcess(cmd, done["code"], stdout, stderr)
+class ForkedJob:
+    """A command the worker's CLI server forked (:func:`start`, :func:`run`): the part of
+    ``subprocess.Popen`` the tests use. Its stdout and stderr are pipes read here (``stdout``,
+    ``stderr``: unbuffered binary files; :meth:`communicate` gives text, undecodable bytes
+    replaced) or the file descriptors given; ``returncode`` as ``subprocess`` reports it
+    (``-N`` for a signal) once the server answered that the command ended."""
 
+    def __init__(self, cmd, module, env=None, cwd=None, outputs=(None, None), session=False):
+        self.args, self.returncode = cmd, None
+        request = {
+            "module": module,
+            "args": [str(a) for a in cmd[3:]],
+            "env": dict(os.environ if env is None else env),
+            "cwd": os.path.abspath(cwd or os.getcwd()),
+            "session": session,
+        }
+        pipes = [os.pipe() if target is None else None for target in outputs]
+        writes = [t if p is None else p[1] for t, p in zip(outputs, pipes, strict=True)]
+        self._buffer, self._chunks = b"", {}
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._conn.connect(str(_cli_server()["socket"]))
+            payload = json.dumps(request).encode() + b"\n"
+            socket.send_fds(self._conn, [payload[:1]], writes)
+            self._conn.sendall(payload[1:])
+        finally:
+            for pipe in pipes:
+                if pipe is not None:
+                    os.close(pipe[1])
+        self.stdout, self.stderr = (None if p is None else open(p[0], "rb", 0) for p in pipes)
+        self.pid = json.loads(self._answer(None))["pid"]
 
-def _read_to_end(fds, deadline) -> tuple[str | None, str]:
-    """Both pipes' bytes up to their ends as text (undecodable bytes replaced), the pipes
-    closed; ``(None, what was read of both)`` if ``deadline`` passes first."""
-    chunks = {fd: [] for fd in fds}
-    with selectors.DefaultSelector() as selector:
-        for fd in fds:
-            selector.register(fd, selectors.EVENT_READ)
-        while selector.get_map():
-            ready = selector.select(max(deadline - time.monotonic(), 0))
-            if not ready:
-                break
-            for key, _ in ready:
-                data = os.read(key.fd, 1 << 16)
-                if data:
-                    chunks[key.fd].append(data)
-                else:
-                    selector.unregister(key.fd)
-        timed_out = bool(selector.get_map())
-    for fd in fds:
-        os.close(fd)
-    text = [b"".join(chunks[fd]).decode("utf-8", "replace") for fd in fds]
-    return (None, "".join(text)) if timed_out else (text[0], text[1])
+    def _answer(self, timeout) -> bytes | None:
+        """The server's next line, or None if none came within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            if not select.select([self._conn], [], [], left)[0]:
+                return None
+            data = self._conn.recv(1 << 12)
+            if not data:
+                raise ConnectionError(f"the CLI server went away while running {self.args}")
+            self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+    def _ended(self, timeout) -> int | None:
+        global forked_cpu_s
+        if self.returncode is None:
+            line = self._answer(timeout)
+            if line is not None:
+                done = json.loads(line)
+                self.returncode = done["code"]
+                forked_cpu_s += done["cpu_s"]
+                self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._ended(0)
+
+    def wait(self, timeout=None) -> int:
+        if self._ended(timeout) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout=None) -> tuple[str | None, str | None]:
+        """The pipes read to their ends (as ``subprocess.run`` does: until the command and
+        every process that inherited them ended), then the command's end; ``TimeoutExpired``
+        after ``timeout`` seconds, what was read kept for the next call."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            for f in (self.stdout, self.stderr):
+                if f is not None and not f.closed:
+                    selector.register(f, selectors.EVENT_READ)
+            while selector.get_map():
+                left = None if deadline is None else max(deadline - time.monotonic(), 0)
+                ready = selector.select(left)
+                if not ready:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                for key, _ in ready:
+                    data = os.read(key.fd, 1 << 16)
+                    self._chunks.setdefault(key.fileobj, []).append(data)
+                    if not data:
+                        selector.unregister(key.fileobj)
+                        key.fileobj.close()
+        self.wait(None if deadline is None else max(deadline - time.monotonic(), 1.0))
+        text = [
+            None if f is None else b"".join(self._chunks.get(f, [])).decode("utf-8", "replace")
+            for f in (self.stdout, self.stderr)
+        ]
+        return text[0], text[1]
+
+    def send_signal(self, sig) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def run(
@@ -316,12 +364,15 @@ def run(
     same. ``fresh=True`` for what only a new process shows (what the imports print, their
     time)."""
     module = None if fresh else _forkable(cmd, env)
-    # The server runs one command at a time: a second thread's gets a process of its own.
-    if module is not None and _CLI_SERVER_BUSY.acquire(blocking=False):
+    if module is not None:
+        job = ForkedJob(cmd, module, env, cwd)
         try:
-            out = _run_forked(module, cmd, env, timeout, cwd)
-        finally:
-            _CLI_SERVER_BUSY.release()
+            stdout, stderr = job.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait()
+            raise
+        out = subprocess.CompletedProcess(cmd, job.returncode, stdout, stderr)
         if check:
             out.check_returncode()
         return out
@@ -346,9 +397,21 @@ def run_python(
     return run([sys.executable, *args], env=env, timeout=timeout, cwd=cwd, check=check, fresh=fresh)
 
 
-def start(cmd, **popen_kwargs) -> subprocess.Popen:
+def start(cmd, fresh=False, **popen_kwargs) -> subprocess.Popen | ForkedJob:
     """Start ``cmd`` in the background, its output piped as text unless ``popen_kwargs`` say
-    otherwise (``stdout=``, ``stderr=``, ``env=``, ``start_new_session=``, ...)."""
+    otherwise (``stdout=``, ``stderr=``, ``env=``, ``start_new_session=``, ...).
+    ``python -m jddp.<command> ...`` (:data:`FORKED_MODULES`) is forked from this worker's CLI
+    server (a :class:`ForkedJob`) unless ``fresh`` or a Popen option other than ``env``,
+    ``cwd``, ``start_new_session`` and ``stdout``/``stderr`` to a file is given."""
+    outputs = [popen_kwargs.get(name, subprocess.PIPE) for name in ("stdout", "stderr")]
+    known = set(popen_kwargs) <= {"env", "cwd", "start_new_session", "stdout", "stderr"}
+    pipes_or_files = all(o == subprocess.PIPE or hasattr(o, "fileno") for o in outputs)
+    forkable = known and pipes_or_files and not fresh
+    module = _forkable(cmd, popen_kwargs.get("env")) if forkable else None
+    if module is not None:
+        fds = [None if o == subprocess.PIPE else o.fileno() for o in outputs]
+        env, cwd = popen_kwargs.get("env"), popen_kwargs.get("cwd")
+        return ForkedJob(cmd, module, env, cwd, fds, popen_kwargs.get("start_new_session", False))
     options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     return subprocess.Popen(cmd, **{**options, **popen_kwargs})
 

@@ -192,7 +192,7 @@ def test_ctrl_c_stops_evaluate_at_any_moment_in_one_line(finished, library):
     """While numpy and jddp import, or JAX starts (jaxlib's extension loads): exit 130 and one
     line (it printed a 40-line traceback from ``import jax``, was swallowed and exited 0, and
     under load a traceback from an import before the handler, which came after numpy)."""
-    job = start([sys.executable, "-m", "jddp.evaluate", "--workdir", str(finished)])
+    job = start([sys.executable, "-m", "jddp.evaluate", "--workdir", str(finished)], fresh=True)
     wait_until_mapped(job, library)
     job.send_signal(signal.SIGINT)
     _, err = job.communicate(timeout=120)

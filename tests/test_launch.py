@@ -589,9 +589,11 @@ def test_a_rank_of_jddp_train_is_forked_from_the_launcher_unless_spawn(
     tmp_path: Path, spawn: bool
 ) -> None:
     """``python -m jddp.train`` with the launcher's Python: the rank is forked from the launcher
-    (jddp/launch/forked.py): its command line is the launcher's; with ``--spawn`` a new
-    interpreter's. Either way the same outcome: a bad config is one line and exit 2. The rank
-    is caught while it opens its config, a named pipe the test then writes."""
+    (jddp/launch/forked.py): the environment it started with is the launcher's (the rank's own
+    variables set after the fork); with ``--spawn`` a new interpreter's, started with them.
+    Either way ``ps`` shows the rank's command, and the outcome is the same: a bad config is one
+    line and exit 2. The rank is caught while it opens its config, a named pipe the test then
+    writes."""
     fifo = tmp_path / "config.yaml"
     os.mkfifo(fifo)
     rank_command = [PY, "-m", "jddp.train", "--config", str(fifo)]
@@ -601,8 +603,10 @@ def test_a_rank_of_jddp_train_is_forked_from_the_launcher_unless_spawn(
         writer = _open_for_writing_once_read(fifo)
         children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()
         (rank,) = [int(pid) for pid in children.split()]
-        shown = Path(f"/proc/{rank}/cmdline").read_bytes().decode().split("\0")[:-1]
-        assert shown == (rank_command if spawn else launcher.args), shown
+        shown = Path(f"/proc/{rank}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        assert [word.decode() for word in shown] == rank_command
+        started_with = Path(f"/proc/{rank}/environ").read_bytes().split(b"\0")
+        assert (b"JDDP_PROCESS_ID=0" in started_with) == spawn
         os.write(writer, b"no_such_section: 1\n")
         os.close(writer)
         out, err = launcher.communicate(timeout=60)

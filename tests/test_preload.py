@@ -58,6 +58,8 @@ MODULES = {
               signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
               signal.getsignal(signal.SIGINT) is signal.default_int_handler,
               sys.stdin.read() == "", sys.orig_argv[1:3])
+        with open("/proc/self/cmdline", "rb") as f:  # what ps shows
+            print(f.read().rstrip(b"\\0").split(b"\\0")[1:])
         """,
     "ends": """
         import atexit, threading, time
@@ -92,7 +94,8 @@ print(json.dumps(results))
 
 def test_a_forked_command_is_what_python_dash_m_would_be(tmp_path):
     """Its own __main__, argv, working folder first on sys.path, environment, stdin /dev/null,
-    signal handlers as a new interpreter's (not the forking process's); and its end as the
+    signal handlers as a new interpreter's (not the forking process's), its command line in
+    ``ps``; and its end as the
     interpreter's: threads joined before atexit handlers, SystemExit's code or message, an
     uncaught exception's traceback and 1, Ctrl-C's death by SIGINT; PYTHONUNBUFFERED honoured."""
     for name, body in MODULES.items():
@@ -105,6 +108,7 @@ def test_a_forked_command_is_what_python_dash_m_would_be(tmp_path):
     assert printed.splitlines() == [
         "__main__ ['a1', 'a2'] True seen",
         "True True True True ['-m', 'shows']",
+        "[b'-m', b'shows', b'a1', b'a2']",
     ]
     assert got["ends"] == [0, "main done\nthread joined\natexit ran\n", ""]
     assert got["code3"] == [3, "", ""]

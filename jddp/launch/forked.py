@@ -9,6 +9,7 @@ launcher's children. :class:`ForkedRank` is the ``Popen`` the launcher supervise
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -105,10 +106,10 @@ def _child(module, args, env, cwd, in_child, close_fds, outputs, ready_w, blocke
         for fd in close_fds:
             os.close(fd)
         preload.become(module, args, env, cwd, outputs)
-        # A stop signal that came meanwhile reaches the command now, as one that reaches a new
-        # interpreter before the command's first statement.
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        code = preload.run_as_main(module)
+        # A stop signal that came meanwhile reaches the command as it starts, as one that
+        # reaches a new interpreter before the command's first statement.
+        unblock = functools.partial(signal.pthread_sigmask, signal.SIG_SETMASK, blocked)
+        code = preload.run_as_main(module, first=unblock)
     except BaseException:
         try:
             why = f"jddp.launch: a forked rank failed to start: {sys.exc_info()[1]!r}\n"

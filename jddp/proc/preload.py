@@ -14,8 +14,8 @@ atexit handlers run). JAX's backend has not started before the fork (no device, 
 ``XLA_FLAGS`` and the CUDA variables are read when it starts, in the child), but what the imports
 read from the environment is the importer's: a command is forked only when its environment differs
 from the one the imports saw in nothing they looked up, nor in what native code may read while
-loading (:func:`may_differ`). What a forked process shows as its command line (``ps``,
-``/proc/PID/cmdline``) is its parent's.
+loading (:func:`may_differ`). ``ps`` shows it as ``python -m MODULE ARGS`` where its parent's
+arguments had room for that (:func:`show_command_line`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import sys
 import threading
 import traceback
 import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # What a tiny training run imports besides: ``jddp.run.trainer`` brings JAX, Flax, Optax and
@@ -224,6 +224,28 @@ def become(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str,
     sys.argv = ["-m", *args]  # runpy puts the module's file in argv[0]
     sys.orig_argv = [sys.executable, "-m", module, *args]
     sys.modules["__main__"] = types.ModuleType("__main__")
+    show_command_line(["-m", module, *args])
+
+
+def show_command_line(args: Sequence[str]) -> bool:
+    """Make ``ps`` and ``/proc/self/cmdline`` show the interpreter's own first word and then
+    ``args``, written over the process's original arguments (the launcher's ``... -- python -m
+    jddp.train ARGS`` holds a rank's), as ``setproctitle`` does on Linux; padded with NULs.
+    CPython reads those bytes only at start; the first word (glibc's program name) is kept.
+    False, nothing changed, where they do not fit or the kernel does not say where they are."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5), 48 and 49)
+        with open("/proc/self/cmdline", "rb") as f:
+            first = f.read().split(b"\0", 1)[0]
+    except (OSError, IndexError, ValueError):
+        return False
+    shown = b"\0".join([first, *(a.encode() for a in args)]) + b"\0"
+    if not start or len(shown) > end - start:
+        return False
+    ctypes.memmove(start, shown.ljust(end - start, b"\0"), end - start)
+    return True
 
 
 def _system_exit_code(exit: SystemExit) -> int:
@@ -238,13 +260,16 @@ def _system_exit_code(exit: SystemExit) -> int:
     return 1
 
 
-def run_as_main(module: str) -> int:
-    """In a forked child after :func:`become`: run ``module`` as ``__main__`` and end as the
-    interpreter ends it (non-daemon threads joined, atexit handlers run, streams flushed); the
-    exit status for ``os._exit``. An uncaught KeyboardInterrupt ends the process by SIGINT, as
-    the interpreter does."""
+def run_as_main(module: str, first: Callable[[], object] | None = None) -> int:
+    """In a forked child after :func:`become`: run ``first`` (the launcher unblocks the signals
+    it held) and ``module`` as ``__main__``, and end as the interpreter ends it (non-daemon
+    threads joined, atexit handlers run, streams flushed); the exit status for ``os._exit``.
+    An uncaught KeyboardInterrupt (Ctrl-C before the command's handler, as in a new
+    interpreter's start) ends the process by SIGINT, as the interpreter does."""
     interrupted = False
     try:
+        if first is not None:
+            first()
         runpy._run_module_as_main(module, alter_argv=True)
         code = 0
     except SystemExit as e:
