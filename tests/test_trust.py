@@ -610,6 +610,18 @@ def test_each_timeout_holds_its_phase_and_null_is_no_limit():
         assert off._thread is None
 
 
+def test_process_0_outlives_its_peers_when_their_watchdogs_fire():
+    """Process 0 hosts JAX's coordination service: a peer still alive when it exits ends with
+    SIGABRT and a page of stacks, not its own line's exit code (the stop-signal stall test,
+    twice in three loaded suites, 2026-11-28). Every fired watchdog keeps its process for the
+    grace; process 0 LEADER_LAST_S longer, more than a peer's watchdog lags its own."""
+    from jddp.proc.watchdog import GRACE_S, LEADER_LAST_S, StallWatchdog
+
+    leader, peer = StallWatchdog(6, 6, process_index=0), StallWatchdog(6, 6, process_index=1)
+    assert peer.linger_s(6) == 6 and peer.linger_s(600) == GRACE_S
+    assert leader.linger_s(6) == 6 + LEADER_LAST_S and LEADER_LAST_S >= 4 * leader.poll_s
+
+
 def test_the_heartbeat_comes_after_the_watchdog_by_default():
     """A rank stopped with SIGSTOP was caught by JAX's heartbeat (100 s) before its peers'
     watchdogs (600 s): SIGABRT, exit 134 and a 96-line dump instead of one line and 124. Both

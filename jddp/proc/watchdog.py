@@ -44,6 +44,12 @@ def fired_exit_code() -> int:
 # stall began at most a step later, fire meanwhile and say what *they* waited for, instead of
 # seeing their all-reduce fail on this process's exit first.
 GRACE_S = 10.0
+# Process 0 hosts JAX's coordination service: once it is gone, a peer still alive ends with
+# SIGABRT and a page of stacks ("Terminating process because the JAX distributed service
+# detected fatal errors") instead of its own exit code. So process 0 leaves this much after its
+# peers, whose watchdogs fire a poll or a step after its own (a peer that lingered 4 s longer
+# than process 0 aborted every time; process 0 lingering 4 s longer lost nothing, 2026-11-28).
+LEADER_LAST_S = 5.0
 
 # What a rank may be waiting for, as the stall line says it.
 WAITING = {
@@ -143,5 +149,10 @@ class StallWatchdog:
         except Exception:  # noqa: BLE001 - the one line below is what matters
             pass
         os.write(2, line.encode())
-        time.sleep(min(GRACE_S, limit))
+        time.sleep(self.linger_s(limit))
         os._exit(code)
+
+    def linger_s(self, limit: float) -> float:
+        """Seconds a fired watchdog keeps its process alive: :data:`GRACE_S` (at most the
+        limit), and process 0 :data:`LEADER_LAST_S` more."""
+        return min(GRACE_S, limit) + (LEADER_LAST_S if self.process_index == 0 else 0.0)
