@@ -2,9 +2,10 @@
 
 ``python -m jddp.launch`` imports what ``python -m jddp.train`` (and evaluate, export, predict)
 load once (:data:`PRELOADED`: JAX, Flax, Optax, Orbax, grain, tensorboardX), then forks each
-rank from itself instead of starting a new interpreter that imports them again: ~1.4 CPU-s and
-as much of the rank's start saved per rank and per restart (2-core VM, 2026-11-28). The tests'
-CLI server (tests/cli_server.py) does the same for single commands.
+rank from itself instead of starting a new interpreter that imports them again: N ranks cost
+one import (~1.4 CPU-s on the 2-core VM, 2026-11-28) instead of N, a restart none
+(experiments/bench_launch_start.py). The tests' CLI server (tests/cli_server.py) does the same
+for single commands.
 
 A forked command is the process ``python -m MODULE ARGS`` would be (:func:`become`,
 :func:`run_as_main`): its own ``__main__``, ``sys.argv``, ``sys.path[0]``, working folder,
