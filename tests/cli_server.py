@@ -75,8 +75,7 @@ def serve(path: str, read: set[str], set_by_imports: dict) -> tuple[dict, list[i
             conn, _ = listener.accept()
             conn.settimeout(None)
             request, outputs = _receive(conn)
-            sys.stdout.flush()
-            sys.stderr.flush()
+            preload.flush_output()
             pid = os.fork()
             if pid == 0:  # no trace of the server: its sockets, pipe and SIGCHLD handler
                 signal.set_wakeup_fd(-1)

@@ -2,6 +2,7 @@
 environment and the one way to run a command."""
 
 import atexit
+import contextlib
 import gzip
 import hashlib
 import json
@@ -276,6 +277,11 @@ class ForkedJob:
             payload = json.dumps(request).encode() + b"\n"
             socket.send_fds(self._conn, [payload[:1]], writes)
             self._conn.sendall(payload[1:])
+        except BaseException:
+            for pipe in pipes:
+                if pipe is not None:
+                    os.close(pipe[0])
+            raise
         finally:
             for pipe in pipes:
                 if pipe is not None:
@@ -345,7 +351,8 @@ class ForkedJob:
 
     def send_signal(self, sig) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # ended, the server not yet said so
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -398,11 +405,12 @@ def run_python(
 
 
 def start(cmd, fresh=False, **popen_kwargs) -> subprocess.Popen | ForkedJob:
-    """Start ``cmd`` in the background, its output piped as text unless ``popen_kwargs`` say
-    otherwise (``stdout=``, ``stderr=``, ``env=``, ``start_new_session=``, ...).
-    ``python -m jddp.<command> ...`` (:data:`FORKED_MODULES`) is forked from this worker's CLI
-    server (a :class:`ForkedJob`) unless ``fresh`` or a Popen option other than ``env``,
-    ``cwd``, ``start_new_session`` and ``stdout``/``stderr`` to a file is given."""
+    """Start ``cmd`` in the background, its output piped unless ``popen_kwargs`` say
+    otherwise (``stdout=``, ``stderr=``, ``env=``, ``start_new_session=``, ...); ``communicate``
+    gives text. ``python -m jddp.<command> ...`` (:data:`FORKED_MODULES`) is forked from this
+    worker's CLI server (a :class:`ForkedJob`, whose pipes are binary files) unless ``fresh``
+    or a Popen option other than ``env``, ``cwd``, ``start_new_session`` and
+    ``stdout``/``stderr`` to a file is given."""
     outputs = [popen_kwargs.get(name, subprocess.PIPE) for name in ("stdout", "stderr")]
     known = set(popen_kwargs) <= {"env", "cwd", "start_new_session", "stdout", "stderr"}
     pipes_or_files = all(o == subprocess.PIPE or hasattr(o, "fileno") for o in outputs)

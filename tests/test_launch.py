@@ -598,7 +598,8 @@ def test_a_rank_of_jddp_train_is_forked_from_the_launcher_unless_spawn(
     os.mkfifo(fifo)
     rank_command = [PY, "-m", "jddp.train", "--config", str(fifo)]
     flags = ["--nproc", "1", *(["--spawn"] if spawn else [])]
-    launcher = start(launcher_argv(*flags, "--", *rank_command))
+    # A launcher of its own (not the CLI server's fork): it imports the libraries itself.
+    launcher = start(launcher_argv(*flags, "--", *rank_command), fresh=True)
     try:
         writer = _open_for_writing_once_read(fifo)
         children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()

@@ -30,6 +30,14 @@ def test_only_jddps_commands_with_this_python_run_forked(tmp_path):
     other.chmod(0o755)
     assert preload.forked_module([str(other), "-m", "jddp.train"], env) is None
     assert preload.forked_module(["no-such-python", "-m", "jddp.train"], env) is None
+    # A launcher started with interpreter options: a new ``python -m`` would not have them.
+    probe = (
+        "import sys; from jddp.proc import preload; print(preload.forked_module(sys.argv[1:], {}))"
+    )
+    cases = (([], "jddp.train"), (["-u"], "jddp.train"), (["-O"], "None"), (["-X", "dev"], "None"))
+    for options, said in cases:
+        out = run([PY, *options, "-c", probe, PY, "-m", "jddp.train"], timeout=60, check=True)
+        assert out.stdout.strip() == said, (options, out.stdout)
 
 
 def test_a_command_runs_forked_only_where_the_imports_saw_its_environment():
@@ -75,9 +83,13 @@ MODULES = {
     "raises": "raise ValueError('boom')",
     "interrupted": "raise KeyboardInterrupt",
     "unbuffered": "import os, sys; sys.stdout.write('no newline'); os._exit(0)",
+    "draws": "import numpy; print(numpy.random.randint(1 << 62))",
+    "draws_again": "import numpy; print(numpy.random.randint(1 << 62))",
 }
 DRIVER = """
 import json, os, signal, sys
+import numpy  # imported before the forks, as the launcher's preload does
+numpy.random.random()  # and drawn from: the generator's state is set (it seeds at first use)
 from jddp.launch.forked import start_forked
 signal.signal(signal.SIGUSR1, lambda *a: None)
 signal.signal(signal.SIGTERM, lambda *a: None)
@@ -95,7 +107,7 @@ print(json.dumps(results))
 def test_a_forked_command_is_what_python_dash_m_would_be(tmp_path):
     """Its own __main__, argv, working folder first on sys.path, environment, stdin /dev/null,
     signal handlers as a new interpreter's (not the forking process's), its command line in
-    ``ps``; and its end as the
+    ``ps``, NumPy's global generator seeded anew; and its end as the
     interpreter's: threads joined before atexit handlers, SystemExit's code or message, an
     uncaught exception's traceback and 1, Ctrl-C's death by SIGINT; PYTHONUNBUFFERED honoured."""
     for name, body in MODULES.items():
@@ -118,3 +130,5 @@ def test_a_forked_command_is_what_python_dash_m_would_be(tmp_path):
     code, _, err = got["interrupted"]
     assert code == -2 and "KeyboardInterrupt" in err, err
     assert got["unbuffered"] == [0, "no newline", ""]
+    assert got["draws"][0] == got["draws_again"][0] == 0  # NumPy's generator seeded anew
+    assert got["draws"][1] != got["draws_again"][1]

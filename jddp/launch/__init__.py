@@ -256,7 +256,11 @@ def launch(
     """
     workdir = workdir_of(command)
     restarts = Restarts(max_restarts, workdir)
-    forked = None if spawn else forked_ranks(command, nproc, devices_per_proc)
+    try:
+        forked = None if spawn else forked_ranks(command, nproc, devices_per_proc)
+    except KeyboardInterrupt:  # Ctrl-C while the libraries import: nothing started yet
+        sys.stderr.write(f"{PROG}: interrupted before any process started\n")
+        return 130
     while True:
         launcher = _Launcher(list(command), nproc, kill_timeout, forked)
         code = _launch_once(launcher, command, nproc, devices_per_proc, port)

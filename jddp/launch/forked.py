@@ -68,19 +68,22 @@ def start_forked(
     forwards meanwhile reaches the rank's defaults, never the launcher's handler copied into
     the child."""
     launchers_fds = list(launchers_fds)
+    folder = cwd or os.getcwd()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     ready_r, ready_w = os.pipe()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+    preload.flush_output()  # nothing buffered here is written again by the child
     pid = -1
     try:
         pid = os.fork()
         if pid == 0:
-            inherited = [out_r, err_r, ready_r, *launchers_fds]
-            folder = cwd or os.getcwd()
-            _child(module, args, env, folder, in_child, inherited, (out_w, err_w), ready_w, blocked)
+            try:  # the child never goes back up into the launcher's code
+                inherited = [out_r, err_r, ready_r, *launchers_fds]
+                _child(module, args, env, folder, in_child, inherited, (out_w, err_w), ready_w,
+                       blocked)  # fmt: skip
+            finally:
+                os._exit(1)
     finally:
         if pid != 0:
             for fd in (out_w, err_w, ready_w):

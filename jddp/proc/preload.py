@@ -9,14 +9,16 @@ for single commands.
 
 A forked command is the process ``python -m MODULE ARGS`` would be (:func:`become`,
 :func:`run_as_main`): its own ``__main__``, ``sys.argv``, ``sys.path[0]``, working folder,
-environment, standard streams and signal handlers, ending as the interpreter ends (``SystemExit``'s
-code, an uncaught exception's traceback and exit 1, Ctrl-C's death by SIGINT; threads joined and
-atexit handlers run). JAX's backend has not started before the fork (no device, no thread pool;
-``XLA_FLAGS`` and the CUDA variables are read when it starts, in the child), but what the imports
-read from the environment is the importer's: a command is forked only when its environment differs
-from the one the imports saw in nothing they looked up, nor in what native code may read while
-loading (:func:`may_differ`). ``ps`` shows it as ``python -m MODULE ARGS`` where its parent's
-arguments had room for that (:func:`show_command_line`).
+environment, standard streams, signal handlers and NumPy's global generator's seed, ending as the
+interpreter ends (``SystemExit``'s code, an uncaught exception's traceback and exit 1, Ctrl-C's
+death by SIGINT; threads joined and atexit handlers run). It shares its parent's string hash seed
+and, from the launcher, the interpreter's options (none: it forks only then). JAX's backend has not
+started before the fork (no device, no thread pool; ``XLA_FLAGS`` and the CUDA variables are read
+when it starts, in the child), but what the imports read from the environment is the importer's: a
+command is forked only when its environment differs from the one the imports saw in nothing they
+looked up, nor in what native code may read while loading (:func:`may_differ`). ``ps`` shows it as
+``python -m MODULE ARGS`` where its parent's arguments had room for that
+(:func:`show_command_line`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import shutil
 import signal
 import sys
 import threading
-import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,7 +55,8 @@ FORKED_MODULES = ("jddp.train", "jddp.evaluate", "jddp.export", "jddp.predict")
 # fake devices from a child's own XLA_FLAGS, checked); nor PYTHONUNBUFFERED, which :func:`become`
 # applies to the streams it makes.
 READ_WHILE_LOADING = ("PYTHON", "LD_", "GLIBC_", "MALLOC_", "OMP_", "OPENBLAS_", "GOTO", "TF_",
-                      "JAX_", "XLA_", "TPU_", "CUDA", "NVIDIA", "NCCL_", "TQDM_")  # fmt: skip
+                      "JAX_", "XLA_", "TPU_", "CUDA", "NVIDIA", "NCCL_", "TQDM_",
+                      "LC_", "LANG")  # fmt: skip
 APPLIED_BY_BECOME = ("XLA_FLAGS", "PYTHONUNBUFFERED")
 
 
@@ -156,6 +158,8 @@ def forked_module(command: Sequence[str], env: Mapping[str, str]) -> str | None:
     :data:`FORKED_MODULES` and PYTHON this interpreter (as found on ``env``'s PATH); else None."""
     if len(command) < 3 or command[1] != "-m" or command[2] not in FORKED_MODULES:
         return None
+    if interpreter_options():  # -O, -W, -X, -E, -I, ...: the command's interpreter has none
+        return None
     found = shutil.which(command[0], path=env.get("PATH", os.defpath))
     if found is None:
         return None
@@ -165,6 +169,28 @@ def forked_module(command: Sequence[str], env: Mapping[str, str]) -> str | None:
         os.path.dirname(found) == os.path.dirname(own) and os.path.samefile(found, own)
     )
     return command[2] if same else None
+
+
+def interpreter_options() -> list[str]:
+    """The options this interpreter was started with before its module, script or ``-c``
+    (``python -O -m ...``: ``["-O"]``), whose effect a forked command would inherit; not ``-u``
+    (:func:`become` makes the streams as the command's environment says)."""
+    options = []
+    for arg in sys.orig_argv[1:]:
+        if arg in ("-m", "-c") or not arg.startswith("-"):
+            break
+        options.append(arg)
+    return [option for option in options if option != "-u"]
+
+
+def flush_output() -> None:
+    """Flush Python's stdout and stderr and C's stdio buffers: what a forked child would
+    otherwise write a second time."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)
 
 
 def reset_signal_handlers() -> None:
@@ -226,6 +252,10 @@ def become(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str,
     sys.orig_argv = [sys.executable, "-m", module, *args]
     sys.modules["__main__"] = types.ModuleType("__main__")
     show_command_line(["-m", module, *args])
+    # Python's ``random`` reseeds itself in a forked child; NumPy's global generator does not:
+    # from fresh entropy, as in a new process (forked ranks would otherwise draw alike).
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
 
 
 def show_command_line(args: Sequence[str]) -> bool:
@@ -242,7 +272,7 @@ def show_command_line(args: Sequence[str]) -> bool:
             first = f.read().split(b"\0", 1)[0]
     except (OSError, IndexError, ValueError):
         return False
-    shown = b"\0".join([first, *(a.encode() for a in args)]) + b"\0"
+    shown = b"\0".join([first, *(os.fsencode(a) for a in args)]) + b"\0"
     if not start or len(shown) > end - start:
         return False
     ctypes.memmove(start, shown.ljust(end - start, b"\0"), end - start)
@@ -264,7 +294,9 @@ def _system_exit_code(exit: SystemExit) -> int:
 def run_as_main(module: str, first: Callable[[], object] | None = None) -> int:
     """In a forked child after :func:`become`: run ``first`` (the launcher unblocks the signals
     it held) and ``module`` as ``__main__``, and end as the interpreter ends it (non-daemon
-    threads joined, atexit handlers run, streams flushed); the exit status for ``os._exit``.
+    threads joined, atexit handlers run, streams flushed); the exit status for ``os._exit``,
+    which then skips what the interpreter's teardown would add (finalisers of objects still
+    alive, C's atexit handlers: jddp's commands close what they write themselves).
     An uncaught KeyboardInterrupt (Ctrl-C before the command's handler, as in a new
     interpreter's start) ends the process by SIGINT, as the interpreter does."""
     interrupted = False
@@ -276,19 +308,15 @@ def run_as_main(module: str, first: Callable[[], object] | None = None) -> int:
     except SystemExit as e:
         code = _system_exit_code(e)
     except KeyboardInterrupt:
-        traceback.print_exc()
-        code, interrupted = 1, True
+        sys.excepthook(*sys.exc_info())
+        code, interrupted = 130, True
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
     with contextlib.suppress(BaseException):
         threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter calls
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).fflush(None)  # what native code printed through C's stdio
+    flush_output()  # C's stdio too: what native code printed
     if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
