@@ -57,7 +57,7 @@ FORKED_MODULES = ("jddp.train", "jddp.evaluate", "jddp.export", "jddp.predict")
 READ_WHILE_LOADING = ("PYTHON", "LD_", "GLIBC_", "MALLOC_", "OMP_", "OPENBLAS_", "GOTO", "TF_",
                       "JAX_", "XLA_", "TPU_", "CUDA", "NVIDIA", "NCCL_", "TQDM_",
                       "LC_", "LANG")  # fmt: skip
-APPLIED_BY_BECOME = ("XLA_FLAGS", "PYTHONUNBUFFERED")
+READ_IN_THE_CHILD = ("XLA_FLAGS", "PYTHONUNBUFFERED")  # the exceptions above
 
 
 @dataclass
@@ -89,7 +89,7 @@ def may_differ(name: str, value: str | None, read: set[str], set_by_imports: dic
         return True
     if name in read:
         return False
-    return name in APPLIED_BY_BECOME or not name.startswith(READ_WHILE_LOADING)
+    return name in READ_IN_THE_CHILD or not name.startswith(READ_WHILE_LOADING)
 
 
 @contextlib.contextmanager
