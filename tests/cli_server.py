@@ -4,19 +4,20 @@
 
 Imports the libraries jddp's commands load once (:func:`jddp.proc.preload.preload`, as
 ``python -m jddp.launch`` does before it forks its ranks), then serves requests on
-the Unix socket ``SOCKET``: a JSON line ``{"module", "args", "env", "cwd"}`` (and ``"session"``:
+the Unix socket ``SOCKET``: a JSON line ``{"python_args", "env", "cwd"}`` (and ``"session"``:
 its own session, as ``start_new_session``) with the write ends of its stdout and stderr passed
-along. For each it forks a child that becomes ``python -m MODULE ARGS`` as
-the interpreter starts one (:func:`jddp.proc.preload.become`: the module runs as ``__main__``;
-``sys.argv``, ``sys.path[0]``, the working folder, the environment and the standard streams as
-a new process has them; stdout and stderr the two pipes, which the test reads to their end as
-``subprocess.run`` does: until the command and every process that inherited them ended; no
-stdin). It answers ``{"pid"}`` at once and ``{"code", "cpu_s"}`` when the child ended: its exit
-code as ``subprocess`` reports it (``-N`` for a signal) and the CPU seconds it and the children
-it waited for used. The child leaves the server's loop and ends as any ``python -m`` does:
+along. For each it forks a child that becomes ``python PYTHON_ARGS`` (``-m MODULE ARGS``, or
+``SCRIPT ARGS`` for the repository's own scripts: tests/helpers.py ``FORKED_SCRIPTS``) as the
+interpreter starts one (:func:`jddp.proc.preload.become`: the module or script runs as
+``__main__``; ``sys.argv``, ``sys.path[0]``, the working folder, the environment and the
+standard streams as a new process has them; stdout and stderr the two pipes, which the test reads
+to their end as ``subprocess.run`` does: until the command and every process that inherited them
+ended; no stdin). It answers ``{"pid"}`` at once and ``{"code", "cpu_s"}`` when the child ended:
+its exit code as ``subprocess`` reports it (``-N`` for a signal) and the CPU seconds it and the
+children it waited for used. The child leaves the server's loop and ends as any ``python`` does:
 ``SystemExit``'s code, an uncaught exception's traceback and exit 1, atexit handlers run and
 threads joined. A forked ``python -m jddp.launch`` finds the libraries imported and forks its
-ranks from them in turn.
+ranks of jddp's commands from them in turn.
 
 What the imports read from the environment is the server's: :func:`tests.helpers.run` sends a
 command here only when its environment differs from the server's in nothing those imports looked
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import select
 import signal
 import socket
@@ -111,10 +111,10 @@ def main() -> None:
     imports = preload.preload()
     assert imports is not None, "the CLI server could not import jddp's libraries"
     request, outputs = serve(sys.argv[1], imports.read, imports.set_by_imports)
-    # The child: from here on what ``python -m MODULE`` does after the interpreter started.
-    module = request["module"]
-    preload.become(module, request["args"], request["env"], request["cwd"], outputs)
-    runpy._run_module_as_main(module, alter_argv=True)
+    # The child: from here on what ``python -m MODULE`` (or ``python SCRIPT``) does after the
+    # interpreter started.
+    preload.become(request["python_args"], request["env"], request["cwd"], outputs)
+    preload.run_main(request["python_args"])
 
 
 if __name__ == "__main__":

@@ -209,6 +209,11 @@ REPO = Path(__file__).resolve().parents[1]
 # that jddp.launch forks too (jddp/proc/preload.py), and the launcher itself, which then forks
 # its ranks of those from the server's imports.
 FORKED_MODULES = (*preload.FORKED_MODULES, "jddp.launch")
+# The repository's own scripts, forked too: none sets a variable the imports read before it
+# imports JAX (what a user's script may do, and why jddp.launch starts scripts anew).
+FORKED_SCRIPTS = frozenset(
+    path.resolve() for path in (*REPO.glob("examples/*.py"), *REPO.glob("tests/*_worker.py"))
+)
 _CLI_SERVER: dict = {}  # this worker's: "job", "socket", "env", "read", "set" (cli_server.py)
 forked_cpu_s = 0.0  # CPU seconds of the commands the server ran for this process (JDDP_TEST_USAGE)
 
@@ -241,15 +246,23 @@ def _stop_cli_server(job: subprocess.Popen, folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _forkable(cmd, env) -> str | None:
-    """The jddp module ``cmd`` runs as ``python -m MODULE ...`` when the CLI server can run it
-    as a new process would (the environment differs from the server's only in variables that
-    its imports did not read: :meth:`jddp.proc.preload.Imports.allows`), else None."""
-    if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or cmd[2] not in FORKED_MODULES:
+def _forkable(cmd, env, cwd) -> list[str] | None:
+    """The arguments after ``python`` in ``cmd`` (``["-m", MODULE, ...]`` or ``[SCRIPT, ...]``)
+    when it runs one of :data:`FORKED_MODULES` or :data:`FORKED_SCRIPTS` with this interpreter and
+    the CLI server can run it as a new process would (the environment differs from the server's
+    only in variables that its imports did not read: :meth:`jddp.proc.preload.Imports.allows`),
+    else None."""
+    cmd = [str(arg) for arg in cmd]
+    if len(cmd) < 2 or cmd[0] != sys.executable:
+        return None
+    if cmd[1] == "-m":
+        if len(cmd) < 3 or cmd[2] not in FORKED_MODULES:
+            return None
+    elif (Path(cwd or os.getcwd()) / cmd[1]).resolve() not in FORKED_SCRIPTS:
         return None
     server = _cli_server()
     imports = preload.Imports(server["read"], server["set"], server["env"])
-    return cmd[2] if imports.allows(os.environ if env is None else env) else None
+    return cmd[1:] if imports.allows(os.environ if env is None else env) else None
 
 
 class ForkedJob:
@@ -259,11 +272,10 @@ class ForkedJob:
     replaced) or the file descriptors given; ``returncode`` as ``subprocess`` reports it
     (``-N`` for a signal) once the server answered that the command ended."""
 
-    def __init__(self, cmd, module, env=None, cwd=None, outputs=(None, None), session=False):
+    def __init__(self, cmd, python_args, env=None, cwd=None, outputs=(None, None), session=False):
         self.args, self.returncode = cmd, None
         request = {
-            "module": module,
-            "args": [str(a) for a in cmd[3:]],
+            "python_args": python_args,
             "env": dict(os.environ if env is None else env),
             "cwd": os.path.abspath(cwd or os.getcwd()),
             "session": session,
@@ -366,13 +378,13 @@ def run(
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` to the end, capturing its output as text (undecodable bytes replaced).
 
-    ``python -m jddp.<command> ...`` (:data:`FORKED_MODULES`) is forked from this worker's CLI
-    server unless ``fresh``: a new interpreter with the libraries imported, its outcome the
-    same. ``fresh=True`` for what only a new process shows (what the imports print, their
-    time)."""
-    module = None if fresh else _forkable(cmd, env)
-    if module is not None:
-        job = ForkedJob(cmd, module, env, cwd)
+    ``python -m jddp.<command> ...`` (:data:`FORKED_MODULES`) and ``python SCRIPT ...``
+    (:data:`FORKED_SCRIPTS`) are forked from this worker's CLI server unless ``fresh``: a new
+    interpreter with the libraries imported, its outcome the same. ``fresh=True`` for what only
+    a new process shows (what the imports print, their time)."""
+    python_args = None if fresh else _forkable(cmd, env, cwd)
+    if python_args is not None:
+        job = ForkedJob(cmd, python_args, env, cwd)
         try:
             stdout, stderr = job.communicate(timeout)
         except subprocess.TimeoutExpired:
@@ -407,19 +419,20 @@ def run_python(
 def start(cmd, fresh=False, **popen_kwargs) -> subprocess.Popen | ForkedJob:
     """Start ``cmd`` in the background, its output piped unless ``popen_kwargs`` say
     otherwise (``stdout=``, ``stderr=``, ``env=``, ``start_new_session=``, ...); ``communicate``
-    gives text. ``python -m jddp.<command> ...`` (:data:`FORKED_MODULES`) is forked from this
-    worker's CLI server (a :class:`ForkedJob`, whose pipes are binary files) unless ``fresh``
-    or a Popen option other than ``env``, ``cwd``, ``start_new_session`` and
-    ``stdout``/``stderr`` to a file is given."""
+    gives text. ``python -m jddp.<command> ...`` (:data:`FORKED_MODULES`) and ``python SCRIPT``
+    (:data:`FORKED_SCRIPTS`) are forked from this worker's CLI server (a :class:`ForkedJob`,
+    whose pipes are binary files) unless ``fresh`` or a Popen option other than ``env``,
+    ``cwd``, ``start_new_session`` and ``stdout``/``stderr`` to a file is given."""
     outputs = [popen_kwargs.get(name, subprocess.PIPE) for name in ("stdout", "stderr")]
     known = set(popen_kwargs) <= {"env", "cwd", "start_new_session", "stdout", "stderr"}
     pipes_or_files = all(o == subprocess.PIPE or hasattr(o, "fileno") for o in outputs)
     forkable = known and pipes_or_files and not fresh
-    module = _forkable(cmd, popen_kwargs.get("env")) if forkable else None
-    if module is not None:
+    env, cwd = popen_kwargs.get("env"), popen_kwargs.get("cwd")
+    python_args = _forkable(cmd, env, cwd) if forkable else None
+    if python_args is not None:
         fds = [None if o == subprocess.PIPE else o.fileno() for o in outputs]
-        env, cwd = popen_kwargs.get("env"), popen_kwargs.get("cwd")
-        return ForkedJob(cmd, module, env, cwd, fds, popen_kwargs.get("start_new_session", False))
+        session = popen_kwargs.get("start_new_session", False)
+        return ForkedJob(cmd, python_args, env, cwd, fds, session)
     options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     return subprocess.Popen(cmd, **{**options, **popen_kwargs})
 

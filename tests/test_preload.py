@@ -56,8 +56,9 @@ def test_a_command_runs_forked_only_where_the_imports_saw_its_environment():
     assert not imports.allows({"HOME": "/h", "CRC32C_SW_MODE": "none"})
 
 
-# The driver forks each module of CASES with jddp.launch's own function, from a process with a
-# handler for SIGUSR1 and SIGTERM (as the launcher has), and prints what came back.
+# The driver forks each module of MODULES and the script SCRIPT with jddp.launch's own function,
+# from a process with a handler for SIGUSR1 and SIGTERM (as the launcher has), and prints what
+# came back.
 MODULES = {
     "shows": """
         import os, signal, sys
@@ -86,6 +87,14 @@ MODULES = {
     "draws": "import numpy; print(numpy.random.randint(1 << 62))",
     "draws_again": "import numpy; print(numpy.random.randint(1 << 62))",
 }
+SCRIPT = """
+    import os, sys
+    print(__name__, sys.argv, sys.path[0], __file__, os.environ.get("PROBE"))
+    print(sys.orig_argv[1:], __spec__)
+    with open("/proc/self/cmdline", "rb") as f:
+        print(f.read().rstrip(b"\\0").split(b"\\0")[1:], flush=True)
+    raise RuntimeError("from the script")
+    """
 DRIVER = """
 import json, os, signal, sys
 import numpy  # imported before the forks, as the launcher's preload does
@@ -97,7 +106,8 @@ folder = sys.argv[1]
 results = {}
 for name in sys.argv[2:]:
     env = {**os.environ, "PROBE": "seen", "PYTHONUNBUFFERED": "1"}
-    rank = start_forked(name, ["a1", "a2"], env, lambda: None, [], cwd=folder)
+    main = [name] if name.endswith(".py") else ["-m", name]  # a script, else a module
+    rank = start_forked([*main, "a1", "a2"], env, lambda: None, [], cwd=folder)
     out, err = rank.stdout.read().decode(), rank.stderr.read().decode()
     results[name] = [rank.wait(10), out, err]
 print(json.dumps(results))
@@ -112,7 +122,9 @@ def test_a_forked_command_is_what_python_dash_m_would_be(tmp_path):
     uncaught exception's traceback and 1, Ctrl-C's death by SIGINT; PYTHONUNBUFFERED honoured."""
     for name, body in MODULES.items():
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
-    out = run([PY, "-c", DRIVER, str(tmp_path), *MODULES], timeout=120)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "tool.py").write_text(textwrap.dedent(SCRIPT))
+    out = run([PY, "-c", DRIVER, str(tmp_path), *MODULES, "bin/tool.py"], timeout=120)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     code, printed, err = got["shows"]
@@ -132,3 +144,13 @@ def test_a_forked_command_is_what_python_dash_m_would_be(tmp_path):
     assert got["unbuffered"] == [0, "no newline", ""]
     assert got["draws"][0] == got["draws_again"][0] == 0  # NumPy's generator seeded anew
     assert got["draws"][1] != got["draws_again"][1]
+    # A script as ``python bin/tool.py a1 a2`` runs it: its folder first on sys.path, argv[0]
+    # and ps as given, __file__ absolute; its traceback names it.
+    code, printed, err = got["bin/tool.py"]
+    assert code == 1 and err.startswith("Traceback") and "RuntimeError: from the script" in err
+    assert f'File "{tmp_path}/bin/tool.py", line 7' in err, err
+    assert printed.splitlines() == [
+        f"__main__ ['bin/tool.py', 'a1', 'a2'] {tmp_path}/bin {tmp_path}/bin/tool.py seen",
+        "['bin/tool.py', 'a1', 'a2'] None",
+        "[b'bin/tool.py', b'a1', b'a2']",
+    ]

@@ -54,14 +54,14 @@ class ForkedRank:
 
 
 def start_forked(
-    module: str,
-    args: Sequence[str],
+    python_args: Sequence[str],
     env: Mapping[str, str],
     in_child: Callable[[], None],
     launchers_fds: Iterable[int],
     cwd: str | None = None,
 ) -> ForkedRank:
-    """Fork ``python -m MODULE ARGS`` with environment ``env`` in the folder ``cwd`` (default:
+    """Fork ``python PYTHON_ARGS`` (``["-m", MODULE, *ARGS]`` or ``[SCRIPT, *ARGS]``:
+    :func:`jddp.proc.preload.become`) with environment ``env`` in the folder ``cwd`` (default:
     this process's); ``in_child`` runs in the child first (the launcher's PDEATHSIG),
     ``launchers_fds`` (its other children's pipes) are closed there. The launcher's stop
     signals wait, blocked, until the child has its handlers reset: a signal the launcher
@@ -80,7 +80,7 @@ def start_forked(
         if pid == 0:
             try:  # the child never goes back up into the launcher's code
                 inherited = [out_r, err_r, ready_r, *launchers_fds]
-                _child(module, args, env, folder, in_child, inherited, (out_w, err_w), ready_w,
+                _child(python_args, env, folder, in_child, inherited, (out_w, err_w), ready_w,
                        blocked)  # fmt: skip
             finally:
                 os._exit(1)
@@ -98,7 +98,7 @@ def start_forked(
     return ForkedRank(pid, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
 
 
-def _child(module, args, env, cwd, in_child, close_fds, outputs, ready_w, blocked) -> None:
+def _child(python_args, env, cwd, in_child, close_fds, outputs, ready_w, blocked) -> None:
     """The forked child: never returns into the launcher's code; ends by ``os._exit``."""
     code = 1
     try:
@@ -108,11 +108,11 @@ def _child(module, args, env, cwd, in_child, close_fds, outputs, ready_w, blocke
         in_child()
         for fd in close_fds:
             os.close(fd)
-        preload.become(module, args, env, cwd, outputs)
+        preload.become(python_args, env, cwd, outputs)
         # A stop signal that came meanwhile reaches the command as it starts, as one that
         # reaches a new interpreter before the command's first statement.
         unblock = functools.partial(signal.pthread_sigmask, signal.SIG_SETMASK, blocked)
-        code = preload.run_as_main(module, first=unblock)
+        code = preload.run_as_main(python_args, first=unblock)
     except BaseException:
         try:
             why = f"jddp.launch: a forked rank failed to start: {sys.exc_info()[1]!r}\n"

@@ -200,7 +200,8 @@ class Launcher:
             module, imports = self.forked
             if imports.allows(env):
                 pipes = [p.fileno() for proc in self.procs for p in (proc.stdout, proc.stderr)]
-                return start_forked(module, self.command[3:], env, die_with_launcher, pipes)
+                return start_forked(["-m", module, *self.command[3:]], env, die_with_launcher,
+                                    pipes)  # fmt: skip
         return subprocess.Popen(
             self.command,
             env=env,

@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import gc
 import importlib
+import importlib.machinery
 import io
 import os
 import runpy
@@ -227,12 +228,15 @@ def _text_stream(fd: int, like: io.TextIOBase, writing: bool, unbuffered: bool) 
     )
 
 
-def become(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str,
+def become(python_args: Sequence[str], env: Mapping[str, str], cwd: str,
            outputs: Sequence[int]) -> None:  # fmt: skip
-    """In a forked child: the process ``python -m MODULE ARGS`` would be, up to running the
-    module: stdin ``/dev/null``, stdout and stderr the two file descriptors ``outputs`` (closed
-    here: the child holds them as 1 and 2), the working folder ``cwd`` first on ``sys.path``,
-    the environment ``env``, a new ``__main__`` and signal handlers as a new interpreter's."""
+    """In a forked child: the process ``python PYTHON_ARGS`` would be, up to running its main
+    (:func:`run_main`); ``PYTHON_ARGS`` is ``["-m", MODULE, *ARGS]`` or ``[SCRIPT, *ARGS]``:
+    stdin ``/dev/null``, stdout and stderr the two file descriptors ``outputs`` (closed here:
+    the child holds them as 1 and 2), the working folder ``cwd``, first on ``sys.path`` for a
+    module (a script's own folder for a script), the environment ``env``, a new ``__main__``
+    and signal handlers as a new interpreter's."""
+    python_args = [str(arg) for arg in python_args]
     reset_signal_handlers()
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
@@ -247,15 +251,36 @@ def become(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str,
     sys.stdin = sys.__stdin__ = _text_stream(0, sys.__stdin__, False, unbuffered)
     sys.stdout = sys.__stdout__ = _text_stream(1, sys.__stdout__, True, unbuffered)
     sys.stderr = sys.__stderr__ = _text_stream(2, sys.__stderr__, True, unbuffered)
-    sys.path[0] = cwd  # as ``python -m``: the working folder first
-    sys.argv = ["-m", *args]  # runpy puts the module's file in argv[0]
-    sys.orig_argv = [sys.executable, "-m", module, *args]
+    if python_args[0] == "-m":
+        sys.path[0] = cwd  # as ``python -m``: the working folder first
+        sys.argv = ["-m", *python_args[2:]]  # runpy puts the module's file in argv[0]
+    else:  # as ``python SCRIPT``: the script's own folder first, its path as given in argv[0]
+        sys.path[0] = os.path.dirname(os.path.realpath(python_args[0]))
+        sys.argv = list(python_args)
+    sys.orig_argv = [sys.executable, *python_args]
     sys.modules["__main__"] = types.ModuleType("__main__")
-    show_command_line(["-m", module, *args])
+    show_command_line(python_args)
     # Python's ``random`` reseeds itself in a forked child; NumPy's global generator does not:
     # from fresh entropy, as in a new process (forked ranks would otherwise draw alike).
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+
+
+def run_main(python_args: Sequence[str]) -> None:
+    """After :func:`become`: run the module as ``__main__`` as ``python -m`` does, or the
+    script in the new ``__main__`` as ``python SCRIPT`` does (``__file__`` the path given, made
+    absolute, not normalised)."""
+    if python_args[0] == "-m":
+        runpy._run_module_as_main(str(python_args[1]), alter_argv=True)
+        return
+    path = os.path.join(os.getcwd(), python_args[0])
+    main = sys.modules["__main__"]
+    loader = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__dict__.update(__file__=path, __loader__=loader, __cached__=None,
+                         __builtins__=sys.modules["builtins"])  # fmt: skip
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    exec(code, main.__dict__)
 
 
 def show_command_line(args: Sequence[str]) -> bool:
@@ -291,19 +316,19 @@ def _system_exit_code(exit: SystemExit) -> int:
     return 1
 
 
-def run_as_main(module: str, first: Callable[[], object] | None = None) -> int:
+def run_as_main(python_args: Sequence[str], first: Callable[[], object] | None = None) -> int:
     """In a forked child after :func:`become`: run ``first`` (the launcher unblocks the signals
-    it held) and ``module`` as ``__main__``, and end as the interpreter ends it (non-daemon
-    threads joined, atexit handlers run, streams flushed); the exit status for ``os._exit``,
-    which then skips what the interpreter's teardown would add (finalisers of objects still
-    alive, C's atexit handlers: jddp's commands close what they write themselves).
+    it held) and ``python_args``' main (:func:`run_main`), and end as the interpreter ends it
+    (non-daemon threads joined, atexit handlers run, streams flushed); the exit status for
+    ``os._exit``, which then skips what the interpreter's teardown would add (finalisers of
+    objects still alive, C's atexit handlers: jddp's commands close what they write themselves).
     An uncaught KeyboardInterrupt (Ctrl-C before the command's handler, as in a new
     interpreter's start) ends the process by SIGINT, as the interpreter does."""
     interrupted = False
     try:
         if first is not None:
             first()
-        runpy._run_module_as_main(module, alter_argv=True)
+        run_main(python_args)
         code = 0
     except SystemExit as e:
         code = _system_exit_code(e)
