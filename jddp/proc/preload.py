@@ -18,7 +18,9 @@ when it starts, in the child), but what the imports read from the environment is
 command is forked only when its environment differs from the one the imports saw in nothing they
 looked up, nor in what native code may read while loading (:func:`may_differ`). ``ps`` shows it as
 ``python -m MODULE ARGS`` where its parent's arguments had room for that
-(:func:`show_command_line`).
+(:func:`show_command_line`). :func:`become` and :func:`run_main` also make the process of
+``python SCRIPT ARGS`` (the tests' server forks the repository's own scripts); the launcher forks
+only modules: a user's script may set ``JAX_*`` variables before it imports JAX.
 """
 
 from __future__ import annotations
