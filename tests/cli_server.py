@@ -1,6 +1,6 @@
 """``python -m jddp.train ...`` (and jddp's other commands) for the price of a fork.
 
-    python -m tests.cli_server SOCKET     (started by tests/helpers.py, one per pytest worker)
+    python tests/cli_server.py SOCKET     (started by tests/helpers.py, one per pytest worker)
 
 Imports the libraries jddp's commands load once (:func:`jddp.proc.preload.preload`, as
 ``python -m jddp.launch`` does before it forks its ranks), then serves requests on

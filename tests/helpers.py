@@ -227,7 +227,9 @@ def _cli_server() -> dict:
         with open(server_err, "w") as err:
             # Room in its arguments for a forked command's own (jddp.proc.preload's
             # show_command_line): ``ps`` and ``pgrep -f workdir=...`` (run_pids) see them.
-            command = [sys.executable, "-m", "tests.cli_server", str(sock), " " * 8192]
+            # By its path, not ``-m tests.cli_server``: the ``tests`` package not imported there,
+            # a forked script finds only what a new process would on its own sys.path.
+            command = [sys.executable, str(REPO / "tests" / "cli_server.py"), str(sock), " " * 8192]
             job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
         ready, printed = job.stdout.readline(), server_err.read_text()
         # The imports print nothing: a warning there would be in every command's "one line".

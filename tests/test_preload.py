@@ -90,7 +90,8 @@ MODULES = {
 SCRIPT = """
     import os, sys
     print(__name__, sys.argv, sys.path[0], __file__, os.environ.get("PROBE"))
-    print(sys.orig_argv[1:], __spec__)
+    def annotated(x: int): pass  # evaluated: not under the forking module's __future__ import
+    print(sys.orig_argv[1:], __spec__, annotated.__annotations__["x"])
     with open("/proc/self/cmdline", "rb") as f:
         print(f.read().rstrip(b"\\0").split(b"\\0")[1:], flush=True)
     raise RuntimeError("from the script")
@@ -124,7 +125,8 @@ def test_a_forked_command_is_what_python_dash_m_would_be(tmp_path):
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "tool.py").write_text(textwrap.dedent(SCRIPT))
-    out = run([PY, "-c", DRIVER, str(tmp_path), *MODULES, "bin/tool.py"], timeout=120)
+    scripts = ["bin/tool.py", "bin/missing.py"]
+    out = run([PY, "-c", DRIVER, str(tmp_path), *MODULES, *scripts], timeout=120)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     code, printed, err = got["shows"]
@@ -148,9 +150,13 @@ def test_a_forked_command_is_what_python_dash_m_would_be(tmp_path):
     # and ps as given, __file__ absolute; its traceback names it.
     code, printed, err = got["bin/tool.py"]
     assert code == 1 and err.startswith("Traceback") and "RuntimeError: from the script" in err
-    assert f'File "{tmp_path}/bin/tool.py", line 7' in err, err
+    assert f'File "{tmp_path}/bin/tool.py", line 8' in err, err
     assert printed.splitlines() == [
         f"__main__ ['bin/tool.py', 'a1', 'a2'] {tmp_path}/bin {tmp_path}/bin/tool.py seen",
-        "['bin/tool.py', 'a1', 'a2'] None",
+        "['bin/tool.py', 'a1', 'a2'] None <class 'int'>",
         "[b'bin/tool.py', b'a1', b'a2']",
     ]
+    code, printed, err = got["bin/missing.py"]  # as the interpreter: one line, exit 2
+    assert (code, printed) == (2, "") and err == (
+        f"{PY}: can't open file '{tmp_path}/bin/missing.py': [Errno 2] No such file or directory\n"
+    )

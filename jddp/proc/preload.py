@@ -276,13 +276,19 @@ def run_main(python_args: Sequence[str]) -> None:
         runpy._run_module_as_main(str(python_args[1]), alter_argv=True)
         return
     path = os.path.join(os.getcwd(), python_args[0])
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as e:  # as the interpreter says it, and its exit status
+        print(f"{sys.executable}: can't open file {path!r}: [Errno {e.errno}] {e.strerror}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None
     main = sys.modules["__main__"]
     loader = importlib.machinery.SourceFileLoader("__main__", path)
-    main.__dict__.update(__file__=path, __loader__=loader, __cached__=None,
+    main.__dict__.update(__file__=path, __loader__=loader, __cached__=None, __annotations__={},
                          __builtins__=sys.modules["builtins"])  # fmt: skip
-    with open(path, "rb") as f:
-        code = compile(f.read(), path, "exec")
-    exec(code, main.__dict__)
+    # dont_inherit: not this module's ``from __future__ import annotations``
+    exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
 
 
 def show_command_line(args: Sequence[str]) -> bool:
