@@ -238,7 +238,6 @@ def become(python_args: Sequence[str], env: Mapping[str, str], cwd: str,
     the child holds them as 1 and 2), the working folder ``cwd``, first on ``sys.path`` for a
     module (a script's own folder for a script), the environment ``env``, a new ``__main__``
     and signal handlers as a new interpreter's."""
-    python_args = [str(arg) for arg in python_args]
     reset_signal_handlers()
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
@@ -273,7 +272,7 @@ def run_main(python_args: Sequence[str]) -> None:
     script in the new ``__main__`` as ``python SCRIPT`` does (``__file__`` the path given, made
     absolute, not normalised)."""
     if python_args[0] == "-m":
-        runpy._run_module_as_main(str(python_args[1]), alter_argv=True)
+        runpy._run_module_as_main(python_args[1], alter_argv=True)
         return
     path = os.path.join(os.getcwd(), python_args[0])
     try:
