@@ -39,6 +39,7 @@ import jax
 
 from jddp.config import DistConfig
 from jddp.errors import ConfigError
+from jddp.proc import outputs
 
 
 @dataclass(frozen=True)
@@ -375,4 +376,6 @@ def abort_job(job: Job, exit_code: int) -> None:
     the others blocked in their next collective). Elsewhere a no-op: ``jax.distributed``'s
     heartbeats and ``jddp.launch`` stop the peers."""
     if job.uses_mpi and job.process_count > 1:
+        # mpiexec exits at the abort: the line this rank just printed must reach it first.
+        outputs.wait_until_read()
         mpi_world().Abort(exit_code)

@@ -318,10 +318,16 @@ def test_a_folder_it_cannot_write_is_said_before_any_work(tmp_path, monkeypatch)
 
     from jddp.errors import ConfigError
 
+    # Importing the CLI module binds it over the library call jddp.export, and a later
+    # runpy.run_module("jddp.export") in this process warns that it was imported: undo both.
+    monkeypatch.setattr(jddp, "export", jddp.export)
     command = importlib.import_module("jddp.export")
-    monkeypatch.setattr(command.os, "access", lambda path, mode: False)
-    with pytest.raises(ConfigError, match=f"OUT: folder {tmp_path} is not writable"):
-        command._check_out(tmp_path / "m.onnx")
+    try:
+        monkeypatch.setattr(command.os, "access", lambda path, mode: False)
+        with pytest.raises(ConfigError, match=f"OUT: folder {tmp_path} is not writable"):
+            command._check_out(tmp_path / "m.onnx")
+    finally:
+        del sys.modules["jddp.export"]
 
 
 @pytest.mark.slow

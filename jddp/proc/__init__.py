@@ -10,6 +10,7 @@
   per-batch flag every process sees;
 * :mod:`~jddp.proc.watchdog`: a thread that ends a run which made no progress for
   ``dist.step_timeout_s`` (one line, exit :data:`~jddp.errors.STALLED`);
+* :mod:`~jddp.proc.outputs`: stdout and stderr read to the last byte before an MPI abort;
 * :mod:`~jddp.proc.interrupt`: Ctrl-C as one line and exit 130 for the commands that save
   nothing (imports only ``os`` and ``signal``: installed in their first statement).
 """
