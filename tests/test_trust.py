@@ -587,7 +587,10 @@ def test_each_timeout_holds_its_phase_and_null_is_no_limit():
     from jddp.proc.watchdog import StallWatchdog
 
     def overdue_after(watchdog, seconds):
-        return watchdog.overdue(now=watchdog.last_s + seconds)
+        # (last_s + s) - last_s is s only up to last_s's rounding (monotonic seconds since
+        # boot): the seconds are compared rounded
+        due = watchdog.overdue(now=watchdog.last_s + seconds)
+        return due if due is None else (round(due[0], 6), due[1])
 
     both = StallWatchdog(10, 100)
     assert overdue_after(both, 50) is None and overdue_after(both, 101) == (101, 100)
