@@ -142,10 +142,9 @@ class GPT(nnx.Module):
         dropout: float = 0.0,
         dtype=jnp.float32,
         *,
-        remat: str = "none",
         rngs: nnx.Rngs,
     ):
-        self.remat_blocks = remat == "blocks"  # model.remat=blocks: recompute each block
+        # the blocks in a list: model.remat=blocks recomputes each one's activations
         self.embed = nnx.Embed(VOCAB, width, rngs=rngs)
         self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (max_len, width)))
         self.blocks = nnx.List([Block(width, heads, dropout, dtype, rngs) for _ in range(layers)])
@@ -164,19 +163,15 @@ class GPT(nnx.Module):
             mask_BxTxT = mask_BxTxT & (jnp.arange(t)[None, None, :] < lengths_B[:, None, None])
         x = self.drop(x.astype(self.dtype))
         for block in self.blocks:
-            if self.remat_blocks:  # its activations recomputed in the backward pass
-                x = nnx.remat(lambda block, x, mask: block(x, mask))(block, x, mask_BxTxT)
-            else:
-                x = block(x, mask_BxTxT)
+            x = block(x, mask_BxTxT)
         return self.head(self.ln(x).astype(jnp.float32))
 
 
 def gpt(config: dict, dtype, rngs: nnx.Rngs) -> GPT:
     """``model.name=examples.lm_stdlib:gpt``: the model of the ``model.options`` (``seq_len``:
-    the longest sequence it reads, at least ``data.options.seq_len``) and ``model.remat``."""
+    the longest sequence it reads, at least ``data.options.seq_len``)."""
     options = {**MODEL_OPTIONS, **(config.get("options") or {})}
-    remat = config.get("remat", "none")
-    return GPT(options.pop("seq_len"), **options, dtype=dtype, remat=remat, rngs=rngs)
+    return GPT(options.pop("seq_len"), **options, dtype=dtype, rngs=rngs)
 
 
 # -- task ------------------------------------------------------------------------------------

@@ -27,12 +27,11 @@ from jddp.data.registry import load_splits
 from jddp.data.source import Splits, as_source
 from jddp.data.trees import as_tree_source
 from jddp.errors import ConfigError, JddpError, TaskError, UserCodeError, one_line
-from jddp.fully_sharded import FullShardLayout
 from jddp.imports import import_callable
-from jddp.layout import ReplicatedLayout
 from jddp.mesh import DTYPES, make_mesh, select_devices
 from jddp.models import get_model_factory
-from jddp.sharded_update import ShardLayout
+from jddp.shard import make_layout
+from jddp.shard.base import StateLayout
 from jddp.state import ModelDef
 from jddp.step import TrainStep, make_eval_step, make_train_step
 from jddp.tasks import Task
@@ -186,7 +185,6 @@ def build_model(cfg: Config, rngs: nnx.Rngs, in_channels: int = 3) -> nnx.Module
             zero_init_residual=cfg.model.zero_init_residual,
             bn_momentum=cfg.model.bn_momentum,
             bn_epsilon=cfg.model.bn_epsilon,
-            remat=cfg.model.remat,
             in_channels=in_channels,
             dtype=dtype,
             rngs=rngs,
@@ -295,10 +293,50 @@ def per_device_rows(cfg: Config, mesh: Mesh, comm: Comm) -> int:
     return cfg.data.global_batch_size // comm.num_devices(mesh)
 
 
+def shard_group(cfg: Config, num_devices: int, local_devices: int) -> int:
+    """The devices a split state is split over (``dist.shard_group``): ``all`` of them, a
+    ``process``'s, or a count that divides them and either divides a process's devices or
+    holds whole processes (a group must not straddle processes unevenly). ``none`` keeps the
+    state whole: its group is every device, whatever the key says (refused unless ``all``)."""
+    group = cfg.dist.shard_group
+    if group == "all":
+        return num_devices
+    key = f"dist.shard_group={group}"
+    if cfg.dist.shard == "none":
+        raise ConfigError(
+            f"{key} with dist.shard=none: the state is whole on every device, nothing is split "
+            "within a group; set dist.shard=optimizer or full, or dist.shard_group=all"
+        )
+    size = local_devices if group == "process" else int(group)
+    if num_devices % size:
+        raise ConfigError(
+            f"{key}: a group of {size} devices does not divide the {num_devices} devices; "
+            f"choose a divisor of {num_devices}, process ({local_devices}), or all"
+        )
+    if local_devices % size and size % local_devices:
+        raise ConfigError(
+            f"{key}: a group of {size} devices neither lies within a process ({local_devices} "
+            f"devices) nor holds whole processes; choose a divisor or a multiple of "
+            f"{local_devices}, process, or all"
+        )
+    return size
+
+
 def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
-    """The mesh of ``dist.num_local_devices`` per process and this process's batch rows."""
+    """The mesh of ``dist.num_local_devices`` per process, in groups of ``dist.shard_group``
+    (under ``dist.backend=mpi`` the mesh holds this process's devices: its group), and this
+    process's batch rows."""
     try:
-        mesh = make_mesh(select_devices(cfg.dist.num_local_devices))
+        devices = select_devices(cfg.dist.num_local_devices)
+        local = sum(d.process_index == devices[0].process_index for d in devices)
+        group = shard_group(cfg, comm.process_count * local, local)
+        if comm.name == "mpi" and cfg.dist.shard != "none" and group > local:
+            raise ConfigError(
+                f"dist.shard_group={cfg.dist.shard_group}: under dist.backend=mpi a group lies "
+                f"within a process ({local} devices): processes share no collective but MPI's "
+                "gradient mean; set dist.shard_group=process"
+            )
+        mesh = make_mesh(devices, min(group, len(devices)))
         layout = batch_layout(
             mesh, cfg.data.global_batch_size, comm.process_index, comm.process_count
         )
@@ -314,32 +352,17 @@ def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
     return mesh, layout
 
 
-def build_layout(
-    cfg: Config, mesh: Mesh, comm: Comm, parts: Parts | None = None
-) -> ReplicatedLayout | ShardLayout:
+def build_layout(cfg: Config, mesh: Mesh, comm: Comm) -> StateLayout:
     """The layout of the train state over ``mesh`` that ``dist.shard`` names
-    (:mod:`jddp.layout`). Split layouts are refused (``ConfigError``) for an optimizer given
-    to ``jddp.fit`` (it may take norms per array, which a slice gets wrong) and on a backend
-    other than ``xla``."""
+    (:mod:`jddp.shard`), split within the mesh's groups (:func:`build_mesh`)."""
     kind = cfg.dist.shard
-    if kind == "none":
-        return ReplicatedLayout(mesh)
-    if parts is not None and parts.optimizer is not None:
-        raise ConfigError(
-            f"dist.shard={kind} needs the optim section's optimizer: one given to "
-            "jddp.fit(optimizer=...) may compute norms per array (clipping, trust ratios), "
-            "which each device's slice would get wrong; leave optimizer out (optim.name=...) "
-            "or set dist.shard=none"
-        )
-    if comm.name != "xla":
-        raise ConfigError(f"dist.shard={kind} needs dist.backend=xla, not {comm.name}")
     if kind == "full" and cfg.dist.grad_allreduce_dtype != "float32":
         raise ConfigError(
             f"dist.grad_allreduce_dtype={cfg.dist.grad_allreduce_dtype} with dist.shard=full: "
             "there the gradients are reduce-scattered as the gathers' transpose, in the "
             "parameters' dtype; set dist.grad_allreduce_dtype=float32, or dist.shard=optimizer"
         )
-    return FullShardLayout(mesh) if kind == "full" else ShardLayout(mesh)
+    return make_layout(kind, mesh)
 
 
 def build_steps(
@@ -353,13 +376,13 @@ def build_steps(
     schedule: optax.Schedule | None = None,
     pixel_norm: PixelNorm | None = None,
     task: Task | None = None,
-    layout: ReplicatedLayout | ShardLayout | None = None,
+    layout: StateLayout | None = None,
 ) -> tuple[TrainStep, Any]:
     """The trainer's train and eval steps for ``cfg`` and its task (default
     :func:`build_task` of ``cfg``, ``parts`` and ``pixel_norm``). The train step takes the
     state as ``layout`` (default :func:`build_layout` of ``cfg``) ``place`` lays it out."""
     task = task or build_task(cfg, parts, pixel_norm)
-    layout = layout or build_layout(cfg, mesh, comm, parts)
+    layout = layout or build_layout(cfg, mesh, comm)
     train_step = make_train_step(
         model_def,
         tx,
@@ -372,6 +395,6 @@ def build_steps(
         clip_grad_norm=cfg.optim.clip_grad_norm,
         ema_decay=cfg.train.ema_decay,
         ema_warmup=cfg.train.ema_warmup,
-        rematerialises=cfg.model.remat != "none",
+        remat=cfg.model.remat,
     )
     return train_step, make_eval_step(model_def, mesh, task=task)

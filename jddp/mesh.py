@@ -1,4 +1,13 @@
-"""The 1-D device mesh (axis ``data``) and the two shardings the trainer uses."""
+"""The device mesh and the two shardings the trainer uses.
+
+The mesh is 2-D: ``replica`` x ``shard``. The batch is split over both (every device of every
+process holds its rows: :data:`DATA_AXES`); the train state, where a layout splits it
+(``dist.shard``), is split over ``shard`` alone and replicated over ``replica``
+(``dist.shard_group``: a group is one row of the mesh, ``shard`` devices; by default one row
+holds every device). Collectives over the batch (the gradient mean, metrics, synchronised
+BatchNorm) name :data:`DATA_AXES`; those of a split state (gathers, reduce-scatters) name
+:data:`SHARD_AXIS`.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +20,35 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-DATA_AXIS = "data"
+REPLICA_AXIS = "replica"  # across groups: each group holds a replica of a split state
+SHARD_AXIS = "shard"  # within a group: a split state's slices
+DATA_AXES = (REPLICA_AXIS, SHARD_AXIS)  # every device: the batch and its means
 # The dtypes a config may name (train.precision, dist.grad_allreduce_dtype).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def make_mesh(devices: list[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh with axis ``data`` over ``devices`` (default: every device of every process).
+def make_mesh(devices: list[jax.Device] | None = None, group_size: int | None = None) -> Mesh:
+    """The mesh ``replica`` x ``shard`` over ``devices`` (default: every device of every
+    process), ``group_size`` devices a row (default: all of them, one row).
 
     Devices are ordered by (process index, device id), so process *p* owns a contiguous block
-    of the mesh and therefore a contiguous slice of every global batch.
+    of the mesh and therefore a contiguous slice of every global batch, and a group of the
+    devices of one process (``dist.shard_group=process``) is a row. Raises ``ValueError`` when
+    ``group_size`` does not divide the device count.
     """
     if devices is None:
         devices = jax.devices()
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-    return Mesh(np.asarray(devices), (DATA_AXIS,))
+    group = len(devices) if group_size is None else group_size
+    if group < 1 or len(devices) % group:
+        raise ValueError(f"a group of {group} devices does not divide {len(devices)} devices")
+    grid = np.asarray(devices).reshape(len(devices) // group, group)
+    return Mesh(grid, DATA_AXES)
+
+
+def group_size(mesh: Mesh) -> int:
+    """Devices of one group (a row of ``mesh``): what a split state is split over."""
+    return mesh.shape[SHARD_AXIS]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -35,7 +58,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_sharded(mesh: Mesh) -> NamedSharding:
     """Sharding of a global batch: split along its leading axis over ``data``."""
-    return NamedSharding(mesh, P(DATA_AXIS))
+    return NamedSharding(mesh, P(DATA_AXES))
 
 
 def select_devices(num_local_devices: int | None = None) -> list[jax.Device]:
@@ -78,7 +101,7 @@ def put_replicated(tree: Any, mesh: Mesh) -> Any:
 
 def to_host(tree: Any) -> Any:
     """Numpy copies of arrays: a replicated one read from this process's first shard, one
-    split over devices (the optimizer state under ``dist.shard_weight_update``) assembled
+    split over devices (under ``dist.shard`` optimizer or full) assembled
     whole, from every process's slices when they span processes (then every process must
     call this, as for a collective)."""
 

@@ -1,9 +1,8 @@
 """Optax optimizer and learning-rate schedule from the ``optim`` config section.
 
-LARS and LAMB scale each layer's update by a trust ratio of two norms over the whole layer;
-here those norms also hold when a device holds only a slice of the layer
-(``dist.shard_weight_update``, :mod:`jddp.sharded_update`): :func:`layer_sq_norms` adds the
-slices' sums over the mesh axis ``data``.
+Any layout of the train state (``dist.shard``) takes these and any other optax transformation
+as they are: the update runs on the global arrays, which XLA partitions (:mod:`jddp.step`), so
+LARS's and LAMB's trust ratios and the global norms see whole arrays under every layout.
 """
 
 from __future__ import annotations
@@ -15,98 +14,6 @@ import jax.numpy as jnp
 import optax
 
 from jddp.config import OptimConfig
-from jddp.mesh import DATA_AXIS
-
-
-def split_over_data(x: jax.Array) -> bool:
-    """Whether ``x`` is one device's slice of an array split over the mesh axis ``data``:
-    inside a ``shard_map`` step its type varies over ``data``; elsewhere never."""
-    aval = jax.typeof(x)
-    varying = getattr(aval, "vma", None)  # jax < 0.10
-    if varying is None:
-        varying = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
-    return DATA_AXIS in varying
-
-
-def layer_sq_norms(*trees: Any) -> list[jax.Array]:
-    """``Σ|x|²`` of every leaf of ``trees`` (in order), each over its whole array: the leaves
-    that are a device's slice of an array split over ``data`` (:func:`split_over_data`) add
-    their slices' sums with one ``psum`` per dtype. Outside a ``shard_map`` step it is the
-    plain per-leaf sum, computed as ``jnp.linalg.norm`` computes it."""
-    leaves = [x for tree in trees for x in jax.tree.leaves(tree)]
-    sums = [jnp.sum(jnp.real(x * jnp.conj(x))) for x in leaves]
-    by_dtype: dict[Any, list[int]] = {}
-    for i, x in enumerate(leaves):
-        if split_over_data(x):
-            by_dtype.setdefault(sums[i].dtype, []).append(i)
-    for idx in by_dtype.values():
-        total = jax.lax.psum(jnp.stack([sums[i] for i in idx]), DATA_AXIS)
-        for j, i in enumerate(idx):
-            sums[i] = total[j]
-    return sums
-
-
-def scale_by_layer_trust_ratio(
-    trust_coefficient: float = 1.0, eps: float = 0.0
-) -> optax.GradientTransformation:
-    """``optax.scale_by_trust_ratio`` (``min_norm`` 0) with its norms over whole layers also
-    when a device holds a slice of one (:func:`layer_sq_norms`): each update is scaled by
-    ``trust_coefficient * ‖param‖ / (‖update‖ + eps)``, or by 1 where either norm is 0. The
-    same values as optax's outside a sharded step; its state is optax's (empty)."""
-
-    def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError("the trust ratio needs the parameters: tx.update(g, s, params)")
-        u_leaves, treedef = jax.tree.flatten(updates)
-        p_leaves = treedef.flatten_up_to(params)
-        sq = layer_sq_norms(u_leaves, p_leaves)
-        n = len(u_leaves)
-
-        def scale(u, p, u_sq, p_sq):
-            p_norm, u_norm = jnp.sqrt(p_sq), jnp.sqrt(u_sq)
-            ratio = trust_coefficient * p_norm / (u_norm + eps)
-            zero_norm = jnp.logical_or(p_norm == 0.0, u_norm == 0.0)
-            return u * jnp.where(zero_norm, jnp.array(1.0, dtype=p.dtype), ratio)
-
-        scaled = [scale(u_leaves[i], p_leaves[i], sq[i], sq[n + i]) for i in range(n)]
-        return jax.tree.unflatten(treedef, scaled), state
-
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
-
-
-def lars(
-    learning_rate: optax.ScalarOrSchedule,
-    weight_decay: float,
-    weight_decay_mask: Any,
-    trust_coefficient: float,
-    trust_ratio_mask: Any,
-    momentum: float,
-    nesterov: bool,
-) -> optax.GradientTransformation:
-    """``optax.lars`` (the same chain and state) with :func:`scale_by_layer_trust_ratio`."""
-    return optax.chain(
-        optax.add_decayed_weights(weight_decay, mask=weight_decay_mask),
-        optax.masked(scale_by_layer_trust_ratio(trust_coefficient), mask=trust_ratio_mask),
-        optax.scale_by_learning_rate(learning_rate),
-        optax.trace(decay=momentum, nesterov=nesterov),
-    )
-
-
-def lamb(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float,
-    b2: float,
-    weight_decay: float,
-    mask: Any,
-) -> optax.GradientTransformation:
-    """``optax.lamb`` (the same chain, defaults and state) with
-    :func:`scale_by_layer_trust_ratio`."""
-    return optax.chain(
-        optax.scale_by_adam(b1=b1, b2=b2, eps=1e-6, eps_root=0.0),
-        optax.add_decayed_weights(weight_decay=weight_decay, mask=mask),
-        scale_by_layer_trust_ratio(),
-        optax.scale_by_learning_rate(learning_rate),
-    )
 
 
 def peak_learning_rate(cfg: OptimConfig, global_batch_size: int) -> float:
@@ -151,8 +58,7 @@ def make_optimizer(
     ``sgd``: L2 weight decay added to the gradient, then momentum SGD (the classic ResNet
     recipe). ``adamw``: Adam with decoupled weight decay. ``lars``: ``optax.lars`` (You et al.
     2017, "Large Batch Training of Convolutional Networks": per-layer trust ratio, momentum),
-    ``lamb``: ``optax.lamb`` (You et al. 2019), both with trust ratios over whole layers also
-    when each device updates a slice (:func:`lars`, :func:`lamb`). Weight decay applies to
+    ``lamb``: ``optax.lamb`` (You et al. 2019). Weight decay applies to
     every parameter, biases and BatchNorm scales included, unless ``decay_bn_and_bias=false``:
     then only to :func:`decayed_params_mask`'s, and LARS leaves the others' step unadapted too
     (MLPerf).
@@ -165,7 +71,7 @@ def make_optimizer(
             optax.sgd(schedule, momentum=cfg.momentum or None, nesterov=cfg.nesterov),
         )
     elif cfg.name == "lars":
-        tx = lars(
+        tx = optax.lars(
             schedule,
             weight_decay=cfg.weight_decay,
             weight_decay_mask=mask or True,
@@ -175,7 +81,7 @@ def make_optimizer(
             nesterov=cfg.nesterov,
         )
     elif cfg.name == "lamb":
-        tx = lamb(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
+        tx = optax.lamb(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
     else:
         tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
     return tx, schedule

@@ -1,25 +1,31 @@
 """Pure train and eval steps: ``(state, batch) -> (state, metrics)`` under ``jax.shard_map``.
 
-The batch is split over the mesh axis ``data``; where the parameters and optimizer state live
-is the layout's business (``dist.shard``, :mod:`jddp.layout`: whole on every device, the
-optimizer state split, or everything split). Each device runs forward and backward on its
-slice; gradients become the mean each device keeps in one place, ``io.mean`` inside
-:func:`make_train_step`'s ``grads_stage`` (an all-reduce, or a reduce-scatter). What the
-model and the batch mean is the task's business (:mod:`jddp.tasks`): it returns per-example
-losses and metrics, with optional weights; the step turns them into exact weighted means over
-the global batch (:mod:`jddp.weighted`).
+The batch is split over every device (the mesh axes :data:`jddp.mesh.DATA_AXES`); where the
+parameters and optimizer state live is the layout's business (``dist.shard``,
+:mod:`jddp.shard`: whole on every device, the optimizer state split, or everything split).
+The step has two stages. The *grads stage*, under ``shard_map``: each device runs forward and
+backward on its rows; gradients become the mean each device keeps in one place,
+``layout.mean`` (an all-reduce, or a reduce-scatter). The *update stage*, on the global
+arrays: the optimizer's update, which XLA partitions as the layout lays the arrays out
+(``layout.update_specs``), so a statistic over a whole array (a global norm, a trust ratio, a
+factored moment) is the whole array's under every layout. What the model and the batch mean is
+the task's business (:mod:`jddp.tasks`): it returns per-example losses and metrics, with
+optional weights; the step turns them into exact weighted means over the global batch
+(:mod:`jddp.weighted`).
 
 Why the parameters are cast to *varying* before ``grad``: inside ``shard_map`` the gradient of
 a replicated (``P()``) input is already summed over devices by autodiff, so a ``pmean`` after
 it would return N times the mean gradient. Casting makes autodiff return per-device
 gradients, and the explicit ``pmean`` is then the one and only reduction.
 
-A batch is ``{"data": pytree, "sys/stop": [B] (train, optional), "mask": [B] (eval)}``; the task
-gets ``data``.
+A batch is ``{"data": pytree, "sys/stop": [B] (train, optional flags), "mask": [B] (eval)}``;
+the task gets ``data``.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,14 +34,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jddp import weighted
 from jddp.comm import Comm
-from jddp.layout import GradsIO, ReplicatedLayout, to_varying
-from jddp.mesh import DATA_AXIS
-from jddp.proc.signals import FINISH_KEY, SAVE_KEY, STOP_KEY
+from jddp.mesh import DATA_AXES
+from jddp.models.units import rematerialise_blocks
+from jddp.shard.base import StateLayout, to_varying
+from jddp.shard.replicated import Replicated
 from jddp.state import MODEL_STATE, ModelDef, TrainState
 from jddp.tasks import Task
 from jddp.tasks.classification import (  # noqa: F401 - PixelNorm, cross_entropy_loss: public here
@@ -48,7 +55,6 @@ from jddp.tasks.classification import (  # noqa: F401 - PixelNorm, cross_entropy
 Batch = dict[str, Any]
 Metrics = dict[str, jax.Array]
 MASK_KEY = "mask"
-FLAG_KEYS = (STOP_KEY, FINISH_KEY, SAVE_KEY)  # the host's per-row flags a batch may carry
 DATA_KEY = "data"
 # The mean loss weight per example of a step whose loss is weighted, and whether any weight was
 # negative: read by the host (jddp.run.hooks.StepReporter), never logged as they are.
@@ -82,7 +88,7 @@ def _sync_model_state(comm: Comm, model_state: Any) -> Any:
     leaves, treedef = jax.tree.flatten(model_state)
     floating = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
     averaged = comm.average([leaves[i] for i in floating])  # one collective where fused
-    synced = [x if jnp.issubdtype(x.dtype, jnp.inexact) else jax.lax.pmax(x, DATA_AXIS)
+    synced = [x if jnp.issubdtype(x.dtype, jnp.inexact) else jax.lax.pmax(x, DATA_AXES)
               for x in leaves]  # fmt: skip
     for i, x in zip(floating, averaged, strict=True):
         synced[i] = x
@@ -159,20 +165,34 @@ def computed_once(flag: jax.Array) -> jax.Array:
     return jnp.sqrt(flag.astype(jnp.float32)) > 0
 
 
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of ``tree`` is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def keep_checkpoint_barriers(mesh: Mesh) -> dict[str, str] | None:
+    """XLA options for a step whose ``jax.checkpoint`` recomputations must stay apart from the
+    forward pass: where ``mesh``'s devices are CPUs, ``cse_barrier_expander`` disabled
+    (XLA:CPU expands the checkpoints' optimization barriers early, then merges each
+    recomputation back into the value it recomputes, which keeps the forward pass's values
+    alive after all: measured in experiments/RESULTS.md section 9). None elsewhere: XLA:GPU
+    keeps the barriers. The passes ``XLA_FLAGS`` disables stay disabled (an option replaces
+    the flag's list)."""
+    if mesh.devices.flat[0].platform != "cpu":
+        return None
+    given = re.findall(r"--xla_disable_hlo_passes=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    return {"xla_disable_hlo_passes": ",".join([*given, "cse_barrier_expander"])}
+
+
 def _make_update_stage(
     tx: optax.GradientTransformation,
     schedule: optax.Schedule | None,
-    tree_norm: Callable[[Any], jax.Array],
-    all_finite: Callable[[Any], jax.Array],
     clip_grad_norm: float | None = None,
     ema_decay: float = 0.0,
     ema_warmup: bool = True,
 ):
-    """The optimizer stage: ``(state, grads, model_state, metrics) -> (state, metrics)``.
-
-    ``tree_norm`` and ``all_finite`` see the gradients and parameters this stage updates: a
-    device's slices of them under ``dist.shard`` optimizer or full, whose versions add the
-    slices' results (:mod:`jddp.layout`)."""
+    """The optimizer stage: ``(state, grads, model_state, metrics) -> (state, metrics)``, on
+    the global arrays (XLA partitions it as they are laid out)."""
 
     def update_stage(state: TrainState, grads, stats, terms):
         # The averaged terms divided once: exact weighted means over the global batch. A
@@ -182,8 +202,8 @@ def _make_update_stage(
             loss_weight = weights["train/loss"]
             grads = jax.tree.map(lambda g: g / loss_weight.astype(g.dtype), grads)
             metrics[LOSS_WEIGHT_KEY] = loss_weight
-        grad_norm = tree_norm(grads)  # of the averaged gradient, before any clipping
-        if clip_grad_norm is not None:  # as optax.clip_by_global_norm, over every slice
+        grad_norm = optax.tree.norm(grads)  # of the averaged gradient, before any clipping
+        if clip_grad_norm is not None:  # as optax.clip_by_global_norm
             clip = jnp.asarray(clip_grad_norm, grad_norm.dtype)
             clipped = grad_norm >= clip
             grads = jax.tree.map(
@@ -205,7 +225,7 @@ def _make_update_stage(
         )
         skipped = state.skipped_steps + (~finite).astype(jnp.int32)
         ema = state.ema_params
-        if ema is not None:  # elementwise: on whole arrays or on this device's slices alike
+        if ema is not None:  # elementwise
             decay = ema_decay_at(state.step, ema_decay, ema_warmup)
             ema = jax.tree.map(
                 lambda e, p: jnp.where(finite, e + (1 - decay).astype(e.dtype) * (p - e), e),
@@ -217,7 +237,7 @@ def _make_update_stage(
             NONFINITE_KEY: (~finite).astype(jnp.float32),
             "train/skipped_steps": skipped,
             "train/grad_norm": grad_norm,
-            "train/param_norm": tree_norm(params),
+            "train/param_norm": optax.tree.norm(params),
         }
         if schedule is not None:
             metrics["train/lr"] = schedule(state.step)
@@ -291,17 +311,23 @@ def task_terms(
     return named, model
 
 
-def _local_grads_fn(model_def: ModelDef, comm: Comm, task: Task, io: GradsIO) -> Callable:
+def _local_grads_fn(
+    model_def: ModelDef, comm: Comm, task: Task, layout: StateLayout, shapes: Any, remat: bool
+) -> Callable:
     """``(params, model_state, data) -> (grads, new model state, weighted means)`` of one
-    micro-batch on one device (inside the step's ``shard_map``); ``io`` says how the device's
-    parameters (whole or its slices) reach the model."""
+    micro-batch on one device (inside the step's ``shard_map``); ``layout`` says how the
+    device's parameters (whole or its slices; ``shapes``: their full shapes) reach the model;
+    ``remat``: the model's blocks recompute their activations in the backward pass."""
 
     def local_grads(params, model_state, data):
         device = comm.device_index()
 
         def objective(p):
             def model_of() -> nnx.Module:
-                model = io.bind(model_def.merge(p, model_state, device))
+                model = model_def.merge(p, model_state, device)
+                if remat:  # first: a rematerialised block gathers for the modules inside it
+                    rematerialise_blocks(model)
+                model = layout.bind(model)
                 model.train()
                 return model
 
@@ -312,10 +338,20 @@ def _local_grads_fn(model_def: ModelDef, comm: Comm, task: Task, io: GradsIO) ->
                 terms[NEGATIVE_WEIGHT_KEY] = jnp.any(weight_B < 0).astype(jnp.float32)
             return terms["train/loss"], (nnx.state(model, MODEL_STATE), terms)
 
-        grads, (new_stats, terms) = io.grads(objective, params)
+        grads, (new_stats, terms) = layout.gradients(objective, params, shapes, comm)
         return grads, new_stats, terms
 
     return local_grads
+
+
+def _shape_of(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _constrain(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    """``tree`` laid out as ``specs`` over ``mesh`` (inside a jitted program)."""
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    return jax.lax.with_sharding_constraint(tree, shardings)
 
 
 def make_train_step(
@@ -331,15 +367,15 @@ def make_train_step(
     compute_dtype: Any = jnp.float32,
     schedule: optax.Schedule | None = None,
     pixel_norm: PixelNorm | None = None,
-    layout: Any = None,
+    layout: StateLayout | None = None,
     clip_grad_norm: float | None = None,
     ema_decay: float = 0.0,
     ema_warmup: bool = True,
-    rematerialises: bool = False,
+    remat: str = "none",
 ) -> TrainStep:
     """Build the data-parallel train step ``(state, batch) -> (state, metrics)``.
 
-    ``batch["data"]`` is the task's batch pytree, every leaf sharded over ``data`` along its
+    ``batch["data"]`` is the task's batch pytree, every leaf sharded over every device along its
     leading axis (B, the global batch); ``task`` (:mod:`jddp.tasks`) computes per-example losses
     and metrics from it. Without ``task``, the classification task of ``loss_fn``/``metrics_fn``
     (``(logits, labels) -> [B]``, cross-entropy by default): ``images`` [B,H,W,C] (uint8 pixels,
@@ -352,57 +388,70 @@ def make_train_step(
     when the update was dropped because the loss or a gradient was not finite),
     ``train/skipped_steps``, ``train/grad_norm`` (of the averaged gradient), ``train/param_norm``
     (after the update) (and ``train/lr``); with a weighted loss also ``sys/loss_weight`` (the
-    mean weight per example) and ``sys/negative_weight`` (> 0 when a weight was negative). An
-    optional ``batch["sys/stop"]`` (one flag per row, each process filling its rows) comes back
-    as ``metrics["sys/stop"] > 0`` when any process asked to stop, so all processes agree on the
-    step. The model's mutable state (BatchNorm statistics, RNG counters, custom variables)
-    carries through the micro-batches and comes back synced over devices; each device draws its
-    own random numbers. The state argument is donated. Returns a :class:`TrainStep`: call it,
-    or reach its stages.
+    mean weight per example) and ``sys/negative_weight`` (> 0 when a weight was negative).
+    Every other key of ``batch`` is a per-row flag (one per row, each process filling its rows:
+    ``sys/stop`` and the like, :mod:`jddp.proc.signals`) and comes back as ``metrics[key] > 0``
+    when any process raised it, so all processes agree on the step. The model's mutable state
+    (BatchNorm statistics, RNG counters, custom variables) carries through the micro-batches and
+    comes back synced over devices; each device draws its own random numbers. The state
+    argument is donated. Returns a :class:`TrainStep`: call it, or reach its stages.
 
-    ``layout`` (``dist.shard``, :mod:`jddp.layout`; default: everything whole on every
-    device) says where the state lives (laid out by ``layout.place``) and how gradients become
+    ``layout`` (``dist.shard``, :mod:`jddp.shard`; default: everything whole on every device)
+    says where the state lives (laid out by ``layout.place``) and how gradients become
     updates: all-reduced and applied whole (``none``); reduce-scattered, each device updating
-    its slice with its slice of the optimizer state, the parameters all-gathered after
-    (``optimizer``); or each parameter all-gathered for the forward pass, its gradient
-    reduce-scattered, and every array updated and kept as slices (``full``); the steps are the
-    same. ``clip_grad_norm``: the averaged
-    gradient is scaled to at most this global L2 norm before ``tx`` sees it
-    (``optim.clip_grad_norm``; ``train/clipped`` is 1 where it was). ``ema_decay``,
-    ``ema_warmup``: how the state's ``ema_params`` (when it has them, :func:`jddp.state.
-    create_train_state`) follow the parameters (:func:`ema_decay_at`; a dropped update leaves
-    them too). ``rematerialises``: the model recomputes parts of its forward pass in the
-    backward pass (``model.remat``): the layout's XLA options then keep them apart
-    (:func:`jddp.layout.keep_checkpoint_barriers`).
+    its slices with its slices of the optimizer state, the parameters all-gathered after
+    (``optimizer``); or each parameter gathered where its module runs, its gradient
+    reduce-scattered, and every array updated and kept as slices (``full``); the same steps
+    with any optax ``tx``. ``clip_grad_norm``: the averaged gradient is scaled to at most this
+    global L2 norm before ``tx`` sees it (``optim.clip_grad_norm``; ``train/clipped`` is 1
+    where it was). ``ema_decay``, ``ema_warmup``: how the state's ``ema_params`` (when it has
+    them, :func:`jddp.state.create_train_state`) follow the parameters (:func:`ema_decay_at`;
+    a dropped update leaves them too). ``remat="blocks"`` (``model.remat``): each block of the
+    model (a module held in a list of modules, :func:`jddp.models.units.blocks`) recomputes
+    its activations in the backward pass; a model with none raises ``ValueError`` as the step
+    is traced.
     """
     task = _classification(task, loss_fn, metrics_fn, compute_dtype, pixel_norm)
-    layout = layout or ReplicatedLayout(mesh)
+    layout = layout or Replicated(mesh)
+    rematerialises = remat != "none"
 
-    def per_device(state: TrainState, data, io: GradsIO):
-        local_grads = _local_grads_fn(model_def, comm, task, io)
-        grads, stats, metrics = _accumulate(
-            local_grads, state.params, state.model_state, data, grad_accum_steps
-        )
-        # The one place where gradients become the mean each device keeps (whole arrays or
-        # its slices), across devices and processes.
-        grads = io.mean(grads, comm)
-        stats = _sync_model_state(comm, stats)
-        return grads, stats, metrics
+    def grads_stage(state: TrainState, batch: Batch) -> tuple[Any, Any, Metrics]:
+        shapes = jax.tree.map(_shape_of, state.params)
+        local_grads = _local_grads_fn(model_def, comm, task, layout, shapes, rematerialises)
 
-    def per_device_batch(state: TrainState, batch: Batch, io: GradsIO):
-        grads, stats, metrics = per_device(state, batch_data(batch), io)
-        for key in FLAG_KEYS:  # any process asking: the mean over devices is > 0
-            if key in batch:
+        def per_device(params, model_state, batch: Batch):
+            grads, stats, metrics = _accumulate(
+                local_grads, params, model_state, batch_data(batch), grad_accum_steps
+            )
+            # The one place where gradients become the mean each device keeps (whole arrays
+            # or its slices), across devices and processes.
+            grads = layout.mean(grads, shapes, comm)
+            stats = _sync_model_state(comm, stats)
+            for key in batch.keys() - {DATA_KEY}:  # a flag: any process's shows in the mean
                 metrics[key] = jnp.max(batch[key]).astype(jnp.float32)
-        return grads, stats, comm.reduce_terms(metrics)
+            return grads, stats, comm.reduce_terms(metrics)
 
-    grads_stage = layout.grads_stage(per_device_batch, comm)
-    update_stage = layout.update_stage(
-        lambda tree_norm, all_finite: _make_update_stage(
-            tx, schedule, tree_norm, all_finite, clip_grad_norm, ema_decay, ema_warmup
-        )
+        specs = layout.state_specs(state)
+        return jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(specs.params, specs.model_state, P(DATA_AXES)),
+            out_specs=(layout.grad_specs(state.params), P(), P()),
+        )(state.params, state.model_state, batch)
+
+    update = _make_update_stage(tx, schedule, clip_grad_norm, ema_decay, ema_warmup)
+
+    def update_stage(state: TrainState, grads, stats, terms) -> tuple[TrainState, Metrics]:
+        # XLA partitions the update as the arrays are laid out: each device computes its
+        # slices, and a statistic over a whole array adds the slices' parts
+        state = _constrain(state, layout.update_specs(state), mesh)
+        new, metrics = update(state, grads, stats, terms)
+        return _constrain(new, layout.state_specs(new), mesh), metrics
+
+    barriers = layout.keeps_barriers(comm, rematerialises)
+    run = comm.compose(
+        grads_stage, update_stage, keep_checkpoint_barriers(mesh) if barriers else None
     )
-    run = comm.compose(grads_stage, update_stage, layout.compiler_options(rematerialises))
     return TrainStep(grads_stage, update_stage, run)
 
 
@@ -446,10 +495,10 @@ def make_eval_step(
             sums[weighted.term_key(NEGATIVE_WEIGHT_KEY, "max")] = negative
         groups = weighted.split(sums)
         for kind, group in groups.items():  # sums add over devices, extremes stay extremes
-            groups[kind] = weighted.COLLECTIVE.get(kind, jax.lax.psum)(group, DATA_AXIS)
+            groups[kind] = weighted.COLLECTIVE.get(kind, jax.lax.psum)(group, DATA_AXES)
         return weighted.merge(groups)
 
-    per_batch = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P())
+    per_batch = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(DATA_AXES)), out_specs=P())
     # The optimizer state (and the EMA: evaluated as the params of a state of its own) stays
     # out: unused here, and split over devices under dist.shard
     # optimizer or full (P() would gather it). Split parameters (full) are gathered whole

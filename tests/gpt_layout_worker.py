@@ -3,7 +3,7 @@
 batches; prints ``{kind: [loss, ...]}`` as JSON (``test_shard_update.py`` compares them), with
 ``"memory"``: XLA's memory analysis of a wider GPT's fully sharded step, whose parameters
 outweigh its activations (compiled, not run), and its parameters' bytes; and ``"edges"``: the
-same for :class:`EdgeLM`, whose modules meet each case of ``jddp.gather_at_use`` (``none``,
+same for :class:`EdgeLM`, whose modules meet each case of ``jddp.models.units`` (``none``,
 ``full`` losses and the classes whose calls gathered their own parameters).
 
 ``python gpt_layout_worker.py`` in a subprocess with 4 fake devices, from the repository root.
@@ -21,7 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import jddp.gather_at_use as gather_at_use  # noqa: E402
+import jddp.models.units as units  # noqa: E402
 from jddp import XlaComm, load_config  # noqa: E402
 from jddp.build import build_layout, build_model, build_steps  # noqa: E402
 from jddp.data.loader import batch_layout, place_batch  # noqa: E402
@@ -127,9 +127,9 @@ def main() -> None:
         "model.options.seq_len=32", "model.options.dropout=0.1", "train.grad_accum_steps=2",
     ]  # fmt: skip
     losses = losses_of(mesh, batches, lambda cfg: build_model(cfg, nnx.Rngs(0)), *gpt)
-    gather_at_use._UNIT_CLASSES.clear()
+    units._UNIT_CLASSES.clear()
     edges = losses_of(mesh, batches[:3], lambda cfg: EdgeLM(), "model.options.seq_len=32")
-    edges["bound"] = sorted({key[0].__name__ for key in gather_at_use._UNIT_CLASSES})
+    edges["bound"] = sorted({cls.__name__ for cls, kind in units._UNIT_CLASSES if kind == "leaf"})
     print(json.dumps({**losses, "memory": full_step_memory(mesh), "edges": edges}))
 
 

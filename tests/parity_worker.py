@@ -25,7 +25,7 @@ from jddp.api import load_config  # noqa: E402
 from jddp.build import build_steps  # noqa: E402
 from jddp.comm import XlaComm  # noqa: E402
 from jddp.data.loader import batch_layout, place_batch  # noqa: E402
-from jddp.mesh import DATA_AXIS, make_mesh  # noqa: E402
+from jddp.mesh import DATA_AXES, make_mesh  # noqa: E402
 from jddp.models import resnet10  # noqa: E402
 from jddp.proc.xla import enable_compilation_cache  # noqa: E402
 from jddp.state import create_train_state  # noqa: E402
@@ -76,7 +76,7 @@ class SumComm(XlaComm):
     """The classic bug: summing instead of averaging (gradients N times too large)."""
 
     def average(self, tree):
-        return jax.lax.psum(tree, DATA_AXIS)
+        return jax.lax.psum(tree, DATA_AXES)
 
 
 def main() -> None:

@@ -1,18 +1,21 @@
-"""Train steps of a small CNN on N fake CPU devices under each ``dist.shard`` (none,
-optimizer, full), for each case; save what test_shard_update.py compares.
+"""Train steps of a small CNN under each ``dist.shard`` layout and group, for each case; save
+what test_shard_update.py compares.
 
-``python shard_update_worker.py N OUT.json CASE [CASE ...]``, in a subprocess
-with N fake devices (``tests.helpers.fake_devices``). A case is ``name:override,override``
-(config overrides). Each case runs 5 steps from the same start on the same batches, the 4th
-batch holding a NaN (the update must be dropped), in the three layouts (results under
-``replicated``, ``sharded`` and ``full``); steps are built by
-``jddp.build.build_steps``, the state laid out by ``build_layout(...).place``, as the trainer
-does. A case named ``broken-...`` runs only sharded, with LARS/LAMB trust ratios from each
-slice's own norms (the psum over devices dropped: the bug the tests must catch). The first
-case's final states also go through a checkpoint, each restored in another's layout.
+``python shard_update_worker.py OUT.json RUN [RUN ...]``, in a process with fake CPU devices
+(``tests.helpers.fake_devices``), alone or as the ranks of ``python -m jddp.launch`` (the
+processes join with ``jddp.initialize``; process 0 writes OUT.json). A run is
+``label=case/kind[/group]``: ``case`` one of :data:`CASES` (config overrides, the optim
+section's optimizer) or :data:`CHAINS` (an optax chain, as given to ``jddp.fit``), ``kind`` a
+``dist.shard`` value, ``group`` a ``dist.shard_group`` (default ``all``); ``kind`` may end in
+``-gloo`` (one process taking the path processes on CPUs take: no reduce-scatter) or
+``-local`` (the chain's update computed by each device on its own slices, every statistic of a
+split array a slice's: the bug the tests must catch). Each run takes 5 steps from the same
+start on the same batches (a case's 4th batch holds a NaN: the update must be dropped); steps
+are built by ``jddp.build.build_steps``, the state laid out by ``build_layout(...).place``, as
+the trainer does. ``--round-trip LABEL...``: those runs' final states also go through a
+checkpoint, each restored in every other's layout.
 """
 
-import dataclasses
 import json
 import re
 import sys
@@ -20,37 +23,62 @@ import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
-import jddp.optimizer
+import jddp
 from jddp.api import load_config
-from jddp.build import build_layout, build_steps
+from jddp.build import build_layout, build_mesh, build_steps
 from jddp.checkpoint import Checkpoints
 from jddp.comm import XlaComm
-from jddp.data.loader import batch_layout, place_batch
+from jddp.data.loader import place_batch
 from jddp.errors import ConfigError
-from jddp.layout import state_bytes_per_device
-from jddp.mesh import make_mesh, to_host
+from jddp.mesh import to_host
 from jddp.optimizer import make_optimizer
 from jddp.proc.xla import enable_compilation_cache
-from jddp.sharded_update import optimizer_state_bytes
-from jddp.state import TrainState, create_train_state
+from jddp.shard.specs import bytes_held, split_specs
+from jddp.state import create_train_state
 
 # jddp's persistent compilation cache, as `python -m jddp.train` uses it: a rerun of the suite
 # loads these programs instead of compiling them again.
 enable_compilation_cache(load_config().train.compilation_cache_dir)
 
 STEPS, NAN_STEP, ROWS_PER_DEVICE = 5, 3, 16
+CASES = {
+    # with an EMA of the parameters (its warm-up decays: 0.1, 0.18, 0.25, -, 0.36)
+    "sgd-accum": "optim.lr=0.05,train.grad_accum_steps=2,train.ema_decay=0.6",
+    "lamb-bf16": "optim.name=lamb,optim.lr=0.01,optim.weight_decay=0.01,"
+    "dist.grad_allreduce_dtype=bfloat16",
+    "lars": "optim.name=lars,optim.lr=0.5,optim.decay_bn_and_bias=false",
+    # global-norm clipping, every finite step clipped
+    "sgd-clip": "optim.lr=0.5,optim.clip_grad_norm=0.01",
+}
+# Optax chains as a user brings them, each with a statistic over whole arrays: a global norm
+# (clipping every step: the norms are 0.05-0.3), per-array trust ratios, factored second
+# moments and RMS clipping, Newton-Schulz orthogonalisation of each matrix.
+CHAINS = {
+    "adamw-cosine-clip": lambda: optax.chain(
+        optax.clip_by_global_norm(0.02),
+        optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 0.01, 2, STEPS), weight_decay=0.01),
+    ),
+    "lamb": lambda: optax.lamb(0.02, weight_decay=0.01),
+    "adafactor": lambda: optax.adafactor(0.02, min_dim_size_to_factor=4),
+    "muon": lambda: optax.contrib.muon(0.02),
+    "schedule-free-clip": lambda: optax.chain(
+        optax.clip_by_global_norm(0.02), optax.contrib.schedule_free_adamw(0.02, warmup_steps=2)
+    ),
+}
 
 
 class SmallCnn(nnx.Module):
     """Arrays split along different axes on 4 devices (kernels HWIO along I or O, the dense
-    kernel along its input) and one kept whole (the 10-class bias); BatchNorm statistics."""
+    kernel along its input) and one kept whole (the 10-class bias); BatchNorm statistics. The
+    convolution before BatchNorm has no bias, as in a ResNet: BatchNorm removes its gradient,
+    leaving rounding noise that Adam-like optimizers scale up to whole steps of any sign."""
 
     def __init__(self, rngs: nnx.Rngs):
-        self.conv1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.conv1 = nnx.Conv(3, 8, (3, 3), use_bias=False, rngs=rngs)
         self.bn = nnx.BatchNorm(8, rngs=rngs)
         self.conv2 = nnx.Conv(8, 8, (3, 3), strides=(2, 2), rngs=rngs)
         self.head = nnx.Linear(8, 10, rngs=rngs)
@@ -60,87 +88,116 @@ class SmallCnn(nnx.Module):
         return self.head(nnx.relu(self.conv2(x)).mean(axis=(1, 2)))
 
 
-def batches(global_rows: int) -> list[dict]:
+def batches(global_rows: int, nan: bool) -> list[dict]:
     rng = np.random.default_rng(0)
     out = []
     for step in range(STEPS):
         images = rng.normal(size=(global_rows, 8, 8, 3)).astype(np.float32)
-        if step == NAN_STEP:
+        if nan and step == NAN_STEP:
             images[1, 2, 3, 0] = np.nan
         out.append({"images": images, "labels": rng.integers(0, 10, global_rows).astype(np.int32)})
     return out
 
 
-KINDS = {"replicated": "none", "sharded": "optimizer", "full": "full", "full-gloo": "full"}
+class NoReduceScatter(XlaComm):
+    """The path processes on CPUs take (gloo), in one process: no reduce-scatter."""
+
+    reduce_scatter = False
 
 
-def label_kind(label: str, kind: str) -> str:
-    """The run() kind of a KINDS entry: ``full-gloo`` keeps its suffix."""
-    return f"{kind}-gloo" if label.endswith("-gloo") else kind
+def local_statistics(tx: optax.GradientTransformation, layout) -> optax.GradientTransformation:
+    """``tx`` whose update each device computes on its own slices of the split arrays (under
+    ``shard_map``): a statistic of a split array is then a slice's, not the array's."""
+
+    def update(grads, state, params=None):
+        group = layout.group_size
+        grad_specs, state_specs = split_specs(grads, group), split_specs(state, group)
+        per_device = jax.shard_map(
+            lambda g, s, p: tx.update(g, s, p),
+            mesh=layout.mesh,
+            in_specs=(grad_specs, state_specs, grad_specs),
+            out_specs=(grad_specs, state_specs),
+            check_vma=False,
+        )
+        return per_device(grads, state, params)
+
+    return optax.GradientTransformation(tx.init, update)
 
 
-def run(overrides: list[str], num_devices: int, kind: str) -> tuple[dict, TrainState]:
-    mesh = make_mesh(jax.devices()[:num_devices])
-    rows = ROWS_PER_DEVICE * num_devices
+def run(case: str, kind: str, group: str) -> tuple[dict, object]:
+    shard = kind.split("-")[0]
+    chain = CHAINS.get(case)
+    overrides = [] if chain else [o for o in CASES[case].split(",") if o]
     cfg = load_config(
         overrides=[
-            f"data.global_batch_size={rows}",
+            f"data.global_batch_size={ROWS_PER_DEVICE * jax.device_count()}",
             "optim.schedule=constant",
-            f"dist.shard={kind.removesuffix('-gloo')}",
+            f"dist.shard={shard}",
+            f"dist.shard_group={group}",
             *overrides,
         ]
     )
-    comm = XlaComm(cfg.dist.grad_allreduce_dtype)
-    tx, schedule = make_optimizer(cfg.optim, rows, STEPS)
+    rows = cfg.data.global_batch_size
+    comm = (NoReduceScatter if kind.endswith("-gloo") else XlaComm)(cfg.dist.grad_allreduce_dtype)
+    mesh, where = build_mesh(cfg, comm)
+    layout = build_layout(cfg, mesh, comm)
+    if chain:
+        tx, schedule = chain(), None
+        if kind.endswith("-local"):
+            tx = local_statistics(tx, layout)
+    else:
+        tx, schedule = make_optimizer(cfg.optim, rows, STEPS)
     ema = cfg.train.ema_decay > 0
     model_def, state = create_train_state(SmallCnn(nnx.Rngs(0)), tx, mesh, ema=ema)
-    layout = build_layout(cfg, mesh, comm)
-    if kind.endswith("-gloo"):  # the path processes on CPUs take (gloo): gather_packed
-        layout = dataclasses.replace(layout, reduce_scatter=False)
     state = layout.place(state)
     step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
-    where = batch_layout(mesh, rows)
     out: dict = {"loss": [], "grad_norm": [], "param_norm": [], "nonfinite": [], "clipped": []}
     params_per_step = [flat(state.params)]  # with an EMA: what it averages, step by step
-    for batch in batches(rows):
+    for batch in batches(rows, nan=not chain):
         state, metrics = step(state, {"data": place_batch(batch, mesh, where)})
         for key in out:
             out[key].append(float(metrics.get(f"train/{key}", -1)))
         if ema:
             params_per_step.append(flat(state.params))
-    if kind.endswith("-gloo"):
-        first = {"data": place_batch(batches(rows)[0], mesh, where)}
-        out["collectives"] = collectives(step.lower(state, first).compile().as_text())
     if ema:
         out["params_per_step"] = params_per_step
         out["ema"] = flat(state.ema_params)
-        out["ema_specs"] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(state.ema_params)})
-    params = to_host(state.params)
-    out["params"] = np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)]).tolist()
-    opt = to_host(state.opt_state)  # assembled whole, as a checkpoint's manifest reads it
-    out["opt_state"] = np.concatenate([np.ravel(x) for x in jax.tree.leaves(opt)]).tolist()
-    out["opt_bytes_per_device"] = optimizer_state_bytes(state)
-    out["opt_bytes_total"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(opt))
-    out["opt_specs"] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(state.opt_state)})
+        out["ema_specs"] = specs_of(state.ema_params)
+    if kind.endswith("-gloo"):  # which collectives the compiled step holds
+        first = {"data": place_batch(batches(rows, nan=False)[0], mesh, where)}
+        out["collectives"] = collectives(step.lower(state, first).compile().as_text())
+    out["params"] = flat(state.params)
+    out["opt_state"] = flat(state.opt_state)  # assembled whole, as a checkpoint holds it
+    out["opt_specs"] = specs_of(state.opt_state)
+    out["param_specs"] = specs_of(state.params)
     out["params_replicated"] = all(x.is_fully_replicated for x in jax.tree.leaves(state.params))
-    out["param_specs"] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(state.params)})
-    out["state_bytes_per_device"] = state_bytes_per_device(state)
+    out["opt_bytes_per_device"] = bytes_held(state.opt_state)
+    out["state_bytes_per_device"] = bytes_held(state)
     out["state_bytes_total"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(to_host(state)))
+    out["mesh"] = dict(mesh.shape)
     return out, state
 
 
-def collectives(hlo: str) -> list[list]:
-    """Each all-gather and all-reduce of a compiled program's text: [op, operand count]."""
-    found = re.findall(r"\b(all-gather|all-reduce)(?:-start)?\(([^)]*)\)", hlo)
-    return [[op, operands.count("%")] for op, operands in found]
+def collectives(hlo: str) -> dict[str, list[int]]:
+    """The operand counts of each kind of collective in a compiled program's text."""
+    kinds = "all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
+    found: dict[str, list[int]] = {}
+    for op, operands in re.findall(rf"\b({kinds})(?:-start)?\(([^)]*)\)", hlo):
+        found.setdefault(op, []).append(operands.count("%"))
+    return found
+
+
+def specs_of(tree) -> list[str]:
+    return sorted({str(x.sharding.spec) for x in jax.tree.leaves(tree)})
 
 
 def flat(tree) -> list[float]:
     """Every leaf of ``tree``, assembled whole on the host, as one flat list."""
-    return np.concatenate([np.ravel(x) for x in jax.tree.leaves(to_host(tree))]).tolist()
+    leaves = jax.tree.leaves(to_host(tree))
+    return np.concatenate([np.ravel(x).astype(np.float64) for x in leaves]).tolist()
 
 
-def round_trip(saved: TrainState, like: TrainState, folder: Path) -> bool:
+def round_trip(saved, like, folder: Path) -> bool:
     """``saved`` written as a checkpoint and restored in ``like``'s layout: bitwise the same
     arrays (their checksums verified on the way), laid out as ``like``."""
     ckpts = Checkpoints(
@@ -155,39 +212,33 @@ def round_trip(saved: TrainState, like: TrainState, folder: Path) -> bool:
     return all(jax.tree.leaves(same)) and layout == [x.sharding for x in jax.tree.leaves(like)]
 
 
-def slice_sq_norms(*trees):
-    """:func:`jddp.optimizer.layer_sq_norms` without the psum: each slice's own norm."""
-    return [jnp.sum(jnp.real(x * jnp.conj(x))) for t in trees for x in jax.tree.leaves(t)]
-
-
 def main() -> None:
-    num_devices, path = int(sys.argv[1]), sys.argv[2]
-    results = {}
-    for case in sys.argv[3:]:
-        name, _, text = case.partition(":")
-        overrides = [o for o in text.split(",") if o]
-        if name.startswith("broken-"):  # the trust ratios' psum dropped; sharded only
-            correct, jddp.optimizer.layer_sq_norms = jddp.optimizer.layer_sq_norms, slice_sq_norms
-            results[name] = {"sharded": run(overrides, num_devices, "optimizer")[0]}
-            jddp.optimizer.layer_sq_norms = correct
-            continue
-        outs, states = {}, {}
-        for label, kind in KINDS.items():
-            try:
-                outs[label], states[label] = run(overrides, num_devices, label_kind(label, kind))
-            except ConfigError as e:  # a combination the layout refuses, in one line
-                outs[label] = {"refused": str(e)}
-        results[name] = outs
-        if len(results) == 1:  # checkpoints of any layout restore in any other
-            with tempfile.TemporaryDirectory() as tmp:
-                results["round_trip"] = {
-                    f"{a}->{b}": round_trip(states[a], states[b], Path(tmp) / f"{a}-{b}")
-                    for a in states
-                    for b in states
-                    if a != b
-                }
-    with open(path, "w") as f:
-        json.dump(results, f)
+    jddp.initialize()
+    path, specs = sys.argv[1], sys.argv[2:]
+    round_trips = specs[specs.index("--round-trip") + 1 :] if "--round-trip" in specs else []
+    specs = specs[: specs.index("--round-trip")] if round_trips else specs
+    results, states = {}, {}
+    for spec in specs:
+        label, _, what = spec.partition("=")
+        case, kind, *group = what.split("/")
+        try:
+            results[label], states[label] = run(case, kind, group[0] if group else "all")
+        except ConfigError as e:  # a combination the layout refuses, in one line
+            results[label] = {"refused": str(e)}
+        except ValueError as e:  # a slice's statistic of another shape (-local only)
+            if not kind.endswith("-local"):
+                raise
+            results[label] = {"error": str(e).splitlines()[0]}
+    if round_trips:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["round_trip"] = {
+                f"{a}->{b}": round_trip(states[a], states[b], Path(tmp) / f"{a}-{b}")
+                for a in round_trips
+                for b in round_trips
+                if a != b
+            }
+    if jax.process_index() == 0:
+        Path(path).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

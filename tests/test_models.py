@@ -223,13 +223,15 @@ _SYNC_BN_SCRIPT = textwrap.dedent(
 
     ref_logits, ref_stats = jax.jit(lambda s, x: f(s, x, ref_graphdef))(ref_state, x)
 
-    mesh = jax.make_mesh((2,), ("data",))
+    from jddp.mesh import DATA_AXES, make_mesh
+
+    mesh = make_mesh(jax.devices()[:2])  # the step's mesh: synced BN averages over DATA_AXES
 
     g = jax.jit(jax.shard_map(
         lambda s, x: f(s, x, graphdef), mesh=mesh,
-        in_specs=(P(), P("data")), out_specs=(P("data"), P()), check_vma=False,
+        in_specs=(P(), P(DATA_AXES)), out_specs=(P(DATA_AXES), P()), check_vma=False,
     ))
-    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    xs = jax.device_put(x, NamedSharding(mesh, P(DATA_AXES)))
     logits, new_stats = g((params, stats), xs)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=1e-5)
     jax.tree.map(
@@ -239,7 +241,7 @@ _SYNC_BN_SCRIPT = textwrap.dedent(
     # Without sync the per-device statistics differ, so the outputs must differ.
     g_plain = jax.jit(jax.shard_map(
         lambda s, x: f(s, x, ref_graphdef)[0],
-        mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"), check_vma=False,
+        mesh=mesh, in_specs=(P(), P(DATA_AXES)), out_specs=P(DATA_AXES), check_vma=False,
     ))
     plain = g_plain(ref_state, xs)
     assert np.abs(np.asarray(plain) - np.asarray(ref_logits)).max() > 1e-3

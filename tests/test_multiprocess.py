@@ -156,7 +156,7 @@ from jddp.build import build_mesh
 from jddp.comm import make_comm
 from jddp.comm.xla import XlaComm
 from jddp.distributed import initialize
-from jddp.mesh import DATA_AXIS
+from jddp.mesh import DATA_AXES
 
 if "--no-meet" in sys.argv:  # what jddp did before: the step's devices first met in its run
     XlaComm.meet = lambda self, mesh: None
@@ -165,10 +165,10 @@ comm = make_comm(initialize(cfg.dist), "xla", "float32")
 mesh, _ = build_mesh(cfg, comm)
 if comm.process_index == 1:
     time.sleep(35)  # a compile that ends 35 s later here than on process 0
-x = jax.make_array_from_callback((2,), NamedSharding(mesh, P(DATA_AXIS)),
+x = jax.make_array_from_callback((2,), NamedSharding(mesh, P(DATA_AXES)),
                                  lambda _: np.ones(1, np.float32))
-mean = jax.shard_map(lambda v: jax.lax.pmean(v, DATA_AXIS), mesh=mesh,
-                     in_specs=P(DATA_AXIS), out_specs=P())
+mean = jax.shard_map(lambda v: jax.lax.pmean(v, DATA_AXES), mesh=mesh,
+                     in_specs=P(DATA_AXES), out_specs=P())
 print("mean", float(jax.jit(mean)(x)[0]))
 """
 

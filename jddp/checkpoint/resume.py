@@ -41,6 +41,7 @@ FREE_KEYS = (
     "dist.process_id",
     "dist.check_sync_every",
     "dist.shard",
+    "dist.shard_group",
     "dist.init_timeout_s",
     "dist.heartbeat_timeout_s",
     "dist.step_timeout_s",
@@ -131,7 +132,7 @@ def restore(
     if not cfg.checkpoint.resume:
         return state, 0
     now = config_lib.to_dict(cfg)
-    layouts: dict[int, str] = {}
+    layouts: dict[int, dict[str, str]] = {}
 
     def check_config(step: int, saved: dict[str, Any]) -> None:
         check_resume_config(saved, now, step, total_steps, str(ckpts.directory / str(step)))
@@ -147,17 +148,23 @@ def restore(
     state, saved_step = restored
     start_step = int(to_host(state.step))
     console.say(f"jddp: resumed from {ckpts.directory / str(saved_step)} at step {start_step}")
-    before = layouts.get(saved_step, cfg.dist.shard)
-    if before != cfg.dist.shard:  # allowed: checkpoints hold the same logical arrays
-        console.say(
-            f"jddp: dist.shard={cfg.dist.shard} now, {before} when the checkpoint was written: "
-            "the same arrays, laid out anew"
-        )
+    now_layout = {"shard": cfg.dist.shard, "shard_group": str(cfg.dist.shard_group)}
+    before = layouts.get(saved_step, now_layout)
+    for key, value in now_layout.items():  # allowed: checkpoints hold the same logical arrays
+        if before[key] != value:
+            console.say(
+                f"jddp: dist.{key}={value} now, {before[key]} when the checkpoint was written: "
+                "the same arrays, laid out anew"
+            )
     return state, start_step
 
 
-def saved_layout(saved: dict[str, Any]) -> str:
-    """The ``dist.shard`` a saved config used (its older spelling read too)."""
+def saved_layout(saved: dict[str, Any]) -> dict[str, str]:
+    """The ``dist.shard`` and ``dist.shard_group`` a saved config used (the older spelling
+    read too; an older jddp's group: all)."""
     dist = dict(saved.get("dist") or {})
     config_lib.translate_old_keys({"dist": dist})
-    return str(dist.get("shard", "none"))
+    return {
+        "shard": str(dist.get("shard", "none")),
+        "shard_group": str(dist.get("shard_group", "all")),
+    }

@@ -1,9 +1,12 @@
 """``mpi``: processes share no JAX runtime; MPI carries the gradients between them.
 
-The mesh holds this process's devices; ``pmean`` averages over them, then each gradient leaf is
-summed across processes with ``mpi4jax.allreduce`` in a jit over one device (mpi4jax cannot run
-inside ``shard_map`` or on multi-device arrays), the identical update is applied on every
-process, and the new state is copied back to all local devices.
+The mesh holds this process's devices; the step's ``shard_map`` averages over them (an
+all-reduce, or under a split layout a reduce-scatter: each device keeps the process's mean of
+its slice), then each distinct slice is averaged across processes with ``mpi4jax.allreduce``
+in a jit over the one device holding it (mpi4jax cannot run inside ``shard_map`` or on
+multi-device arrays), and every process applies the identical update over its devices, as the
+layout lays the state out (``dist.shard_group=process``: a group is a process's devices, the
+processes hold replicas).
 """
 
 from __future__ import annotations
@@ -22,7 +25,17 @@ from jddp import weighted
 from jddp.comm.base import Comm, GradsStage, PyTree, UpdateStage, fused
 from jddp.config import DistConfig
 from jddp.distributed import Job, current_job, mpi_world
-from jddp.mesh import DATA_AXIS, DTYPES, put_replicated, replicated, to_host
+from jddp.mesh import DATA_AXES, DTYPES, put_replicated, replicated, to_host
+
+
+def one_device(tree: PyTree) -> PyTree:
+    """Each array of ``tree`` as its first addressable copy (one device)."""
+    return jax.tree.map(lambda x: x.addressable_data(0), tree)
+
+
+def _index_key(index: tuple) -> tuple:
+    """A shard's index (a tuple of slices) as a hashable key."""
+    return tuple((s.start, s.stop, s.step) for s in index)
 
 
 class MpiComm(Comm):
@@ -52,8 +65,8 @@ class MpiComm(Comm):
 
     def device_index(self) -> jax.Array:
         """Rank-major index over every rank's local devices (inside the local step)."""
-        local = jax.lax.axis_index(DATA_AXIS)
-        return self.process_index * jax.lax.psum(1, DATA_AXIS) + local
+        local = jax.lax.axis_index(DATA_AXES)
+        return self.process_index * jax.lax.psum(1, DATA_AXES) + local
 
     def average_grads(self, grads: PyTree) -> PyTree:
         """Local mean in full precision; compression applies to the MPI stage only."""
@@ -118,32 +131,76 @@ class MpiComm(Comm):
         update_stage: UpdateStage,
         compiler_options: dict[str, str] | None = None,
     ) -> Callable:
-        """Local shard_map stage, then one single-device jit that all-reduces and updates
-        (the split layouts, the only ones with ``compiler_options``, are refused here)."""
-        grads_jit = jax.jit(grads_stage)
+        """The local ``shard_map`` stage (one jit over this process's devices), the MPI stage
+        (:meth:`_average_across`), then the update (one jit over this process's devices; the
+        train state buffers are donated)."""
+        grads_jit = jax.jit(grads_stage, compiler_options=compiler_options)
         wire = None if self.grad_dtype == "float32" else DTYPES[self.grad_dtype]
-
-        def reduce_and_update(state, grads, stats, metrics):
-            grads = self._allreduce_mean(grads, wire)
-            terms = weighted.split(metrics)  # means with the model state, in one call
-            stats, terms["mean"] = self._allreduce_mean((stats, terms.get("mean", {})))
-            metrics = weighted.merge(self._allreduce_others(terms))
-            return update_stage(state, grads, stats, metrics)
-
-        update_jit = jax.jit(reduce_and_update)
-
-        def one_device(tree: PyTree) -> PyTree:
-            return jax.tree.map(lambda x: x.addressable_data(0), tree)
+        update_jit = jax.jit(update_stage, donate_argnums=0)
 
         def step(state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
             mesh = jax.tree.leaves(batch)[0].sharding.mesh
             grads, stats, metrics = grads_jit(state, batch)
-            new_state, metrics = update_jit(
-                one_device(state), one_device(grads), one_device(stats), one_device(metrics)
-            )
-            return jax.device_put(new_state, replicated(mesh)), metrics
+            grads, stats, metrics = self._average_across(grads, stats, metrics, mesh, wire)
+            return update_jit(state, grads, stats, metrics)
 
         return step
+
+    def _average_across(
+        self, grads: PyTree, stats: PyTree, metrics: PyTree, mesh: Mesh, wire: Any
+    ) -> tuple[PyTree, PyTree, PyTree]:
+        """The processes' means of the gradients, model state and metrics, on this process's
+        devices as they came: each distinct slice of the gradients (one per device under a
+        split layout, one copy of a replicated array) averaged in a jit on the device holding
+        it, the model state and metric terms with the first device's; one MPI call per dtype
+        and device. The devices go in the same order on every process, each waited for before
+        the next starts, so every process makes its MPI calls in the same order."""
+        leaves, treedef = jax.tree.flatten(grads)
+        held: dict[Any, list[tuple[int, Any]]] = {}  # device -> (leaf, its distinct shard)
+        for i, x in enumerate(leaves):
+            for shard in x.addressable_shards:
+                if shard.replica_id == 0:
+                    held.setdefault(shard.device, []).append((i, shard))
+        rest_in = one_device((stats, metrics))  # replicated: the first device's copies
+        first = jax.tree.leaves(rest_in)[0].devices().pop()
+        devices = sorted(held.keys() | {first}, key=lambda d: (d != first, d.id))
+        averaged: dict[tuple[int, Any], jax.Array] = {}
+        rest = None
+        for n, device in enumerate(devices):
+            items = held.get(device, [])
+            mine = [shard.data for _, shard in items]
+            if device == first:
+                mine, rest = self._mean_with_rest(mine, rest_in, wire)
+            else:
+                mine = self._mean_jit(mine, wire)
+            if n < len(devices) - 1:
+                jax.block_until_ready(mine)
+            for (i, shard), x in zip(items, mine, strict=True):
+                averaged[(i, _index_key(shard.index))] = x
+        out = []
+        for i, x in enumerate(leaves):
+            parts = [
+                jax.device_put(averaged[(i, _index_key(s.index))], s.device)
+                for s in x.addressable_shards
+            ]
+            out.append(jax.make_array_from_single_device_arrays(x.shape, x.sharding, parts))
+        stats, metrics = jax.device_put(rest, replicated(mesh))
+        return jax.tree.unflatten(treedef, out), stats, metrics
+
+    @functools.cached_property
+    def _mean_jit(self) -> Callable:
+        return jax.jit(self._allreduce_mean, static_argnums=1)
+
+    @functools.cached_property
+    def _mean_with_rest(self) -> Callable:
+        def mean_with_rest(grads: list, rest: tuple, wire: Any) -> tuple[list, tuple]:
+            stats, metrics = rest
+            terms = weighted.split(metrics)  # means with the model state, in one call
+            stats, terms["mean"] = self._allreduce_mean((stats, terms.get("mean", {})))
+            metrics = weighted.merge(self._allreduce_others(terms))
+            return self._allreduce_mean(grads, wire), (stats, metrics)
+
+        return jax.jit(mean_with_rest, static_argnums=2)
 
     def sum_across_processes(self, values: dict[str, float]) -> dict[str, float]:
         """Totals over all ranks (mpi4py, on the host)."""

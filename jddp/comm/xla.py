@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jddp.comm.base import Comm, GradsStage, PyTree, UpdateStage
 from jddp.config import DistConfig
 from jddp.distributed import Job, current_job
-from jddp.mesh import DATA_AXIS, DTYPES
+from jddp.mesh import DATA_AXES, DTYPES
 
 
 class XlaComm(Comm):
@@ -40,7 +40,7 @@ class XlaComm(Comm):
     # -- inside the step --------------------------------------------------------------------
     def device_index(self) -> jax.Array:
         """This device's index among all devices of the job (inside the step)."""
-        return jax.lax.axis_index(DATA_AXIS)
+        return jax.lax.axis_index(DATA_AXES)
 
     def average_grads(self, grads: PyTree) -> PyTree:
         """The gradient mean, sent in ``grad_dtype`` and returned in the gradients' dtype."""
@@ -98,9 +98,9 @@ class XlaComm(Comm):
         if self.process_count == 1 or jax.default_backend() != "cpu":
             return
         ones = jax.make_array_from_callback(
-            (mesh.size,), NamedSharding(mesh, P(DATA_AXIS)), lambda _: np.ones(1, np.int32)
+            (mesh.size,), NamedSharding(mesh, P(DATA_AXES)), lambda _: np.ones(1, np.int32)
         )
         psum = jax.shard_map(
-            lambda x: jax.lax.psum(x, DATA_AXIS), mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P()
+            lambda x: jax.lax.psum(x, DATA_AXES), mesh=mesh, in_specs=P(DATA_AXES), out_specs=P()
         )
         jax.block_until_ready(jax.jit(psum)(ones))

@@ -147,11 +147,14 @@ def _check_combinations(cfg: Config) -> None:
             "share no JAX runtime, so BatchNorm statistics could only be averaged within each "
             "process (a different model); set model.sync_batchnorm=false or dist.backend=xla"
         )
-    if cfg.dist.shard != "none" and cfg.dist.backend == "mpi":
+    group = cfg.dist.shard_group
+    if isinstance(group, int) and group < 1:
+        raise ConfigError(f"dist.shard_group: must be all, process or > 0, got {group}")
+    if cfg.dist.shard != "none" and cfg.dist.backend == "mpi" and group == "all":
         raise ConfigError(
-            f"dist.shard={cfg.dist.shard} needs dist.backend=xla: mpi4jax has no "
-            "reduce-scatter or all-gather inside the step and the MPI stage updates on one "
-            "device per process; set dist.backend=xla or dist.shard=none"
+            f"dist.shard={cfg.dist.shard} with dist.backend=mpi splits the state within each "
+            "process: set dist.shard_group=process (the processes then hold replicas, their "
+            "slices averaged by mpi4jax), or dist.backend=xla"
         )
     if cfg.data.global_batch_size % cfg.train.grad_accum_steps:
         raise ConfigError(

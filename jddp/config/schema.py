@@ -10,6 +10,7 @@ from typing import Any, Literal
 from jddp.data.augment import AUGMENTS
 from jddp.data.pipeline import WORKER_KINDS
 from jddp.data.registry import DATA_NAMES
+from jddp.shard import SHARD_CHOICES
 
 # A key's range, in its field's metadata: validate() checks every bounded key in one loop (the
 # message reads "<key>: must be <range>, got <value>"), --help and docs/config.md show it. An
@@ -289,13 +290,21 @@ class DistConfig:
         "dtype instead of one per tensor; null: on for CPUs (and mpi's MPI stage), off for "
         "GPUs, whose XLA combines all-reduces itself",
     )
-    shard: Literal["none", "optimizer", "full"] = _f(
+    shard: Literal[SHARD_CHOICES] = _f(
         "none",
         "how the train state is laid out over the devices: none (everything whole on every "
-        "device); optimizer (the optimizer state split 1/N, ZeRO-1); full (parameters, "
-        "gradients and optimizer state split 1/N, each parameter gathered where its module runs, "
-        "ZeRO-3/FSDP); the same losses either way (dist.backend=xla, the optim section's "
-        "optimizer; dist.shard_weight_update=true, the older spelling, means optimizer)",
+        "device); optimizer (the optimizer state split over a group's devices, ZeRO-1); full "
+        "(parameters, gradients and optimizer state split, each parameter gathered where its "
+        "module runs, ZeRO-3/FSDP); the same losses either way, with any optimizer "
+        "(dist.shard_weight_update=true, the older spelling, means optimizer)",
+    )
+    shard_group: Literal["all", "process"] | int = _f(
+        "all",
+        "over how many devices dist.shard optimizer|full splits the state: all (every device "
+        "of every process), process (each process's devices: hybrid sharding, the processes "
+        "holding replicas; gathers stay within a machine, the gradients cross machines once), "
+        "or N devices (a divisor of the device count, within a process or whole processes); "
+        "dist.backend=mpi needs process",
     )
     check_sync_every: int = _f(
         0,

@@ -29,6 +29,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jddp.mesh import DATA_AXES
+from jddp.models.units import rematerialise_blocks
+
 __all__ = [
     "BasicBlock",
     "Bottleneck",
@@ -236,7 +239,8 @@ class ResNet(nnx.Module):
         (times 4 at the output of a bottleneck block).
       sync_batchnorm: average BatchNorm batch statistics over ``axis_name`` (for use
         inside ``jax.shard_map``).
-      axis_name: mesh axis used when ``sync_batchnorm`` is True.
+      axis_name: the mesh axes ``sync_batchnorm`` averages over (default: every device of
+        jddp's step, :data:`jddp.mesh.DATA_AXES`).
       zero_init_residual: zero-initialise the last BatchNorm scale of each block.
       bn_momentum: decay of BatchNorm's running averages (Flax's convention:
         ``running = m * running + (1 - m) * batch``; PyTorch's ``momentum=0.1`` is 0.9).
@@ -256,7 +260,7 @@ class ResNet(nnx.Module):
         stem: str = "imagenet",
         width: int = 64,
         sync_batchnorm: bool = False,
-        axis_name: str = "data",
+        axis_name: str | tuple[str, ...] = DATA_AXES,
         zero_init_residual: bool = True,
         bn_momentum: float = 0.9,
         bn_epsilon: float = 1e-5,
@@ -271,9 +275,6 @@ class ResNet(nnx.Module):
         if remat not in REMAT_CHOICES:
             raise ValueError(f"unknown remat {remat!r}; expected one of {REMAT_CHOICES}")
         self.stem = stem
-        # model.remat=blocks: each residual block's activations are recomputed in the backward
-        # pass instead of kept from the forward pass (less memory, one more forward's compute)
-        self.remat_blocks = remat == "blocks"
         self.dtype = dtype
         acc_dtype = jnp.promote_types(dtype, jnp.float32)
         self.acc_dtype = acc_dtype
@@ -324,6 +325,8 @@ class ResNet(nnx.Module):
         self.fc = nnx.Linear(
             in_features, num_classes, dtype=acc_dtype, param_dtype=param_dtype, rngs=rngs
         )
+        if remat == "blocks":  # each residual block's activations recomputed in the backward
+            rematerialise_blocks(self)  # pass (the trainer does this for model.remat itself)
         stats_dtype = jnp.promote_types(param_dtype, jnp.float32)
         if stats_dtype != jnp.float32:  # nnx.BatchNorm always creates float32 running stats
             for _, module in nnx.iter_modules(self):
@@ -337,17 +340,12 @@ class ResNet(nnx.Module):
         if self.stem == "imagenet":
             x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=_PAD1)
         for block in self.blocks:
-            x = nnx.remat(_apply)(block, x) if self.remat_blocks else block(x)
+            x = block(x)
         x_BxD = jnp.mean(x.astype(self.acc_dtype), axis=(1, 2))
         return self.fc(x_BxD).astype(self.acc_dtype)
 
 
 REMAT_CHOICES = ("none", "blocks")
-
-
-def _apply(block: nnx.Module, x: jax.Array) -> jax.Array:
-    """``block(x)``: the function ``nnx.remat`` recomputes in the backward pass."""
-    return block(x)
 
 
 def _factory(name: str, description: str) -> Callable[..., ResNet]:

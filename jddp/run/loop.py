@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jddp.data.loader import place_batch
-from jddp.run.memory import memory_fields, memory_line
+from jddp.run.memory import memory_line
 from jddp.run.setup import Run
 from jddp.state import TrainState
 
@@ -22,6 +22,7 @@ def _steps(run: Run) -> tuple[TrainState, int, bool]:
     rows = run.layout.rows.stop - run.layout.rows.start
     batches = run.batches.iterate(step, run.total_steps, run.cfg.data.prefetch_batches)
     pending = None  # the previous step's (step, metrics): read one step late
+    memory = None  # the mem/ figures, read as the first step compiles
     run.watchdog.waiting("input", step + 1)
     for batch in run.meter.timed(batches):
         # Progress is each piece of work as it completes: a batch that arrived, a step that
@@ -36,6 +37,8 @@ def _steps(run: Run) -> tuple[TrainState, int, bool]:
             flags = {**run.stop.flags(rows), **run.timed_saves.flags(rows)}
             flags = place_batch(flags, run.mesh, run.layout)
             batch = {**batch, **flags}
+            if memory is None:  # compiled now (the call reuses it); a step too large: refused
+                memory = run.step_memory.first_step(run.train_step, state, batch)
             state, metrics = run.train_step(state, batch)
         if run.watchdog.first_done:
             run.watchdog.progress()
@@ -43,10 +46,9 @@ def _steps(run: Run) -> tuple[TrainState, int, bool]:
         run.profiler.after(step, metrics)
         if step == run.start_step + 1:  # the first step compiles: timed apart
             compile_s = run.meter.compiled(metrics)
-            memory = memory_fields(run.train_step, state, batch)
             run.log.write(step, {"train/compile_s": compile_s, **memory})
             share = run.state_layout.split_share(state)
-            run.console.say(memory_line(memory, run.state_layout.kind, share, run.num_devices))
+            run.console.say(memory_line(memory, run.state_layout, share))
             run.watchdog.progress(step_done=True)
         if pending is not None and _report(run, *pending):
             # Every process saw the same flag at the same step. This step already ran and is

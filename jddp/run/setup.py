@@ -40,6 +40,7 @@ from jddp.errors import ConfigError
 from jddp.eval_lib import EvalRun, WithEma
 from jddp.mesh import to_host
 from jddp.metrics import Console, MetricsLog, Progress, read_metrics
+from jddp.models.units import blocks
 from jddp.optimizer import make_optimizer
 from jddp.preflight import check_model_output, check_profile_steps, check_task
 from jddp.proc.signals import StopRequest, TimedSaves
@@ -53,8 +54,10 @@ from jddp.run.hooks import (
     SyncCheck,
     ThroughputMeter,
 )
-from jddp.run.memory import check_state_fits, device_budget
+from jddp.run.memory import StepMemory, check_state_fits, device_budget
 from jddp.run.trackers import Trackers
+from jddp.shard import make_layout
+from jddp.shard.base import StateLayout
 from jddp.state import (
     ModelDef,
     TrainState,
@@ -102,7 +105,8 @@ class Run:
     user_model: nnx.Module | None = None  # the module jddp.fit was given: trained in place
     # How: the steps, and the eval pass (``run.evaluate(state)``: metrics over every example).
     train_step: TrainStep
-    state_layout: Any  # dist.shard: where the state's arrays live (jddp.layout)
+    state_layout: StateLayout  # dist.shard: where the state's arrays live (jddp.shard)
+    step_memory: StepMemory  # the step's memory, read and checked as it first compiles
     eval_step: Any
     evaluate: EvalRun | WithEma
     # What it writes: the run folder, console lines, checkpoints, metrics.jsonl, progress.
@@ -220,6 +224,14 @@ def build_run(
     train_step, eval_step = build_steps(
         cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=state_layout
     )
+
+    def step_for(kind: str) -> TrainStep:  # only to name what another layout would need
+        layout = make_layout(kind, mesh)
+        return build_steps(
+            cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=layout
+        )[0]
+
+    budget = device_budget(cfg.dist.device_memory_bytes, mesh.local_devices[0])
     # checkpoint.every_minutes, while checkpoint.every_steps is 0 (every_steps wins)
     timed_saves = TimedSaves(None if cfg.checkpoint.every_steps else cfg.checkpoint.every_minutes)
     progress, meter, reporter = _reporting(
@@ -263,6 +275,7 @@ def build_run(
         user_model=parts.model,
         train_step=train_step,
         state_layout=state_layout,
+        step_memory=StepMemory(budget, state_layout, step_for),
         eval_step=eval_step,
         evaluate=evaluate,
         folder=folder,
@@ -330,15 +343,21 @@ def _model_and_state(
         tx, schedule = parts.optimizer, parts.lr_schedule
     else:
         tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
-    state_layout = build_layout(cfg, mesh, comm, parts)
+    if cfg.model.remat != "none" and not blocks(model):
+        raise ConfigError(
+            f"model.remat={cfg.model.remat}: {type(model).__name__} holds no list of modules (its "
+            "repeated blocks, e.g. self.blocks = nnx.List([...])) whose activations could be "
+            "recomputed; hold its blocks in a list, or set model.remat=none"
+        )
+    state_layout = build_layout(cfg, mesh, comm)
     # Before anything is placed: a state that cannot fit is one line, not an out-of-memory.
     _, params, model_state = split_model(model)
     budget = device_budget(cfg.dist.device_memory_bytes, mesh.local_devices[0])
     ema = cfg.train.ema_decay > 0
     abstract = abstract_train_state(params, model_state, tx, ema=ema)
     check_state_fits(abstract, state_layout, budget)
-    if state_layout.kind != "none":  # each process places its slices of its own copy
-        check_same_init(comm, params, state_layout.kind)
+    if state_layout.kind != "none" and comm.name == "xla":  # each process places its slices
+        check_same_init(comm, params, state_layout.kind)  # of its own copy (mpi: rank 0's)
     del params, model_state
     model_def, state = create_train_state(model, tx, mesh, ema=ema)
     del model
@@ -445,7 +464,7 @@ def _restored_state(
     console: Console,
     steps: int,
     num_outputs: int | None,
-    state_layout: Any,
+    state_layout: StateLayout,
 ) -> tuple[TrainState, int]:
     """The state to start from (the newest good checkpoint, a warm start, or ``state``) and its
     step, laid out as ``dist.shard`` says and the same on every process."""
@@ -471,7 +490,8 @@ def _restored_state(
             ema=cfg.checkpoint.init_from_ema,
         )
         state = state_layout.place(state)
-    return comm.broadcast_state(state, mesh), start_step
+    # the same on every process (under mpi rank 0's, copied whole: laid out again)
+    return state_layout.place(comm.broadcast_state(state, mesh)), start_step
 
 
 def _callbacks(cfg: Config, parts: Parts) -> list[Callback]:
