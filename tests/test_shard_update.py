@@ -148,8 +148,9 @@ def test_fully_sharded_takes_the_replicated_steps(four_devices, case):
 def test_any_optax_chain_takes_the_replicated_steps(four_devices, chain):
     """An optax chain as a user brings it (jddp.fit(optimizer=...)), each with a statistic over
     whole arrays: fully sharded over 4 devices, and fully sharded or with its optimizer state
-    split in groups of 2, the replicated run's steps. Computed on each device's slices instead, the statistics are
-    the slices' and the steps differ (or the state's shapes no longer fit: Adafactor's factors)."""
+    split in groups of 2, the replicated run's steps. Computed on each device's slices instead,
+    the statistics are the slices' and the steps differ (or the state's shapes no longer fit:
+    Adafactor's factors)."""
     replicated = four_devices[f"{chain}:replicated"]
     assert_same_steps(four_devices[f"{chain}:full"], replicated, tolerance=CHAIN_TOLERANCE)
     for label in ("hybrid", "hybrid-optimizer"):  # split in groups of 2, two replicas
