@@ -110,8 +110,7 @@ def local_statistics(tx: optax.GradientTransformation, layout) -> optax.Gradient
     ``shard_map``): a statistic of a split array is then a slice's, not the array's."""
 
     def update(grads, state, params=None):
-        group = layout.group_size
-        grad_specs, state_specs = split_specs(grads, group), split_specs(state, group)
+        grad_specs, state_specs = split_specs(grads, layout.mesh), split_specs(state, layout.mesh)
         per_device = jax.shard_map(
             lambda g, s, p: tx.update(g, s, p),
             mesh=layout.mesh,

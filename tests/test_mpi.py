@@ -2,6 +2,7 @@
 replica checks and bad launches."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,3 +200,49 @@ def test_mpi_exact_resume_after_sigkill(tmp_path, mpi_straight):
     out = run(cmd, env=ENV2)
     assert_resumed_bitwise(out, wd, mpi_straight, resumed, 20)
     assert out.stdout.count(f"at step {resumed}") == 1  # rank 0 alone says it
+
+
+@pytest.fixture(scope="module")
+def mpi_full(tmp_path_factory):
+    """mpirun -np 2 x 2 devices, MPI backend, fully sharded within each process (the processes
+    hold replicas, their slices averaged by mpi4jax), 20 steps, checkpoints every 4."""
+    wd = tmp_path_factory.mktemp("mpi-full") / "run"
+    split = ("dist.shard=full", "dist.shard_group=process", "checkpoint.every_steps=4")
+    out = mpirun(2, wd, "train.steps=20", *split)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dist.shard=full: " in out.stdout and "split over 2 devices" in out.stdout
+    return wd
+
+
+def test_split_layouts_under_mpi_match_xla(tmp_path, reference, mpi_full):
+    """Devices of a process reduce-scatter and gather with XLA's collectives, processes average
+    their slices with mpi4jax: the xla backend's losses (1 x 4, replicated) within 1e-5, fully
+    sharded and with the optimizer state split."""
+    want = losses(reference)
+    assert_losses_match(losses(mpi_full), want, range(1, 21), rel=1e-5)
+    wd = tmp_path / "optimizer"
+    out = mpirun(2, wd, "train.steps=8", "dist.shard=optimizer", "dist.shard_group=process")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_losses_match(losses(wd), want, range(1, 9), rel=1e-5)
+
+
+def test_a_checkpoint_resumes_across_backends(tmp_path, reference, mpi_full):
+    """The MPI run's checkpoint of step 12 resumed by the xla backend (2 x 2, fully sharded
+    over all 4 devices: another group, said once), and that run's checkpoint of step 16 by the
+    MPI backend again: the uninterrupted run's losses."""
+    want = losses(reference)
+    wd = tmp_path / "run"
+    shutil.copytree(mpi_full, wd)
+    for step in (16, 20):
+        shutil.rmtree(wd / "checkpoints" / str(step))
+    xla = ("train.steps=20", "dist.shard=full", "checkpoint.every_steps=4")
+    out = run(launch_cmd(2, 2, wd, *xla, base=TINY))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "at step 12" in out.stdout
+    assert out.stdout.count("jddp: dist.shard_group=all now, process when the checkpoint") == 1
+    assert_losses_match(losses(wd), want, range(13, 21), rel=1e-5)
+    shutil.rmtree(wd / "checkpoints" / "20")
+    out = mpirun(2, wd, "train.steps=20", "dist.shard=full", "dist.shard_group=process")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "at step 16" in out.stdout
+    assert_losses_match(losses(wd), want, range(17, 21), rel=1e-5)

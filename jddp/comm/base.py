@@ -153,6 +153,10 @@ class Comm(ABC):
         return self._mean_over(tree, DATA_AXES)
 
     def _mean_over(self, tree: PyTree, axes: Any) -> PyTree:
+        """``pmean`` over the mesh axes ``axes`` (nothing where they hold one device)."""
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        if all(jax.lax.axis_size(name) == 1 for name in names):
+            return tree
         if not self.fuse:
             return jax.lax.pmean(tree, axes)
         return fused(lambda flat: jax.lax.pmean(flat, axes), tree)
@@ -205,7 +209,7 @@ class Comm(ABC):
             mine = jax.lax.psum_scatter(
                 jnp.concatenate(rows, axis=1), SHARD_AXIS, scatter_dimension=0, tiled=False
             )
-            mine = jax.lax.pmean(mine / n, REPLICA_AXIS)  # as pmean divides its sum
+            mine = self._mean_over(mine / n, REPLICA_AXIS)  # as pmean divides its sum
             offsets = np.cumsum([r.shape[1] for r in rows])[:-1]
             for i, part in zip(idx, jnp.split(mine, offsets), strict=True):
                 out[i] = part.reshape(slice_shape(grads[i].shape, axes[i], n)).astype(dtype)

@@ -61,6 +61,12 @@ def _policy(prim: Any, *_: Any, **params: Any) -> bool:
     return prim.name not in _RECOMPUTED
 
 
+def varying_over_replicas(x: jax.Array, replicas: int) -> jax.Array:
+    """This device's slice ``x`` typed as varying over the groups too, where there are several
+    (with one group its spec names the replica axis already: :mod:`jddp.shard.specs`)."""
+    return x if replicas == 1 else jax.lax.pcast(x, REPLICA_AXIS, to="varying")
+
+
 class FullySharded(StateLayout):
     """Parameters and optimizer state (and the EMA) split along their
     :func:`~jddp.shard.specs.split_axis`; the model state and counters whole."""
@@ -69,16 +75,15 @@ class FullySharded(StateLayout):
 
     def state_specs(self, state: PyTree) -> PyTree:
         """Parameters, optimizer state and EMA split; the rest whole."""
-        group = self.group_size
         return specs_lib.whole_specs(state).replace(
-            params=specs_lib.split_specs(state.params, group),
-            opt_state=specs_lib.split_specs(state.opt_state, group),
-            ema_params=specs_lib.split_specs(state.ema_params, group),
+            params=specs_lib.split_specs(state.params, self.mesh),
+            opt_state=specs_lib.split_specs(state.opt_state, self.mesh),
+            ema_params=specs_lib.split_specs(state.ema_params, self.mesh),
         )
 
     def grad_specs(self, params: PyTree) -> PyTree:
         """Each device's slices of the mean gradients, laid out like the parameters."""
-        return specs_lib.split_specs(params, self.group_size)
+        return specs_lib.split_specs(params, self.mesh)
 
     def _axes(self, shapes: PyTree) -> list[int | None]:
         return [specs_lib.split_axis(x.shape, self.group_size) for x in jax.tree.leaves(shapes)]
@@ -94,8 +99,9 @@ class FullySharded(StateLayout):
         split = [i for i, k in enumerate(axes) if k is not None]
         # per-device gradients: of a whole array, and of a slice, which the groups hold alike
         # (its gradient would otherwise come back summed over the groups by autodiff)
+        replicas = jax.lax.axis_size(REPLICA_AXIS)
         start = [
-            to_varying(x) if k is None else jax.lax.pcast(x, REPLICA_AXIS, to="varying")
+            to_varying(x) if k is None else varying_over_replicas(x, replicas)
             for x, k in zip(leaves, axes, strict=True)
         ]
 

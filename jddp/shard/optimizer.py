@@ -34,15 +34,14 @@ class OptimizerSharded(StateLayout):
 
     def state_specs(self, state: PyTree) -> PyTree:
         """The optimizer state and the EMA split, the rest whole."""
-        group = self.group_size
         return specs_lib.whole_specs(state).replace(
-            opt_state=specs_lib.split_specs(state.opt_state, group),
-            ema_params=specs_lib.split_specs(state.ema_params, group),
+            opt_state=specs_lib.split_specs(state.opt_state, self.mesh),
+            ema_params=specs_lib.split_specs(state.ema_params, self.mesh),
         )
 
     def grad_specs(self, params: PyTree) -> PyTree:
         """Each device's slices of the mean gradients."""
-        return specs_lib.split_specs(params, self.group_size)
+        return specs_lib.split_specs(params, self.mesh)
 
     def gradients(
         self, objective: Objective, params: PyTree, shapes: PyTree, comm: Any
