@@ -153,10 +153,6 @@ class Comm(ABC):
         return self._mean_over(tree, DATA_AXES)
 
     def _mean_over(self, tree: PyTree, axes: Any) -> PyTree:
-        """``pmean`` over the mesh axes ``axes`` (nothing where they hold one device)."""
-        names = (axes,) if isinstance(axes, str) else tuple(axes)
-        if all(jax.lax.axis_size(name) == 1 for name in names):
-            return tree
         if not self.fuse:
             return jax.lax.pmean(tree, axes)
         return fused(lambda flat: jax.lax.pmean(flat, axes), tree)
@@ -209,7 +205,7 @@ class Comm(ABC):
             mine = jax.lax.psum_scatter(
                 jnp.concatenate(rows, axis=1), SHARD_AXIS, scatter_dimension=0, tiled=False
             )
-            mine = self._mean_over(mine / n, REPLICA_AXIS)  # as pmean divides its sum
+            mine = self._mean_over_replicas(mine / n)  # as pmean divides its sum
             offsets = np.cumsum([r.shape[1] for r in rows])[:-1]
             for i, part in zip(idx, jnp.split(mine, offsets), strict=True):
                 out[i] = part.reshape(slice_shape(grads[i].shape, axes[i], n)).astype(dtype)
@@ -220,7 +216,14 @@ class Comm(ABC):
         gives) -> their mean over every device: divided by the group's size as ``pmean``
         divides, then averaged over the groups."""
         n = jax.lax.psum(1, SHARD_AXIS)
-        return self._mean_over([g / n for g in sums], REPLICA_AXIS)
+        return self._mean_over_replicas([g / n for g in sums])
+
+    def _mean_over_replicas(self, tree: PyTree) -> PyTree:
+        """A group's slices averaged over the groups; with one group nothing (a split array's
+        spec then names the replica axis too: :mod:`jddp.shard.specs`)."""
+        if jax.lax.axis_size(REPLICA_AXIS) == 1:
+            return tree
+        return self._mean_over(tree, REPLICA_AXIS)
 
     def gather(self, x: jax.Array, axis: int) -> jax.Array:
         """This device's slice ``x`` of an array split along ``axis`` over the group -> the
