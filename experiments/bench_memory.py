@@ -112,7 +112,7 @@ def measure(model: str, shard: str, remat: str, devices: int) -> dict[str, Any]:
     from jddp.build import build_layout, build_steps
     from jddp.mesh import make_mesh
     from jddp.optimizer import make_optimizer
-    from jddp.run.memory import bytes_at_rest, step_bytes
+    from jddp.run.memory import step_bytes
 
     spec = MODELS[model]
     config = str(benchlib.REPO / spec["config"]) if spec["config"] else None
@@ -136,7 +136,7 @@ def measure(model: str, shard: str, remat: str, devices: int) -> dict[str, Any]:
         "devices": devices,
         "shard": shard,
         "remat": remat,
-        "state_bytes_per_device": bytes_at_rest(state, layout),
+        "state_bytes_per_device": layout.bytes_per_device(state),
         "step_bytes_per_device": step_bytes(compiled),
         "memory_analysis": {
             f: int(getattr(stats, f))

@@ -58,7 +58,7 @@ def memory_worker(model: str, devices: int) -> list[dict[str, Any]]:
     from jddp.build import build_layout, build_model, build_steps
     from jddp.mesh import batch_sharded, make_mesh
     from jddp.optimizer import make_optimizer
-    from jddp.sharded_update import optimizer_state_bytes
+    from jddp.shard.specs import bytes_held
     from jddp.state import create_train_state
 
     rows = ROWS_PER_DEVICE * devices
@@ -101,7 +101,7 @@ def memory_worker(model: str, devices: int) -> list[dict[str, Any]]:
         layout = build_layout(cfg, mesh, comm)
         if layout is not None:
             state = layout.place(state)
-        step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule)
+        step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
         compiled = step.lower(state, {"data": batch(mesh)}).compile()
         mem = compiled.memory_analysis()
         fields = (
@@ -117,7 +117,7 @@ def memory_worker(model: str, devices: int) -> list[dict[str, Any]]:
                 "mode": "sharded" if sharded else "replicated",
                 "optimizer": cfg.optim.name,
                 "param_bytes": int(params),
-                "opt_state_bytes_per_device": optimizer_state_bytes(state),
+                "opt_state_bytes_per_device": bytes_held(state.opt_state),
                 "opt_state_bytes_total": int(
                     sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))
                 ),

@@ -35,12 +35,12 @@ contention, stragglers, the input pipeline. Writes ``results/comm-volume-<date>-
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import benchlib
 from cases import GPT_100M
@@ -66,6 +66,8 @@ MODELS = {
 }  # fmt: skip
 COMPUTE_S = {"gpt100m": 0.0608, "resnet50": 0.0384}  # one H200, RESULTS.md section 9 and 1
 KINDS = ("all-reduce", "all-gather", "reduce-scatter")
+# replica_groups={{0,1},{2,3}} or the iota form [2,2]<=[4] (with a transpose T(1,0))
+GROUPS = r"replica_groups=(\{[^=]*?\}\}|\{\}|\[[^ ,]*\]<=\[[^ ]*?\](?:T\([\d,]+\))?)"
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u8": 1,
                "s8": 1, "pred": 1, "u16": 2, "s16": 2}  # fmt: skip
 
@@ -111,7 +113,7 @@ def collectives(hlo: str, devices: int) -> list[dict]:
         if not m or "-done" in line:
             continue
         result, kind = m.group(1), m.group(2)
-        groups_text = re.search(r"replica_groups=(\{[^=]*?\}\}|\{\}|\[[^ ,]*\]<=\[[^ ]*?\](?:T\([\d,]+\))?)", line)
+        groups_text = re.search(GROUPS, line)
         groups = parse_groups(groups_text.group(1), devices) if groups_text else [[*range(devices)]]
         if not groups or not groups[0]:
             groups = [[*range(devices)]]
@@ -148,16 +150,13 @@ def child(model: str, devices: int, per_node: int) -> None:
         mesh, where = build_mesh(cfg, comm)
         layout = build_layout(cfg, mesh, comm)
         tx, schedule = make_optimizer(cfg.optim, devices, 100)
-        model_ = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
+        model_ = nnx.eval_shape(functools.partial(build_model, cfg, nnx.Rngs(0)))
         model_def, params, model_state = split_model(model_)
         shapes = abstract_train_state(params, model_state, tx)
         specs = layout.state_specs(shapes)
+        shardings = layout.shardings(specs)
         state = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, s)
-            ),
-            shapes,
-            specs,
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
         )
         step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
         batch = example_batch(model, devices)
@@ -173,8 +172,10 @@ def example_batch(model: str, devices: int) -> dict:
     import numpy as np
 
     if model == "gpt100m":
-        return {"tokens": np.ones((devices, 129), np.uint8), "lengths": np.full(devices, 129, np.int32)}
-    return {"images": np.zeros((devices, 32, 32, 3), np.uint8), "labels": np.zeros(devices, np.int32)}
+        return {"tokens": np.ones((devices, 129), np.uint8),
+                "lengths": np.full(devices, 129, np.int32)}  # fmt: skip
+    return {"images": np.zeros((devices, 32, 32, 3), np.uint8),
+            "labels": np.zeros(devices, np.int32)}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- the model
@@ -208,10 +209,18 @@ def main() -> None:
     ap.add_argument("--models", default="gpt100m,resnet50")
     ap.add_argument("--nodes", default="2,8")
     ap.add_argument("--per-node", type=int, default=8)
-    ap.add_argument("--nvlink-gbs", type=float, default=360.0,
-                    help="ASSUMPTION: NVLink bus bandwidth per GPU, GB/s (H100/H200 nccl-tests)")
-    ap.add_argument("--alpha-us", type=float, default=5.0,
-                    help="ASSUMPTION: latency per ring step of a collective, microseconds")
+    ap.add_argument(
+        "--nvlink-gbs",
+        type=float,
+        default=360.0,
+        help="ASSUMPTION: NVLink bus bandwidth per GPU, GB/s (H100/H200 nccl-tests)",
+    )
+    ap.add_argument(
+        "--alpha-us",
+        type=float,
+        default=5.0,
+        help="ASSUMPTION: latency per ring step of a collective, microseconds",
+    )
     ap.add_argument("--links", default="25,100", help="Gbit/s between nodes, per node")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     benchlib.output_args(ap)
@@ -254,9 +263,12 @@ def main() -> None:
         "machine": benchlib.machine_info(args.machine),
         "command": benchlib.command_line(),
         "assumptions": {
-            "compute_s": COMPUTE_S, "nvlink_gbs_per_gpu": args.nvlink_gbs,
-            "alpha_us_per_ring_step": args.alpha_us, "links_gbit_per_node": links,
-            "per_node": args.per_node, "overlap": "none (upper bound) and perfect (lower)",
+            "compute_s": COMPUTE_S,
+            "nvlink_gbs_per_gpu": args.nvlink_gbs,
+            "alpha_us_per_ring_step": args.alpha_us,
+            "links_gbit_per_node": links,
+            "per_node": args.per_node,
+            "overlap": "none (upper bound) and perfect (lower)",
         },  # fmt: skip
         "rows": rows,
     }

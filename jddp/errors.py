@@ -101,6 +101,11 @@ class WorkdirLost(JddpError):
     without writing or deleting anything more (exit 1)."""
 
 
+class OutOfMemory(JddpError):
+    """A device ran out of memory in the train step (XLA's ``RESOURCE_EXHAUSTED``); the message
+    names what the step needs and what would need less (exit 1)."""
+
+
 class ReplicasDiverged(JddpError):
     """``dist.check_sync_every`` found devices or processes holding different parameters."""
 

@@ -322,3 +322,27 @@ def test_remat_blocks_takes_the_same_steps(model):
         # XLA:CPU keeps the recomputation apart (jddp.layout.keep_checkpoint_barriers):
         # measured 246 KB of temporaries against 301; 306 when it merged it back
         assert temp_bytes["blocks"] < 0.9 * temp_bytes["none"], temp_bytes
+
+
+def test_remat_of_a_model_without_blocks_is_refused(tmp_path):
+    """model.remat=blocks recomputes the blocks a model holds in a list of modules; given to
+    jddp.fit with a model that holds none, it is refused in one line, not ignored."""
+    import optax
+
+    import jddp
+    from jddp.errors import ConfigError
+    from tests.helpers import data
+    from tests.user_models import TinyMLP
+
+    with pytest.raises(ConfigError) as caught:
+        jddp.fit(
+            TinyMLP(192, 2, nnx.Rngs(0)), optax.sgd(0.1), train_data=data(64),
+            config={"workdir": str(tmp_path / "run")},
+            overrides=["train.steps=1", "data.global_batch_size=16", "log.progress=off",
+                       "model.remat=blocks"],
+        )  # fmt: skip
+    assert str(caught.value).startswith(
+        "model.remat=blocks: TinyMLP holds no list of modules (its repeated blocks, e.g. "
+        "self.blocks = nnx.List([...])) whose activations could be recomputed"
+    )
+    assert not (tmp_path / "run" / "checkpoints").exists()

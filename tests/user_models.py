@@ -129,3 +129,26 @@ def per_process_mlp(config: dict, dtype, rngs: nnx.Rngs) -> TinyMLP:
 def forgets_to_return(config: dict, dtype, rngs: nnx.Rngs) -> None:
     """A factory that builds the model and forgets to return it."""
     TinyMLP(8 * 8 * 3, config["num_classes"], rngs, dtype=dtype)
+
+
+class HungryMLP(TinyMLP):
+    """:class:`TinyMLP` whose step holds 2 GiB per device: a 1 GiB activation (16 rows of 16M
+    floats, an operand of a matrix product: XLA cannot fuse it away) and its gradient."""
+
+    def __call__(self, x):
+        h = self.hidden(x.reshape(x.shape[0], -1))
+        wide = jnp.sin(jnp.arange(2**24, dtype=h.dtype)[None] * h[:, :1])
+        return self.out(nnx.relu(h + 1e-9 * jnp.einsum("bn,bn->b", wide, wide)[:, None]))
+
+
+def hungry_mlp_little_memory(config: dict, dtype, rngs: nnx.Rngs) -> HungryMLP:
+    """:class:`HungryMLP` in a process left with little memory, as on a busy machine: its
+    address space capped 600 MiB above what it uses now (enough to compile the step, not to
+    run it), so XLA's allocation fails (RESOURCE_EXHAUSTED)."""
+    import resource
+
+    with open("/proc/self/status") as status:
+        used_kib = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+    limit = used_kib * 1024 + 600 * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    return HungryMLP(8 * 8 * 3, config["num_classes"], rngs, dtype=dtype)

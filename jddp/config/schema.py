@@ -62,10 +62,11 @@ class ModelConfig:
     bn_epsilon: float = _f(1e-5, "BatchNorm's epsilon, added to the variance (> 0)", bound=POSITIVE)
     remat: Literal["none", "blocks"] = _f(
         "none",
-        "activation rematerialisation: blocks (each residual block's activations recomputed "
-        "in the backward pass: less memory, about one more forward pass of compute; the same "
-        "losses); a 'pkg.module:factory' model gets the key in its config (examples/"
-        "lm_stdlib.py honours it; docs/library.md has the nnx.remat recipe)",
+        "activation rematerialisation: blocks (each block of the model, a module held in a list "
+        "of modules: a ResNet's residual blocks, a transformer's layers, keeps only its inputs "
+        "and recomputes its activations in the backward pass: less memory, about one more "
+        "forward pass of compute, the same losses; any model, jddp.fit's too; one that holds "
+        "no list of modules is refused)",
     )
     options: dict = _f(
         {},
@@ -345,9 +346,11 @@ class DistConfig:
     )
     device_memory_bytes: int | None = _f(
         None,
-        "memory one device may give the train state at rest, in bytes: a state that needs "
-        "more under dist.shard is refused in one line before anything is placed (null: the "
-        "device's own limit where it reports one, a GPU's; none on CPUs)",
+        "memory one device may give the run, in bytes: a train state that needs more at rest "
+        "is refused in one line before anything is placed, a train step that needs more "
+        "(XLA's analysis of the compiled step) before it first runs, each naming what every "
+        "dist.shard would need (null: the device's own limit where it reports one, a GPU's; "
+        "none on CPUs)",
         bound=POSITIVE,
     )
 

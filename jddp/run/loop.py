@@ -3,21 +3,35 @@
 from __future__ import annotations
 
 from jddp.data.loader import place_batch
-from jddp.run.memory import memory_line
+from jddp.errors import OutOfMemory
+from jddp.run.memory import exhausted, memory_line, out_of_memory
 from jddp.run.setup import Run
 from jddp.state import TrainState
 
 
 def train_loop(run: Run) -> tuple[TrainState, int, bool]:
     """Run steps ``run.start_step .. run.total_steps``; returns the final state, its step, and
-    whether a stop signal (on any process) ended the loop early."""
+    whether a stop signal (on any process) ended the loop early. A device out of memory is one
+    line (:class:`~jddp.errors.OutOfMemory`) naming what the step needs."""
+    where = _Where(run.start_step + 1)
     try:
-        return _steps(run)
+        return _steps(run, where)
+    except Exception as e:
+        if exhausted(e):  # XLA's RESOURCE_EXHAUSTED, at any step's dispatch or results
+            raise OutOfMemory(out_of_memory(where.step, where.memory, run.state_layout, e)) from e
+        raise
     finally:
         run.profiler.close()  # a trace the loop left open (a stop, an error) is still written
 
 
-def _steps(run: Run) -> tuple[TrainState, int, bool]:
+class _Where:
+    """The step the loop is at and the step's memory figures, for a failure's line."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.memory = step, None
+
+
+def _steps(run: Run, where: _Where) -> tuple[TrainState, int, bool]:
     state, step = run.state, run.start_step
     rows = run.layout.rows.stop - run.layout.rows.start
     batches = run.batches.iterate(step, run.total_steps, run.cfg.data.prefetch_batches)
@@ -37,8 +51,9 @@ def _steps(run: Run) -> tuple[TrainState, int, bool]:
             flags = {**run.stop.flags(rows), **run.timed_saves.flags(rows)}
             flags = place_batch(flags, run.mesh, run.layout)
             batch = {**batch, **flags}
+            where.step = step + 1
             if memory is None:  # compiled now (the call reuses it); a step too large: refused
-                memory = run.step_memory.first_step(run.train_step, state, batch)
+                memory = where.memory = run.step_memory.first_step(run.train_step, state, batch)
             state, metrics = run.train_step(state, batch)
         if run.watchdog.first_done:
             run.watchdog.progress()

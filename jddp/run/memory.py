@@ -16,6 +16,7 @@ that compilation). Each refusal is one line naming the figures under every ``dis
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -144,6 +145,34 @@ class StepMemory:
             return compiled_step_bytes(self.step_for(kind), shapes, batch)
         except Exception:  # noqa: BLE001 - a layout this run cannot build: not named
             return None
+
+
+def exhausted(error: BaseException) -> bool:
+    """Whether ``error`` is XLA running out of a device's memory: a runtime error with the
+    status ``RESOURCE_EXHAUSTED`` (XLA names the status only in the text)."""
+    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+
+
+def out_of_memory(step: int, fields: dict[str, int] | None, layout: StateLayout, error: Any) -> str:
+    """The one line of a step that ran out of device memory: what XLA could not allocate, what
+    the step needs, and what would need less."""
+    said = re.search(r"allocating (\d+) bytes", str(error))
+    could_not = f"XLA could not allocate {mib(int(said.group(1)))}" if said else "XLA"
+    fields = fields or {}
+    need = fields.get(STEP_KEY)
+    needs = (
+        f"the step needs {mib(need)} per device ({STEP_KEY}, XLA's analysis), its state at rest "
+        f"{mib(fields[STATE_KEY])}"
+        if need is not None and STATE_KEY in fields
+        else "the step's needs were not known yet (it had not compiled)"
+    )
+    others = " or ".join(f"dist.shard={k}" for k in ("full", "optimizer") if k != layout.kind)
+    return (
+        f"out of memory on a device at step {step} ({could_not}, RESOURCE_EXHAUSTED): {needs} "
+        f"under dist.shard={layout.kind}; try {others}, model.remat=blocks, a smaller "
+        "per-device batch (data.global_batch_size, train.grad_accum_steps) or more devices; "
+        "dist.device_memory_bytes refuses a run that cannot fit before it trains"
+    )
 
 
 def mib(nbytes: float) -> str:
