@@ -446,6 +446,9 @@ def make_train_step(
         # slices, and a statistic over a whole array adds the slices' parts
         state = _constrain(state, layout.update_specs(state), mesh)
         new, metrics = update(state, grads, stats, terms)
+        # computed as the slices (XLA had gathered both operands of the NaN guard's select:
+        # each parameter gathered twice), then laid out as at rest
+        new = _constrain(new, layout.update_specs(new), mesh)
         return _constrain(new, layout.state_specs(new), mesh), metrics
 
     barriers = layout.keeps_barriers(comm, rematerialises)
