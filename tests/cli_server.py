@@ -2,13 +2,12 @@
 
     python tests/cli_server.py SOCKET     (started by tests/helpers.py, one per pytest worker)
 
-Imports the libraries jddp's commands load once (:func:`jddp.proc.preload.preload`, as
-``python -m jddp.launch`` does before it forks its ranks), then serves requests on
-the Unix socket ``SOCKET``: a JSON line ``{"python_args", "env", "cwd"}`` (and ``"session"``:
-its own session, as ``start_new_session``) with the write ends of its stdout and stderr passed
-along. For each it forks a child that becomes ``python PYTHON_ARGS`` (``-m MODULE ARGS``, or
-``SCRIPT ARGS`` for the repository's own scripts: tests/helpers.py ``FORKED_SCRIPTS``) as the
-interpreter starts one (:func:`jddp.proc.preload.become`: the module or script runs as
+Imports the libraries jddp's commands load once (:func:`tests.preload.preload`), then serves
+requests on the Unix socket ``SOCKET``: a JSON line ``{"python_args", "env", "cwd"}`` (and
+``"session"``: its own session, as ``start_new_session``) with the write ends of its stdout and
+stderr passed along. For each it forks a child that becomes ``python PYTHON_ARGS`` (``-m MODULE
+ARGS``, or ``SCRIPT ARGS`` for the repository's own scripts: tests/helpers.py ``FORKED_SCRIPTS``)
+as the interpreter starts one (:func:`tests.preload.become`: the module or script runs as
 ``__main__``; ``sys.argv``, ``sys.path[0]``, the working folder, the environment and the
 standard streams as a new process has them; stdout and stderr the two pipes, which the test reads
 to their end as ``subprocess.run`` does: until the command and every process that inherited them
@@ -16,13 +15,13 @@ ended; no stdin). It answers ``{"pid"}`` at once and ``{"code", "cpu_s"}`` when 
 its exit code as ``subprocess`` reports it (``-N`` for a signal) and the CPU seconds it and the
 children it waited for used. The child leaves the server's loop and ends as any ``python`` does:
 ``SystemExit``'s code, an uncaught exception's traceback and exit 1, atexit handlers run and
-threads joined. A forked ``python -m jddp.launch`` finds the libraries imported and forks its
-ranks of jddp's commands from them in turn.
+threads joined. A forked ``python -m jddp.launch`` starts its ranks as new interpreters, as it
+does anywhere.
 
 What the imports read from the environment is the server's: :func:`tests.helpers.run` sends a
 command here only when its environment differs from the server's in nothing those imports looked
 up or set differently, nor in what native code may read while loading
-(:func:`jddp.proc.preload.may_differ`).
+(:func:`tests.preload.may_differ`).
 
 Why: a tiny run on 4 fake devices with a warm compilation cache took 4.6 CPU-s as a process of
 its own, 3.2 forked from here (2026-11-27, the 2-core VM): the interpreter's start and these
@@ -38,7 +37,7 @@ import signal
 import socket
 import sys
 
-from jddp.proc import preload
+import preload  # tests/preload.py, beside this script
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -106,8 +105,7 @@ def serve(path: str, read: set[str], set_by_imports: dict) -> tuple[dict, list[i
 
 
 def main() -> None:
-    # The libraries once, what they read recorded; gc-frozen (jddp/proc/preload.py). A forked
-    # ``python -m jddp.launch`` finds them imported and forks its ranks from them in turn.
+    # The libraries once, what they read recorded; gc-frozen (tests/preload.py).
     imports = preload.preload()
     assert imports is not None, "the CLI server could not import jddp's libraries"
     request, outputs = serve(sys.argv[1], imports.read, imports.set_by_imports)

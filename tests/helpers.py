@@ -24,7 +24,7 @@ import pytest
 
 from jddp.launch import merge_xla_flags
 from jddp.metrics import read_metrics
-from jddp.proc import preload
+from tests import preload
 
 # A tiny run: ResNet-18 of width 4 on 8x8 synthetic images, constant lr, a line every step.
 TINY = [
@@ -205,9 +205,8 @@ def optimized_xla(env=None) -> dict[str, str]:
 
 
 REPO = Path(__file__).resolve().parents[1]
-# jddp's commands that :func:`run` forks from the worker's CLI server (tests/cli_server.py): those
-# that jddp.launch forks too (jddp/proc/preload.py), and the launcher itself, which then forks
-# its ranks of those from the server's imports.
+# jddp's commands that :func:`run` forks from the worker's CLI server (tests/cli_server.py,
+# tests/preload.py), and the launcher itself, whose ranks are new interpreters.
 FORKED_MODULES = (*preload.FORKED_MODULES, "jddp.launch")
 # The repository's own scripts, forked too: none sets a variable the imports read before it
 # imports JAX (what a user's script may do, and why jddp.launch starts scripts anew).
@@ -225,7 +224,7 @@ def _cli_server() -> dict:
         folder = Path(tempfile.mkdtemp(prefix="jddp-cli-server-"))
         sock, server_err = folder / "socket", folder / "server.err"
         with open(server_err, "w") as err:
-            # Room in its arguments for a forked command's own (jddp.proc.preload's
+            # Room in its arguments for a forked command's own (tests/preload.py's
             # show_command_line): ``ps`` and ``pgrep -f workdir=...`` (run_pids) see them.
             # By its path, not ``-m tests.cli_server``: the ``tests`` package not imported there,
             # a forked script finds only what a new process would on its own sys.path.
@@ -252,7 +251,7 @@ def _forkable(cmd, env, cwd) -> list[str] | None:
     """The arguments after ``python`` in ``cmd`` (``["-m", MODULE, ...]`` or ``[SCRIPT, ...]``)
     when it runs one of :data:`FORKED_MODULES` or :data:`FORKED_SCRIPTS` with this interpreter and
     the CLI server can run it as a new process would (the environment differs from the server's
-    only in variables that its imports did not read: :meth:`jddp.proc.preload.Imports.allows`),
+    only in variables that its imports did not read: :meth:`tests.preload.Imports.allows`),
     else None."""
     cmd = [str(arg) for arg in cmd]
     if len(cmd) < 2 or cmd[0] != sys.executable:

@@ -584,22 +584,19 @@ def _open_for_writing_once_read(fifo: Path, timeout: float = 60) -> int:
             time.sleep(0.02)
 
 
-@pytest.mark.parametrize("spawn", [False, True], ids=["forked", "spawned"])
-def test_a_rank_of_jddp_train_is_forked_from_the_launcher_unless_spawn(
-    tmp_path: Path, spawn: bool
+@pytest.mark.parametrize("flags", [[], ["--spawn"]], ids=["default", "older-spawn-flag"])
+def test_a_rank_is_a_new_interpreter_with_its_id_in_its_environment(
+    tmp_path: Path, flags: list[str]
 ) -> None:
-    """``python -m jddp.train`` with the launcher's Python: the rank is forked from the launcher
-    (jddp/launch/forked.py): the environment it started with is the launcher's (the rank's own
-    variables set after the fork); with ``--spawn`` a new interpreter's, started with them.
-    Either way ``ps`` shows the rank's command, and the outcome is the same: a bad config is one
+    """Every rank is a new interpreter (as torchrun starts its workers): ``ps`` shows its
+    command, and the environment it started with holds its rank (``/proc/PID/environ``, where
+    tools look); ``--spawn``, which used to ask for this, is still taken. A bad config is one
     line and exit 2. The rank is caught while it opens its config, a named pipe the test then
     writes."""
     fifo = tmp_path / "config.yaml"
     os.mkfifo(fifo)
     rank_command = [PY, "-m", "jddp.train", "--config", str(fifo)]
-    flags = ["--nproc", "1", *(["--spawn"] if spawn else [])]
-    # A launcher of its own (not the CLI server's fork): it imports the libraries itself.
-    launcher = start(launcher_argv(*flags, "--", *rank_command), fresh=True)
+    launcher = start(launcher_argv("--nproc", "1", *flags, "--", *rank_command))
     try:
         writer = _open_for_writing_once_read(fifo)
         children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()
@@ -607,7 +604,7 @@ def test_a_rank_of_jddp_train_is_forked_from_the_launcher_unless_spawn(
         shown = Path(f"/proc/{rank}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
         assert [word.decode() for word in shown] == rank_command
         started_with = Path(f"/proc/{rank}/environ").read_bytes().split(b"\0")
-        assert (b"JDDP_PROCESS_ID=0" in started_with) == spawn
+        assert b"JDDP_PROCESS_ID=0" in started_with and b"JDDP_NUM_PROCESSES=1" in started_with
         os.write(writer, b"no_such_section: 1\n")
         os.close(writer)
         out, err = launcher.communicate(timeout=60)

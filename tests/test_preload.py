@@ -1,5 +1,6 @@
-"""jddp/proc/preload.py and jddp/launch/forked.py: which commands run forked from preloaded
-libraries, and that a forked command is the process ``python -m MODULE ARGS`` would be."""
+"""tests/preload.py and tests/forked.py, the tests' CLI server's machinery: which commands run
+forked from preloaded libraries, and that a forked command is the process ``python -m MODULE
+ARGS`` would be (a test's outcome must not depend on how its command was started)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import sys
 import textwrap
 
-from jddp.proc import preload
+from tests import preload
 from tests.helpers import run
 
 PY = sys.executable
@@ -31,9 +32,7 @@ def test_only_jddps_commands_with_this_python_run_forked(tmp_path):
     assert preload.forked_module([str(other), "-m", "jddp.train"], env) is None
     assert preload.forked_module(["no-such-python", "-m", "jddp.train"], env) is None
     # A launcher started with interpreter options: a new ``python -m`` would not have them.
-    probe = (
-        "import sys; from jddp.proc import preload; print(preload.forked_module(sys.argv[1:], {}))"
-    )
+    probe = "import sys; from tests import preload; print(preload.forked_module(sys.argv[1:], {}))"
     cases = (([], "jddp.train"), (["-u"], "jddp.train"), (["-O"], "None"), (["-X", "dev"], "None"))
     for options, said in cases:
         out = run([PY, *options, "-c", probe, PY, "-m", "jddp.train"], timeout=60, check=True)
@@ -98,9 +97,9 @@ SCRIPT = """
     """
 DRIVER = """
 import json, os, signal, sys
-import numpy  # imported before the forks, as the launcher's preload does
+import numpy  # imported before the forks, as the CLI server's preload does
 numpy.random.random()  # and drawn from: the generator's state is set (it seeds at first use)
-from jddp.launch.forked import start_forked
+from tests.forked import start_forked
 signal.signal(signal.SIGUSR1, lambda *a: None)
 signal.signal(signal.SIGTERM, lambda *a: None)
 folder = sys.argv[1]

@@ -3,21 +3,18 @@
 Usage::
 
     python -m jddp.launch --nproc N [--devices-per-proc K] [--port P] [--kill-timeout S] \\
-        [--max-restarts K] [--restart-delay S] [--spawn] -- <command ...>
+        [--max-restarts K] [--restart-delay S] -- <command ...>
 
-Starts ``N`` copies of ``<command>``, each in its own session / process group, with the
-environment that :mod:`jddp.distributed` reads:
+Starts ``N`` copies of ``<command>``, each a new process (``subprocess.Popen`` with
+``start_new_session=True``, as torchrun starts its workers) in its own session / process group,
+with the environment that :mod:`jddp.distributed` reads, in its own environment (a rank's id is
+in ``/proc/PID/environ``, where tools look for it):
 
 * ``JDDP_COORDINATOR_ADDRESS=localhost:<port>`` (a free port unless ``--port`` is given),
 * ``JDDP_NUM_PROCESSES=N``, ``JDDP_PROCESS_ID=<i>``, ``JDDP_LOCAL_RANK=<i>``,
 * ``PYTHONUNBUFFERED=1``, ``JDDP_LAUNCHER_PID=<the launcher's pid>``,
 * with ``--devices-per-proc K``: ``XLA_FLAGS`` gets ``--xla_force_host_platform_device_count=K``
   (replacing any existing value of that flag) and ``JAX_PLATFORMS=cpu`` unless already set.
-
-A child that is ``python -m jddp.train`` (evaluate, export, predict) with the launcher's own
-Python is forked from the launcher after it imported the command's libraries once
-(:mod:`jddp.launch.forked`, :mod:`jddp.proc.preload`), unless ``--spawn``: the same process
-without a new interpreter's start and imports, at each restart too.
 
 Every line a child writes is forwarded to the launcher's stdout / stderr with a ``[rank i] ``
 prefix. Children read from ``/dev/null``. The signals ``jddp.train`` treats as preemption
@@ -59,7 +56,6 @@ from jddp.launch.restarts import (
     workdir_of,
 )
 from jddp.launch.supervise import PROG, STOP_GRACE_S, describe_exit, exit_code_for
-from jddp.proc import preload
 from jddp.proc.lifeline import LAUNCHER_PID_ENV, watch_launcher
 
 __all__ = [
@@ -97,7 +93,7 @@ def _build_parser() -> _Parser:
         prog=f"python -m {PROG}",
         usage=(
             f"python -m {PROG} --nproc N [--devices-per-proc K] [--port P] "
-            "[--kill-timeout S] [--max-restarts K] [--restart-delay S] [--spawn] "
+            "[--kill-timeout S] [--max-restarts K] [--restart-delay S] "
             "-- <command ...>"
         ),
         description="Start N local copies of a command wired for jax.distributed.",
@@ -137,12 +133,8 @@ def _build_parser() -> _Parser:
         "again, resuming from the newest checkpoint, at most K times (default 0); a "
         "preemption (exit 75), bad input (2) or a stop signal to the launcher is not restarted",
     )
-    parser.add_argument(
-        "--spawn",
-        action="store_true",
-        help="start each rank as a new interpreter (default: ranks of python -m jddp.train, "
-        "evaluate, export or predict are forked from the launcher, which imports their "
-        "libraries once)",
+    parser.add_argument(  # every rank is a new interpreter: kept for older command lines
+        "--spawn", action="store_true", help=argparse.SUPPRESS
     )
     parser.add_argument(
         "--restart-delay",
@@ -244,25 +236,17 @@ def launch(
     kill_timeout: float = DEFAULT_KILL_TIMEOUT,
     max_restarts: int = 0,
     restart_delay: float = DEFAULT_RESTART_DELAY,
-    spawn: bool = False,
 ) -> int:
     """Run ``nproc`` copies of ``command`` wired for ``jax.distributed``; return the exit code.
     With ``max_restarts``, a group whose rank died is started again (:mod:`.restarts`).
-    Ranks of ``python -m jddp.train`` (evaluate, export, predict) are forked from this process
-    after it imported their libraries once (:func:`forked_ranks`) unless ``spawn``.
 
     Handlers for the stop signals (SIGINT, SIGTERM, SIGUSR1, SIGHUP) are installed for the
     duration of the call when it runs on the main thread (and restored afterwards).
     """
     workdir = workdir_of(command)
     restarts = Restarts(max_restarts, workdir)
-    try:
-        forked = None if spawn else forked_ranks(command, nproc, devices_per_proc)
-    except KeyboardInterrupt:  # Ctrl-C while the libraries import: nothing started yet
-        sys.stderr.write(f"{PROG}: interrupted before any process started\n")
-        return 130
     while True:
-        launcher = _Launcher(list(command), nproc, kill_timeout, forked)
+        launcher = _Launcher(list(command), nproc, kill_timeout)
         code = _launch_once(launcher, command, nproc, devices_per_proc, port)
         rank, returncode = launcher.first_failure or (0, code)
         cause = f"rank {rank} {describe_exit(returncode)}"
@@ -273,18 +257,6 @@ def launch(
             return code
         launcher.stderr.write(f"{PROG}: {restarts.restarting(cause)}\n")
         time.sleep(restart_delay)
-
-
-def forked_ranks(
-    command: Sequence[str], nproc: int, devices_per_proc: int | None
-) -> tuple[str, preload.Imports] | None:
-    """``(module, imports)`` when the ranks of ``command`` can be forked from this process: it
-    is ``python -m jddp.<command>`` with this interpreter, and the libraries imported here
-    (now, under rank 0's environment, unless they already were by :func:`preload.preload`)."""
-    rank0 = child_env(os.environ, rank=0, nproc=nproc, port=0, devices_per_proc=devices_per_proc)
-    module = preload.forked_module(command, rank0)
-    imports = None if module is None else preload.preload(rank0)
-    return None if module is None or imports is None else (module, imports)
 
 
 def _launch_once(
@@ -340,5 +312,4 @@ def main(argv: list[str] | None = None) -> int:
         kill_timeout=args.kill_timeout,
         max_restarts=args.max_restarts,
         restart_delay=args.restart_delay,
-        spawn=args.spawn,
     )

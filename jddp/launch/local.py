@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 
 from jddp.errors import PREEMPTED
-from jddp.launch.forked import ForkedRank, start_forked
 from jddp.launch.supervise import (
     HELD_SIGNALS,
     PROG,
@@ -29,7 +28,6 @@ from jddp.launch.supervise import (
     pump,
     signal_name,
 )
-from jddp.proc import preload
 from jddp.proc.lifeline import die_with_parent, load_prctl
 
 _POLL_INTERVAL = 0.05
@@ -40,21 +38,13 @@ class Launcher:
 
     first_failure: tuple[int, int] | None = None  # (rank, returncode) of the cause, if any
 
-    def __init__(
-        self,
-        command: list[str],
-        nproc: int,
-        kill_timeout: float,
-        forked: tuple[str, preload.Imports] | None = None,
-    ) -> None:
+    def __init__(self, command: list[str], nproc: int, kill_timeout: float) -> None:
         self.command = command
         self.nproc = nproc
         self.kill_timeout = kill_timeout
-        # (module, imports): ranks of ``python -m MODULE`` forked from this process's imports.
-        self.forked = forked
         self.stdout = Output("stdout")
         self.stderr = Output("stderr")
-        self.procs: list[subprocess.Popen[bytes] | ForkedRank] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.readers: list[threading.Thread] = []
         # Process groups we may still signal (pgid == child pid since start_new_session=True).
         self.live_groups: set[int] = set()
@@ -193,15 +183,8 @@ class Launcher:
 
     def _start_rank(
         self, env: dict[str, str], die_with_launcher: Callable[[], None]
-    ) -> subprocess.Popen[bytes] | ForkedRank:
-        """One rank: forked (:mod:`.forked`) when the command and its environment allow it and
-        no other thread runs here (a fork copies only the calling thread), else a new process."""
-        if self.forked is not None and threading.active_count() == 1:
-            module, imports = self.forked
-            if imports.allows(env):
-                pipes = [p.fileno() for proc in self.procs for p in (proc.stdout, proc.stderr)]
-                return start_forked(["-m", module, *self.command[3:]], env, die_with_launcher,
-                                    pipes)  # fmt: skip
+    ) -> subprocess.Popen[bytes]:
+        """One rank: a new process in its own session, tied to the launcher's life."""
         return subprocess.Popen(
             self.command,
             env=env,

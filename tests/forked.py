@@ -1,5 +1,7 @@
-"""A rank of ``python -m jddp.launch`` forked from the launcher, which imported the command's
-libraries once (:mod:`jddp.proc.preload`), instead of a new interpreter that imports them again.
+"""A command forked from a process that imported its libraries once (:mod:`tests.preload`),
+instead of a new interpreter that imports them again: what ``jddp.launch`` did with its ranks
+until they became new interpreters; kept for tests/test_preload.py, which checks that the
+tests' forked commands behave as new interpreters would.
 
 The child is what :class:`subprocess.Popen` would have started with ``start_new_session=True``,
 ``stdin=DEVNULL``, ``stdout=PIPE``, ``stderr=PIPE`` and the launcher's ``preexec_fn``: its own
@@ -19,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO
 
 from jddp.errors import STOP_SIGNALS
-from jddp.proc import preload
+from tests import preload
 
 _WAIT_INTERVAL_S = 0.01
 
@@ -61,7 +63,7 @@ def start_forked(
     cwd: str | None = None,
 ) -> ForkedRank:
     """Fork ``python PYTHON_ARGS`` (``["-m", MODULE, *ARGS]`` or ``[SCRIPT, *ARGS]``:
-    :func:`jddp.proc.preload.become`) with environment ``env`` in the folder ``cwd`` (default:
+    :func:`tests.preload.become`) with environment ``env`` in the folder ``cwd`` (default:
     this process's); ``in_child`` runs in the child first (the launcher's PDEATHSIG),
     ``launchers_fds`` (its other children's pipes) are closed there. The launcher's stop
     signals wait, blocked, until the child has its handlers reset: a signal the launcher

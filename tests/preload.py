@@ -1,26 +1,23 @@
-"""jddp's commands started by fork from an interpreter that has already imported their libraries.
-
-``python -m jddp.launch`` imports what ``python -m jddp.train`` (and evaluate, export, predict)
-load once (:data:`PRELOADED`: JAX, Flax, Optax, Orbax, grain, tensorboardX), then forks each
-rank from itself instead of starting a new interpreter that imports them again: N ranks cost
-one import (~1.4 CPU-s on the 2-core VM, 2026-11-28) instead of N, a restart none
-(experiments/bench_launch_start.py). The tests' CLI server (tests/cli_server.py) does the same
-for single commands.
+"""jddp's commands started by fork from an interpreter that has already imported their libraries:
+the tests' CLI server (tests/cli_server.py) imports what ``python -m jddp.train`` (and evaluate,
+export, predict) load once (:data:`PRELOADED`: JAX, Flax, Optax, Orbax, grain, tensorboardX),
+then forks each command from itself instead of starting a new interpreter that imports them
+again (~1.4 CPU-s a command on the 2-core VM). Test machinery only: jddp itself starts every
+process as a new interpreter.
 
 A forked command is the process ``python -m MODULE ARGS`` would be (:func:`become`,
 :func:`run_as_main`): its own ``__main__``, ``sys.argv``, ``sys.path[0]``, working folder,
 environment, standard streams, signal handlers and NumPy's global generator's seed, ending as the
 interpreter ends (``SystemExit``'s code, an uncaught exception's traceback and exit 1, Ctrl-C's
 death by SIGINT; threads joined and atexit handlers run). It shares its parent's string hash seed
-and, from the launcher, the interpreter's options (none: it forks only then). JAX's backend has not
+and the interpreter's options (the server has none). JAX's backend has not
 started before the fork (no device, no thread pool; ``XLA_FLAGS`` and the CUDA variables are read
 when it starts, in the child), but what the imports read from the environment is the importer's: a
 command is forked only when its environment differs from the one the imports saw in nothing they
 looked up, nor in what native code may read while loading (:func:`may_differ`). ``ps`` shows it as
 ``python -m MODULE ARGS`` where its parent's arguments had room for that
 (:func:`show_command_line`). :func:`become` and :func:`run_main` also make the process of
-``python SCRIPT ARGS`` (the tests' server forks the repository's own scripts); the launcher forks
-only modules: a user's script may set ``JAX_*`` variables before it imports JAX.
+``python SCRIPT ARGS`` (the tests' server forks the repository's own scripts).
 """
 
 from __future__ import annotations
