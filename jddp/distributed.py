@@ -352,6 +352,11 @@ def initialize(cfg: DistConfig) -> Job:
         return Job(launch)
     # Harmless on GPU machines: only the CPU client reads it. Must precede backend creation.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service installs its own SIGTERM handler as the job joins (TSL's
+    # preemption notifier), which took a SIGTERM that arrived before jddp's handler was back
+    # (logged by JAX, the run trained on). jddp's stop signals ride in the batches instead
+    # (jddp.proc.signals): JAX's service stays off.
+    jax.config.update("jax_enable_preemption_service", False)
     kwargs = dict(
         initialization_timeout=cfg.init_timeout_s,
         heartbeat_timeout_seconds=heartbeat_timeout_s(cfg),

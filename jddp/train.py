@@ -8,13 +8,21 @@ continue;
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the command: its stop signals kept from its first statement on
+    from jddp.proc.signals import StopRequest
+
+    _STOP: StopRequest | None = StopRequest()
+    _STOP.install()  # (a signal while the libraries below load: stops at the first step)
+else:
+    _STOP = None
+
 import argparse
 import sys
 
 from jddp import config as config_lib
 from jddp.cli import OneLineParser, Session, run
 from jddp.proc.lifeline import watch_launcher
-from jddp.proc.signals import StopRequest
+from jddp.proc.signals import StopRequest  # noqa: F811 - as a library module too
 
 USAGE = (
     "python -m jddp.train --config FILE.yaml [key.sub=value ...] [--print-config] "
@@ -67,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         train_and_evaluate(cfg, job=job, stop=stop)
         return 0
 
-    # The stop signals are caught from here on: one that arrives while JAX starts or the job
-    # assembles (seconds; under a launcher, until every peer joined) stops the run at its
-    # first step with a checkpoint and exit 75, instead of killing it (SIGUSR1's and SIGHUP's
-    # default) with an exit code a requeueing job script does not read as preemption.
-    with StopRequest() as stop:
+    # The stop signals are caught from here on (as the command, from its first statement): one
+    # that arrives while JAX starts or the job assembles (seconds; under a launcher, until
+    # every peer joined) stops the run at its first step with a checkpoint and exit 75, instead
+    # of killing it (SIGTERM's default) with an exit code a requeueing job script does not read
+    # as preemption.
+    with _STOP or StopRequest() as stop:
         return run(body)
 
 

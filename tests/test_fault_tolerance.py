@@ -4,6 +4,8 @@ damaged checkpoints, dead peers, non-finite losses, workdir locks."""
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -187,6 +189,85 @@ def test_preemption_saves_and_exits(tmp_path, sig):
     if sig == signal.SIGTERM:  # the rerun (one process: cheaper) continues from there
         again = run(cmd_train(wd, f"train.steps={stopped + 2}"))
         assert again.returncode == 0 and f"at step {stopped}" in again.stdout
+
+
+def _ranks_started(out: Path, wd: Path) -> bool:  # their interpreters starting, importing
+    return len(run_pids(wd)) >= 3  # the launcher and its 2 ranks name the workdir
+
+
+def _gloo_connected(out: Path, wd: Path) -> bool:
+    return "[Gloo] Rank 1 is connected" in out.read_text()
+
+
+def _set_up(out: Path, wd: Path) -> bool:  # config.yaml: written before the step compiles
+    return (wd / "config.yaml").exists()
+
+
+def _first_step(out: Path, wd: Path) -> bool:
+    return (wd / "metrics.jsonl").exists() and len(read_losses(wd)) >= 1
+
+
+def _saving(out: Path, wd: Path) -> bool:  # a save under way: its folder, final or temporary
+    return (wd / "checkpoints").is_dir() and any((wd / "checkpoints").iterdir())
+
+
+MOMENTS = {"rank-start": _ranks_started, "gloo": _gloo_connected, "set-up": _set_up,
+           "first-step": _first_step, "save": _saving}  # fmt: skip
+
+
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_a_sigterm_at_any_moment_saves_and_exits_75(tmp_path, moment):
+    """SIGTERM to the launcher at a moment gated by the run's own output: as the ranks start
+    (before they catch it: the launcher holds it until they do; it killed them, exit 143), as
+    their gloo connection is made, while the run is set up and its step compiles, after its
+    first step, and while a checkpoint is written. Each time: the ranks stop at the same step
+    and save it, rank 0 says so in one line, the launcher exits 75, no traceback."""
+    wd, out = tmp_path / "run", tmp_path / "out.txt"
+    cmd = cmd_launch(2, 1, wd, "train.steps=100000", "checkpoint.every_steps=3")
+    with open(out, "w") as sink:
+        job = start(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            assert wait_for(lambda: MOMENTS[moment](out, wd) or job.poll() is not None, 300)
+            assert job.poll() is None, out.read_text()[-3000:]
+            job.send_signal(signal.SIGTERM)
+            job.wait(timeout=180)
+        finally:
+            job.kill()
+    text = out.read_text()
+    assert job.returncode == 75, text[-3000:]
+    assert "Traceback" not in text and "preemption" not in text.lower(), text[-3000:]
+    stopped = [line for line in text.splitlines() if "jddp: preempted at step" in line]
+    assert len(stopped) == 1 and stopped[0].startswith("[rank 0] jddp: preempted at step ")
+    step = int(stopped[0].split("preempted at step ")[1].split()[0])
+    assert "(SIGTERM)" in stopped[0] and steps_saved(wd)[-1] == step >= 1
+
+
+SIGTERM_AFTER_JOINING = """
+import os, signal, sys
+from jddp.config import DistConfig
+from jddp.distributed import initialize
+seen = []
+signal.signal(signal.SIGTERM, lambda *_: seen.append("SIGTERM"))  # as jddp.train's first
+initialize(DistConfig(coordinator_address=sys.argv[1], num_processes=1, process_id=0))
+os.kill(os.getpid(), signal.SIGTERM)
+print(seen)
+"""
+
+
+def test_joining_the_job_leaves_sigterm_to_jddp(tmp_path):
+    """jax.distributed.initialize installs JAX's own SIGTERM handler (its preemption service)
+    over the one jddp installed first; a SIGTERM before jddp installed its own again was JAX's,
+    logged and ignored. jddp joins with JAX's service off: the handler installed before joining
+    still gets it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    out = run([sys.executable, "-c", SIGTERM_AFTER_JOINING, f"localhost:{port}"],
+              env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "['SIGTERM']"
 
 
 def test_dead_peer_stops_the_job(tmp_path):

@@ -616,3 +616,17 @@ def test_a_rank_is_a_new_interpreter_with_its_id_in_its_environment(
         "[rank 0] jddp: error: unknown config key 'no_such_section'; see --help for every key",
         "jddp.launch: rank 0 exited with code 2; no other process is left",
     ]
+
+
+def test_a_stop_signal_between_restarts_is_one_line_and_75(tmp_path: Path) -> None:
+    """A SIGTERM while no rank runs (here the delay before a restart; likewise the launcher's
+    own start) ends the launcher at once in one line, exit 75: it was the signal's default,
+    killed without a word, or the delay slept through first."""
+    crash = [PY, "-c", "import sys; sys.exit(3)"]
+    flags = ["--nproc", "1", "--max-restarts", "1", "--restart-delay", "600"]
+    launcher = start(launcher_argv(*flags, "--", *crash))
+    seen = read_stderr_until(launcher, "jddp.launch: restart 1/1:")
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 75, seen + err
+    assert err.splitlines() == ["jddp.launch: received SIGTERM with no process running; stopped"]

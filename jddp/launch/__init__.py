@@ -45,17 +45,16 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from jddp.errors import STOP_SIGNALS
+from jddp.errors import INTERRUPTED, PREEMPTED, STOP_SIGNALS
 from jddp.launch.local import Launcher as _Launcher
 from jddp.launch.restarts import (
     Restarts,
     workdir_of,
 )
-from jddp.launch.supervise import PROG, STOP_GRACE_S, describe_exit, exit_code_for
+from jddp.launch.supervise import PROG, STOP_GRACE_S, describe_exit, exit_code_for, signal_name
 from jddp.proc.lifeline import LAUNCHER_PID_ENV, watch_launcher
 
 __all__ = [
@@ -245,18 +244,67 @@ def launch(
     """
     workdir = workdir_of(command)
     restarts = Restarts(max_restarts, workdir)
-    while True:
-        launcher = _Launcher(list(command), nproc, kill_timeout)
-        code = _launch_once(launcher, command, nproc, devices_per_proc, port)
-        rank, returncode = launcher.first_failure or (0, code)
-        cause = f"rank {rank} {describe_exit(returncode)}"
-        refusal = restarts.refusal(code, launcher.signal_received, cause)
-        if refusal is not None:
-            if refusal:
-                launcher.stderr.write(f"{PROG}: {refusal}\n")
-            return code
-        launcher.stderr.write(f"{PROG}: {restarts.restarting(cause)}\n")
-        time.sleep(restart_delay)
+    with _SignalsBetweenStarts() as between:
+        while True:
+            if between.received is not None:  # before any rank started, or between restarts
+                name = signal_name(between.received)
+                sys.stderr.write(f"{PROG}: received {name} with no process running; stopped\n")
+                return INTERRUPTED if between.received == signal.SIGINT else PREEMPTED
+            code = _start_group(command, nproc, kill_timeout, devices_per_proc, port, restarts)
+            if code is not None:
+                return code
+            between.wait(restart_delay)
+
+
+class _SignalsBetweenStarts:
+    """The launcher's stop signals recorded while no rank runs (its own start, a restart's
+    delay): a SIGTERM then ends the launcher in one line (exit 75, 130 for Ctrl-C), not by
+    the signal's default (killed, no line)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._arrived = threading.Event()
+
+    def __enter__(self) -> _SignalsBetweenStarts:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def _record(self, signum: int, frame: object) -> None:
+        self.received = self.received or signum
+        self._arrived.set()
+
+    def wait(self, seconds: float) -> None:
+        """Sleep ``seconds``, or until a stop signal arrives."""
+        self._arrived.wait(seconds)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _start_group(
+    command: Sequence[str],
+    nproc: int,
+    kill_timeout: float,
+    devices_per_proc: int | None,
+    port: int | None,
+    restarts: Restarts,
+) -> int | None:
+    """One start of the group; its exit code, or None when it is to be started again."""
+    launcher = _Launcher(list(command), nproc, kill_timeout)
+    code = _launch_once(launcher, command, nproc, devices_per_proc, port)
+    rank, returncode = launcher.first_failure or (0, code)
+    cause = f"rank {rank} {describe_exit(returncode)}"
+    refusal = restarts.refusal(code, launcher.signal_received, cause)
+    if refusal is not None:
+        if refusal:
+            launcher.stderr.write(f"{PROG}: {refusal}\n")
+        return code
+    launcher.stderr.write(f"{PROG}: {restarts.restarting(cause)}\n")
+    return None
 
 
 def _launch_once(

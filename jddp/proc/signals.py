@@ -1,7 +1,8 @@
 """Stop signals to a stop every process agrees on: :class:`StopRequest` records SIGTERM, SIGUSR1,
 SIGINT and SIGHUP; each batch carries the flag (:data:`STOP_KEY`), so all processes stop and
-save at the same step. Light on purpose (no JAX): ``python -m jddp.train`` installs it first
-thing, so a signal that arrives while JAX starts or the job assembles is kept, not fatal. The
+save at the same step. Light on purpose (no JAX, NumPy only when a batch's flags are made):
+``python -m jddp.train`` installs it in its first statement, so a signal that arrives while the
+command's libraries load, JAX starts or the job assembles is kept, not fatal. The
 commands that save nothing (evaluate, export) turn Ctrl-C into exit 130 instead:
 :mod:`jddp.proc.interrupt`, free of numpy so they install it in their first statement."""
 
@@ -11,9 +12,10 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from jddp.errors import STOP_SIGNALS
 from jddp.proc.interrupt import exit_interrupted
@@ -40,6 +42,8 @@ class TimedSaves:
         """This process's rows of the batch's save flags (none when off)."""
         if self.every_s is None:
             return {}
+        import numpy as np
+
         due = time.monotonic() - self.last >= self.every_s
         return {SAVE_KEY: np.full(rows, float(due), np.float32)}
 
@@ -164,6 +168,8 @@ class StopRequest:
         :data:`FINISH_KEY` for :meth:`finish`. Two keys, each > 0 when any process asked: the
         step averages its metrics over processes (a value's meaning would not survive a
         mean); a signal wins (save and exit 75) when both came."""
+        import numpy as np
+
         return {
             STOP_KEY: np.full(rows, self.signal_name is not None, np.float32),
             FINISH_KEY: np.full(rows, self.finish_reason is not None, np.float32),
