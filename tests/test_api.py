@@ -220,7 +220,7 @@ def test_sigterm_to_a_fit_script_exits_75_in_one_line_as_the_cli(tmp_path):
 def test_only_an_uncaught_preemption_exits_75(monkeypatch):
     """The hook ``fit`` installs: Preempted at the top level is exit 75; any other exception
     goes to the hook before it; installing twice chains once."""
-    from jddp.api import exit_75_on_uncaught_preemption
+    from jddp.compat.excepthook import exit_75_on_uncaught_preemption
     from jddp.errors import Preempted
 
     seen = []
