@@ -217,23 +217,6 @@ def test_sigterm_to_a_fit_script_exits_75_in_one_line_as_the_cli(tmp_path):
     assert (workdir / "checkpoints" / str(stopped)).is_dir()
 
 
-def test_only_an_uncaught_preemption_exits_75(monkeypatch):
-    """The hook ``fit`` installs: Preempted at the top level is exit 75; any other exception
-    goes to the hook before it; installing twice chains once."""
-    from jddp.compat.excepthook import exit_75_on_uncaught_preemption
-    from jddp.errors import Preempted
-
-    seen = []
-    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(kind))
-    exit_75_on_uncaught_preemption()
-    exit_75_on_uncaught_preemption()
-    with pytest.raises(SystemExit) as stop:
-        sys.excepthook(Preempted, Preempted(3), None)
-    assert stop.value.code == 75 and seen == []
-    sys.excepthook(KeyError, KeyError("x"), None)
-    assert seen == [KeyError]
-
-
 @pytest.mark.slow
 def test_user_model_factory_from_the_cli(tmp_path):
     out = run_python(

@@ -58,6 +58,9 @@ def same_cpu_cache_key_on_every_process() -> None:
         return (hash_kinds if getattr(on_cpu, "now", False) else hash_config)(hash_obj, devices)
 
     key.jddp = True  # type: ignore[attr-defined]
+    # JAX's own functions stay reachable (inspect.unwrap): tests/test_compat.py pins their shape
+    key.__wrapped__, options.__wrapped__ = get, hash_options  # type: ignore[attr-defined]
+    accelerator_config.__wrapped__ = hash_config  # type: ignore[attr-defined]
     cache_key.get = key
     cache_key._hash_serialized_compile_options = options
     cache_key._hash_accelerator_config = accelerator_config
@@ -105,4 +108,5 @@ def whole_cache_entries() -> None:
         return None
 
     whole_put.jddp = True  # type: ignore[attr-defined]
+    whole_put.__wrapped__ = put  # type: ignore[attr-defined] - JAX's, for inspect.unwrap
     lru_cache.LRUCache.put = whole_put

@@ -68,6 +68,7 @@ def cut_cpu_slices_on_host() -> None:
     2026-08-19 (3ff7b24: ``jax.lax.slice_in_dim`` on the device)."""
     fields = getattr(ReplicaSlice, "__dataclass_fields__", {})
     if callable(_ORBAX_DATA) and {"unsliced_data", "slice_args"} <= fields.keys():
+        _data.__wrapped__ = _ORBAX_DATA  # type: ignore[attr-defined] - orbax's, for inspect.unwrap
         ReplicaSlice.data = _data
 
 
