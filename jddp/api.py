@@ -19,7 +19,7 @@ from jddp import config as config_lib
 from jddp import distributed
 from jddp.build import Parts, user_splits
 from jddp.compat.collector import collecting_less_often
-from jddp.compat.excepthook import exit_75_on_uncaught_preemption
+from jddp.compat.excepthook import exiting_75_on_uncaught_preemption
 from jddp.config import Config, FitConfig
 from jddp.data.source import as_source  # noqa: F401 - jddp.as_source
 from jddp.errors import ConfigError
@@ -123,6 +123,22 @@ def fit(
     :class:`~jddp.errors.Preempted`; left uncaught, the script exits 75 after the one line
     ``jddp: preempted at step N ...``, as the CLI does, with no traceback
     (:func:`~jddp.compat.excepthook.exit_75_on_uncaught_preemption`).
+
+    What ``fit`` changes in your process (:mod:`jddp.compat` lists why, and what lets each go).
+    Put back when it returns or raises: Python's garbage collector thresholds (its youngest
+    generation is collected every 50,000 allocations while ``fit`` runs; tracing's garbage),
+    the handlers of the stop signals and the signal wakeup fd, and ``sys.excepthook``, except
+    when a ``Preempted`` leaves ``fit``: then the hook stays chained to yours, so that the
+    exception, uncaught, ends the script with exit 75 (it acts on nothing else; catch the
+    exception and it never runs). Left for the rest of the process: JAX's persistent
+    compilation cache (``jax_compilation_cache_dir`` is ``train.compilation_cache_dir`` unless
+    you set one; programs compiling in 0.5 s or more are kept unless JAX's own variables say);
+    jddp's replacements of private functions of JAX (a CPU program's cache key without device
+    ids, cache entries written whole) and orbax (replicas' shares of CPU arrays cut with
+    NumPy); filters on the ``absl`` and ``asyncio`` loggers and a ``sys.unraisablehook`` that
+    drop orbax's reports of failures jddp reports itself (:mod:`jddp.checkpoint.orbax_quiet`);
+    with an MLflow tracker, MLflow's HTTP retry and timeout variables in ``os.environ`` where
+    you set none.
     """
     cfg = load_config(config, overrides)
     parts = Parts(
@@ -163,6 +179,6 @@ def fit(
     )
     if train_data is not None:
         parts.splits = user_splits(train_data, eval_data, parts.custom)
-    exit_75_on_uncaught_preemption()
-    with collecting_less_often():  # tracing's garbage (jddp/compat/collector.py); yours after
+    # Both put back as they were when fit returns (the hook stays after a Preempted: see above).
+    with exiting_75_on_uncaught_preemption(), collecting_less_often():
         return train_and_evaluate(cfg, parts)

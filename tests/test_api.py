@@ -51,6 +51,42 @@ def test_fit_with_arrays_custom_loss_and_metric(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "60").is_dir()
 
 
+def test_fit_puts_back_the_excepthook_and_the_collectors_thresholds(tmp_path, monkeypatch):
+    """A library call: after ``fit`` returns, ``sys.excepthook`` and ``gc.get_threshold()`` are
+    the caller's again; while it runs, jddp's (the exit-75 hook, the youngest generation
+    collected every 50,000 allocations)."""
+    import gc
+
+    def callers_hook(kind, value, tb):
+        sys.__excepthook__(kind, value, tb)
+
+    seen = {}
+
+    class Look(jddp.Callback):
+        def on_start(self, step, history):
+            seen.update(hook=sys.excepthook, thresholds=gc.get_threshold())
+
+    monkeypatch.delenv("JDDP_GC_DEFAULTS", raising=False)
+    monkeypatch.setattr(sys, "excepthook", callers_hook)
+    suite_thresholds = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)  # Python's defaults (the suite runs with jddp's)
+    try:
+        jddp.fit(
+            TinyMLP(192, 2, nnx.Rngs(0)),
+            optax.sgd(1e-2),
+            train_data=data(16),
+            config={"workdir": str(tmp_path / "run"), "train": {"steps": 1}},
+            overrides=["data.global_batch_size=16", "log.progress=off"],
+            callbacks=[Look()],
+        )
+        during, after = seen, {"hook": sys.excepthook, "thresholds": gc.get_threshold()}
+    finally:
+        gc.set_threshold(*suite_thresholds)
+    assert getattr(during["hook"], "jddp_preempted_exits", False)
+    assert during["thresholds"] == (50_000, 10, 10)
+    assert after == {"hook": callers_hook, "thresholds": (700, 10, 10)}
+
+
 def test_fit_with_grain_source_record_list_and_iterable(tmp_path):
     import grain
 

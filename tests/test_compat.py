@@ -3,6 +3,7 @@ target still has the shape the change relies on, and the change is in place once
 it ran. Every patch leaves a target it does not find alone, silently: after an upgrade of JAX,
 Flax or orbax these tests are what says that one no longer applies."""
 
+import contextlib
 import gc
 import inspect
 import re
@@ -165,6 +166,39 @@ def test_only_an_uncaught_preemption_exits_75(monkeypatch):
     assert stop.value.code == 75 and seen == []
     sys.excepthook(KeyError, KeyError("x"), None)
     assert seen == [KeyError]
+
+
+@pytest.mark.parametrize("raised", [None, "KeyError", "Preempted"])
+def test_the_exit_75_hook_outlives_its_block_only_after_a_preemption(monkeypatch, raised):
+    """``jddp.fit``'s block: the caller's hook is back after a normal end or another
+    exception; after a ``Preempted`` jddp's stays, for the top level to exit 75 with; a hook
+    installed over jddp's inside the block is left in place."""
+    from jddp.compat.excepthook import exiting_75_on_uncaught_preemption
+    from jddp.errors import Preempted
+
+    def callers_hook(kind, value, tb):
+        sys.__excepthook__(kind, value, tb)
+
+    monkeypatch.setattr(sys, "excepthook", callers_hook)
+    error = {None: None, "KeyError": KeyError("x"), "Preempted": Preempted(3)}[raised]
+    hook_stays = raised == "Preempted"
+    with contextlib.suppress(Preempted, KeyError), exiting_75_on_uncaught_preemption():
+        assert getattr(sys.excepthook, "jddp_preempted_exits", False)
+        if error is not None:
+            raise error
+    assert (sys.excepthook is not callers_hook) == hook_stays
+    if hook_stays:
+        with pytest.raises(SystemExit) as stop:
+            sys.excepthook(Preempted, Preempted(3), None)
+        assert stop.value.code == 75
+
+    def theirs(kind, value, tb):
+        callers_hook(kind, value, tb)
+
+    monkeypatch.setattr(sys, "excepthook", callers_hook)
+    with exiting_75_on_uncaught_preemption():
+        sys.excepthook = theirs
+    assert sys.excepthook is theirs
 
 
 # Flax's internals that jddp.models.units is built on (it stays there: it is the mechanism)

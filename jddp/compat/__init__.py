@@ -36,7 +36,8 @@ The state of the process (no library's internals):
 * :mod:`~jddp.compat.collector`: Python's garbage collector collects its youngest generation
   less often: for good in jddp's commands, within the call in ``jddp.fit`` (restored after).
 * :mod:`~jddp.compat.excepthook`: ``sys.excepthook`` chained so that a ``Preempted`` nobody
-  catches ends a ``jddp.fit`` script with exit 75.
+  catches ends a ``jddp.fit`` script with exit 75: installed for ``fit``'s call, put back after
+  it unless a ``Preempted`` left it (the hook's one use).
 
 Not here: the version pairs refused at start-up (:mod:`jddp.proc.versions`), and the filters on
 the ``absl`` and ``asyncio`` loggers and the ``sys.unraisablehook`` that keep orbax's reports of
