@@ -1,5 +1,5 @@
 """What Python's garbage collector costs a jddp process, and what jddp's setting saves
-(``jddp/proc/collector.py``): ``python3 experiments/bench_gc.py [--pairs 5]``.
+(``jddp/compat/collector.py``): ``python3 experiments/bench_gc.py [--pairs 5]``.
 
 Each pair runs the same command twice, once with Python's collector settings
 (``JDDP_GC_DEFAULTS=0``) and once with jddp's, in alternating order; the CPU seconds are the

@@ -7,7 +7,6 @@ preemption) goes through the same trainer; ``fit`` only swaps in the pieces you 
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,12 @@ from flax import nnx
 from jddp import config as config_lib
 from jddp import distributed
 from jddp.build import Parts, user_splits
+from jddp.compat.collector import collecting_less_often
+from jddp.compat.excepthook import exiting_75_on_uncaught_preemption
 from jddp.config import Config, FitConfig
 from jddp.data.source import as_source  # noqa: F401 - jddp.as_source
-from jddp.errors import PREEMPTED, ConfigError, Preempted
+from jddp.errors import ConfigError
 from jddp.optimizer import describe_optax
-from jddp.proc.collector import collecting_less_often
 from jddp.run.callbacks import Callback, EarlyStopping  # noqa: F401 - jddp.Callback, ...
 from jddp.run.trainer import RunResult, train_and_evaluate
 
@@ -122,7 +122,23 @@ def fit(
     A stop signal (SIGTERM, SIGUSR1, SIGHUP, Ctrl-C) saves a checkpoint and raises
     :class:`~jddp.errors.Preempted`; left uncaught, the script exits 75 after the one line
     ``jddp: preempted at step N ...``, as the CLI does, with no traceback
-    (:func:`exit_75_on_uncaught_preemption`).
+    (:func:`~jddp.compat.excepthook.exit_75_on_uncaught_preemption`).
+
+    What ``fit`` changes in your process (:mod:`jddp.compat` lists why, and what lets each go).
+    Put back when it returns or raises: Python's garbage collector thresholds (its youngest
+    generation is collected every 50,000 allocations while ``fit`` runs; tracing's garbage),
+    the handlers of the stop signals and the signal wakeup fd, and ``sys.excepthook``, except
+    when a ``Preempted`` leaves ``fit``: then the hook stays chained to yours, so that the
+    exception, uncaught, ends the script with exit 75 (it acts on nothing else; catch the
+    exception and it never runs). Left for the rest of the process: JAX's persistent
+    compilation cache (``jax_compilation_cache_dir`` is ``train.compilation_cache_dir`` unless
+    you set one; programs compiling in 0.5 s or more are kept unless JAX's own variables say);
+    jddp's replacements of private functions of JAX (a CPU program's cache key without device
+    ids, cache entries written whole) and orbax (replicas' shares of CPU arrays cut with
+    NumPy); filters on the ``absl`` and ``asyncio`` loggers and a ``sys.unraisablehook`` that
+    drop orbax's reports of failures jddp reports itself (:mod:`jddp.checkpoint.orbax_quiet`);
+    with an MLflow tracker, MLflow's HTTP retry and timeout variables in ``os.environ`` where
+    you set none.
     """
     cfg = load_config(config, overrides)
     parts = Parts(
@@ -163,31 +179,6 @@ def fit(
     )
     if train_data is not None:
         parts.splits = user_splits(train_data, eval_data, parts.custom)
-    exit_75_on_uncaught_preemption()
-    with collecting_less_often():  # tracing's garbage (jddp/proc/collector.py); yours after
+    # Both put back as they were when fit returns (the hook stays after a Preempted: see above).
+    with exiting_75_on_uncaught_preemption(), collecting_less_often():
         return train_and_evaluate(cfg, parts)
-
-
-def exit_75_on_uncaught_preemption() -> None:
-    """Make a :class:`~jddp.errors.Preempted` that no caller catches end the script as
-    ``python -m jddp.train`` ends: exit 75 (a scheduler requeues on it), no traceback after the
-    trainer's one line ``jddp: preempted at step N (SIGTERM); checkpoint ... saved; rerun the
-    same command to continue``. It was a traceback and exit 1, which no scheduler requeues.
-
-    Installed once, by :func:`fit`, as ``sys.excepthook`` chained to the hook before it (which
-    still gets every other exception); the exception itself is unchanged, so a caller can catch
-    it. A ``SystemExit`` raised in the hook is the interpreter's exit code, after the normal
-    teardown (atexit handlers, flushed output). Only Python's top level calls the hook: an
-    uncaught exception in another thread, or in IPython/Jupyter, is shown as before.
-    """
-    if getattr(sys.excepthook, "jddp_preempted_exits", False):
-        return
-    previous = sys.excepthook
-
-    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if issubclass(kind, Preempted):
-            sys.exit(PREEMPTED)  # the trainer printed the one line; nothing more to say
-        previous(kind, value, tb)
-
-    excepthook.jddp_preempted_exits = True  # type: ignore[attr-defined]
-    sys.excepthook = excepthook

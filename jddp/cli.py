@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from jddp import errors
+from jddp.compat.collector import collect_less_often
 from jddp.errors import ConfigError, JddpError, Preempted, one_line
 from jddp.proc import watchdog
-from jddp.proc.collector import collect_less_often
 from jddp.proc.cores import size_cpu_threads
 from jddp.proc.versions import check_versions
 from jddp.proc.xla import apply_cpu_flags

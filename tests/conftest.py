@@ -67,8 +67,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # compiling again what another process had compiled (2026-11-28, the 2-core VM).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The workers' in-process tests trace as jddp's processes do, and their heaps grow over a
-# session: the same collector settings (jddp/proc/collector.py).
-from jddp.proc.collector import collect_less_often  # noqa: E402 - after the environment above
+# session: the same collector settings (jddp/compat/collector.py).
+from jddp.compat.collector import collect_less_often  # noqa: E402 - after the environment above
 
 collect_less_often()
 

@@ -51,6 +51,42 @@ def test_fit_with_arrays_custom_loss_and_metric(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "60").is_dir()
 
 
+def test_fit_puts_back_the_excepthook_and_the_collectors_thresholds(tmp_path, monkeypatch):
+    """A library call: after ``fit`` returns, ``sys.excepthook`` and ``gc.get_threshold()`` are
+    the caller's again; while it runs, jddp's (the exit-75 hook, the youngest generation
+    collected every 50,000 allocations)."""
+    import gc
+
+    def callers_hook(kind, value, tb):
+        sys.__excepthook__(kind, value, tb)
+
+    seen = {}
+
+    class Look(jddp.Callback):
+        def on_start(self, step, history):
+            seen.update(hook=sys.excepthook, thresholds=gc.get_threshold())
+
+    monkeypatch.delenv("JDDP_GC_DEFAULTS", raising=False)
+    monkeypatch.setattr(sys, "excepthook", callers_hook)
+    suite_thresholds = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)  # Python's defaults (the suite runs with jddp's)
+    try:
+        jddp.fit(
+            TinyMLP(192, 2, nnx.Rngs(0)),
+            optax.sgd(1e-2),
+            train_data=data(16),
+            config={"workdir": str(tmp_path / "run"), "train": {"steps": 1}},
+            overrides=["data.global_batch_size=16", "log.progress=off"],
+            callbacks=[Look()],
+        )
+        during, after = seen, {"hook": sys.excepthook, "thresholds": gc.get_threshold()}
+    finally:
+        gc.set_threshold(*suite_thresholds)
+    assert getattr(during["hook"], "jddp_preempted_exits", False)
+    assert during["thresholds"] == (50_000, 10, 10)
+    assert after == {"hook": callers_hook, "thresholds": (700, 10, 10)}
+
+
 def test_fit_with_grain_source_record_list_and_iterable(tmp_path):
     import grain
 
@@ -215,23 +251,6 @@ def test_sigterm_to_a_fit_script_exits_75_in_one_line_as_the_cli(tmp_path):
     assert last.endswith(" saved; rerun the same command to continue")
     stopped = int(last.split("preempted at step ")[1].split()[0])
     assert (workdir / "checkpoints" / str(stopped)).is_dir()
-
-
-def test_only_an_uncaught_preemption_exits_75(monkeypatch):
-    """The hook ``fit`` installs: Preempted at the top level is exit 75; any other exception
-    goes to the hook before it; installing twice chains once."""
-    from jddp.api import exit_75_on_uncaught_preemption
-    from jddp.errors import Preempted
-
-    seen = []
-    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(kind))
-    exit_75_on_uncaught_preemption()
-    exit_75_on_uncaught_preemption()
-    with pytest.raises(SystemExit) as stop:
-        sys.excepthook(Preempted, Preempted(3), None)
-    assert stop.value.code == 75 and seen == []
-    sys.excepthook(KeyError, KeyError("x"), None)
-    assert seen == [KeyError]
 
 
 @pytest.mark.slow

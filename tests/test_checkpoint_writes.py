@@ -1,4 +1,4 @@
-"""How a checkpoint of arrays every device holds is written (jddp.checkpoint.orbax_writes)."""
+"""How a checkpoint of arrays every device holds is written (jddp.compat.orbax_writes)."""
 
 import json
 

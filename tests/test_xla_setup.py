@@ -98,9 +98,9 @@ def test_a_cache_entry_is_read_whole_or_not_at_all(tmp_path):
     and a compile again); the entry reads back as written, nothing else is left beside it."""
     from jax._src.lru_cache import LRUCache
 
-    from jddp.proc.xla import _whole_cache_entries
+    from jddp.compat.jax_cache import whole_cache_entries
 
-    _whole_cache_entries()  # as enable_compilation_cache does in every jddp process
+    whole_cache_entries()  # as enable_compilation_cache does in every jddp process
     cache = LRUCache(str(tmp_path), max_size=-1)  # JAX's default: no size limit
     value = os.urandom(1 << 25)
     sizes, writing = [], threading.Event()
@@ -127,7 +127,7 @@ def test_a_cache_entry_is_read_whole_or_not_at_all(tmp_path):
 @pytest.mark.parametrize(("gc_defaults", "young"), [(None, 50_000), ("0", 700)])
 def test_a_command_collects_tracings_garbage_less_often(gc_defaults, young):
     """A jddp command collects Python's youngest generation every 50,000 allocations, not 700
-    (tracing's short-lived objects: jddp/proc/collector.py, experiments/bench_gc.py);
+    (tracing's short-lived objects: jddp/compat/collector.py, experiments/bench_gc.py);
     ``JDDP_GC_DEFAULTS=0`` keeps Python's settings."""
     probe = "import gc\nfrom jddp.cli import run\nrun(lambda s: print(*gc.get_threshold()) or 0)\n"
     env = {k: v for k, v in os.environ.items() if k != "JDDP_GC_DEFAULTS"}

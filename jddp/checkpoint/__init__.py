@@ -9,9 +9,10 @@
   pretrained tensors: :mod:`~jddp.checkpoint.pretrained`);
 * :mod:`~jddp.checkpoint.find`: a run's checkpoint from a path, opened for reading;
 * :mod:`~jddp.checkpoint.room`: whether the disk has room for the next checkpoint;
-* :mod:`~jddp.checkpoint.orbax_writes`: orbax's writes: replicas' shares cut on the host on
-  CPU devices (no compile per shape), a failed save's other writes awaited;
 * :mod:`~jddp.checkpoint.orbax_quiet`: orbax's reports jddp makes itself, kept off the terminal.
+
+How orbax writes (replicas' shares cut on the host on CPU devices, a failed save's other writes
+awaited) is :mod:`jddp.compat.orbax_writes`: it relies on orbax's private modules.
 """
 
 from jddp.checkpoint.store import Checkpoints

@@ -36,7 +36,7 @@ from jddp.checkpoint.orbax_quiet import (
     quiet_orbax_errors,
     silence_late_read_callbacks,
 )
-from jddp.checkpoint.orbax_writes import cut_cpu_slices_on_host, wait_for_failed_writes
+from jddp.compat.orbax_writes import cut_cpu_slices_on_host, wait_for_failed_writes
 from jddp.errors import (
     CheckpointDamaged,
     CheckpointError,

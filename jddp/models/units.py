@@ -29,9 +29,10 @@ What runs as a plain call: a call whose arguments hold modules or variables, and
 the model's own transforms (``nnx.remat``, ``nnx.scan``: the model passes its state through
 them, so their modules hold new values). Correct, only not a unit.
 
-Internals this relies on (pinned by ``tests/test_compat.py``): the unit class is made with
-``type(cls)(name, (cls,), namespace, pytree=...)`` and reads flax's ``_pytree__is_pytree``
-(a class's own choice of ``pytree=False``), and ``nnx.graphlib.is_graph_node``.
+Internals this relies on (pinned by ``tests/test_compat.py``, listed in :mod:`jddp.compat`):
+the unit class is made with ``type(cls)(name, (cls,), namespace, pytree=...)`` and reads
+flax's ``_pytree__is_pytree`` (a class's own choice of ``pytree=False``), and
+``nnx.graphlib.is_graph_node``.
 """
 
 from __future__ import annotations

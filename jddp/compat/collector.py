@@ -9,6 +9,11 @@ of the main thread's 2.5-2.7 CPU-s, each walking objects about to die anyway. Co
 showed no difference beyond its noise). Cyclic garbage still goes, later; the older
 generations keep their thresholds.
 ``JDDP_GC_DEFAULTS=0`` keeps Python's own settings.
+
+No library's internals: a setting of the whole process. jddp's commands set it for good
+(:func:`jddp.cli.run`), ``jddp.fit`` for its call only (:func:`collecting_less_often`). Goes
+when a collection of the youngest generation stops costing that much (a Python whose collector
+works differently, a JAX that allocates less while tracing): ``experiments/bench_gc.py`` says.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ may still run; one that lands after jddp removed the failed save's temporary fol
 re-create it. That is the likely cause of a half-written save left behind once in ~12 runs
 of tests/test_trust.py's full disk (a first save failing): :func:`wait_for_failed_writes`
 waits for those threads before the folder is removed.
+
+Both are used by :class:`jddp.checkpoint.Checkpoints` and rely on orbax 0.12's private modules
+(``tests/test_compat.py`` fails when they change shape); where they moved, nothing is patched
+and nothing awaited (orbax's own behaviour, slower or racier, not wrong).
 """
 
 from __future__ import annotations
@@ -55,15 +59,27 @@ def _data(replica_slice: Any) -> Any:
 
 def cut_cpu_slices_on_host() -> None:
     """Have orbax cut the replicas' shares of arrays on CPU devices with NumPy (idempotent;
-    nothing changes where orbax's ``ReplicaSlice`` is not the one this was written for)."""
+    nothing changes where orbax's ``ReplicaSlice`` is not the one this was written for).
+
+    Replaces ``orbax.checkpoint._src.serialization.replica_slices.ReplicaSlice.data`` for the
+    rest of the process (reads its fields ``unsliced_data`` and ``slice_args``, and
+    ``SliceArgs``' ``start_index``, ``limit_index``, ``axis``). Goes when orbax cuts a host
+    buffer's slices without compiling a program per shape: not yet in orbax's main of
+    2026-08-19 (3ff7b24: ``jax.lax.slice_in_dim`` on the device)."""
     fields = getattr(ReplicaSlice, "__dataclass_fields__", {})
     if callable(_ORBAX_DATA) and {"unsliced_data", "slice_args"} <= fields.keys():
+        _data.__wrapped__ = _ORBAX_DATA  # type: ignore[attr-defined] - orbax's, for inspect.unwrap
         ReplicaSlice.data = _data
 
 
 def wait_for_failed_writes(timeout_s: float = 10.0) -> None:
     """Wait (at most ``timeout_s``) for orbax's commit threads still writing: called after a
-    save failed, before its temporary folder is removed."""
+    save failed, before its temporary folder is removed.
+
+    Patches nothing; finds the threads by orbax's private class
+    ``orbax.checkpoint._src.futures.future._SignalingThread``. Goes when orbax's failed save
+    (or ``CheckpointManager.close``) waits for the save's other writes before it returns; not
+    known to be fixed upstream."""
     if CommitThread is None:
         return
     deadline = time.monotonic() + timeout_s
