@@ -203,6 +203,24 @@ def test_init_from_another_run_reads_its_weights_not_its_code(run, tmp_path):
     assert not marker.exists()
 
 
+def test_a_failed_final_eval_names_the_evaluate_command_with_the_flag(tmp_path, monkeypatch):
+    """The run's config names its model's factory: the command that evaluates it again says
+    --trust-code, or it would be refused."""
+    from jddp.errors import EvalFailed
+    from jddp.eval_lib import EvalRun
+    from jddp.run.trainer import train_and_evaluate
+
+    def broken_eval(*args, **kwargs):
+        raise OSError("image file is truncated")
+
+    monkeypatch.setattr(EvalRun, "__call__", broken_eval)
+    overrides = with_overrides(RUN, "model.name=tests.user_models:tiny_mlp", "train.steps=1")
+    with pytest.raises(EvalFailed) as failed:
+        train_and_evaluate(jddp.load_config({"workdir": str(tmp_path / "run")}, overrides))
+    again = f"python -m jddp.evaluate --workdir {tmp_path / 'run'} --trust-code"
+    assert str(failed.value).endswith(f"evaluate it again with: {again}")
+
+
 def test_each_command_takes_the_flag_and_says_what_it_does(capsys):
     for module, argv in (
         ("jddp.evaluate", ["--workdir", "W", "--trust-code"]),
