@@ -48,6 +48,7 @@ from jddp.errors import (
     NonFiniteLoss,
     one_line,
 )
+from jddp.imports import CODE_KEYS, code_specs, refuse_untrusted
 from jddp.inference import as_model, restore_into
 from jddp.mesh import make_mesh, to_host
 from jddp.metrics import Console, append_metrics, describe_eval, nonfinite_eval
@@ -186,6 +187,7 @@ def evaluate_model(
     loss_fn: Callable | None = None,
     overrides: Iterable[str] = (),
     ema: bool = False,
+    trust_code: bool = False,
 ) -> dict:
     """Eval metrics (as :class:`EvalRun` returns them) of a model on ``data``.
 
@@ -199,16 +201,25 @@ def evaluate_model(
     ``train.loss``/``train.metrics`` brings its own), else image classification with
     ``loss_fn`` ``(logits_BxK, labels_B) -> loss_B`` (default: the run's cross-entropy).
     ``ema``: a run's parameters' moving average (``train.ema_decay``) in place of them.
+    ``trust_code``: a run's config may name the code that builds its model, data or task
+    (``pkg.module:factory``), imported only then (see :func:`jddp.load`); what is given here
+    (``data``, ``loss``) replaces it and needs no consent.
     """
-    run = as_model(model_or_workdir, step, ema)
+    overrides = list(overrides)
+    run = as_model(model_or_workdir, step, ema, trust_code)
     cfg = None
+    parts = Parts(loss=loss, metrics=metrics, loss_fn=loss_fn)
     if run.model is not model_or_workdir:  # a run: its config (optional when data is given)
         try:
-            cfg = run_config(Path(model_or_workdir), overrides)
+            cfg = run_config(Path(model_or_workdir), overrides, imports=())
         except ConfigError:
             if data is None:
                 raise
-    parts = Parts(loss=loss, metrics=metrics, loss_fn=loss_fn)
+        if cfg is not None:  # what of it is imported: the data unless given, the task's code
+            keys = ("data.name",) if data is None else ()
+            keys += () if parts.custom else ("train.loss", "train.metrics")
+            where = str(RunFolder(cfg.workdir).config_yaml)
+            refuse_untrusted(where, code_specs(cfg, keys, overrides), trust_code)
     custom = parts.custom or (cfg is not None and is_custom_task(cfg))
     if run.task == "custom" and not custom:
         raise ConfigError(
@@ -294,9 +305,17 @@ def num_logits(model_def: Any, state: TrainState, source: Any) -> int:
     return int(shape[-1]) if len(shape) == 2 else source.num_classes
 
 
-def run_config(path: Path, overrides: Iterable[str] = ()) -> Config:
+def run_config(
+    path: Path,
+    overrides: Iterable[str] = (),
+    *,
+    trust_code: bool = False,
+    imports: Iterable[str] = CODE_KEYS,
+) -> Config:
     """The resolved config of the run at ``path`` (a workdir, or a checkpoint folder inside
-    one), with ``overrides``; its ``workdir`` is the run's folder."""
+    one), with ``overrides``; its ``workdir`` is the run's folder. Someone else may have written
+    it: unless ``trust_code``, a ``ConfigError`` when one of the keys the caller will
+    ``imports`` names code (``pkg.module:factory``) that no override replaced."""
     root = path
     for candidate in (path, path.parent, path.parent.parent):
         if RunFolder(candidate).config_yaml.is_file():
@@ -304,8 +323,10 @@ def run_config(path: Path, overrides: Iterable[str] = ()) -> Config:
             break
     else:
         raise ConfigError(f"--workdir: no run in {path} (it has no config.yaml)")
-    cfg = config_lib.load(RunFolder(root).config_yaml, list(overrides))
+    saved = RunFolder(root).config_yaml
+    cfg = config_lib.load(saved, list(overrides))
     cfg.workdir = str(root)
+    refuse_untrusted(str(saved), code_specs(cfg, imports, overrides), trust_code)
     return cfg
 
 

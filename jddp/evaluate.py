@@ -30,7 +30,7 @@ import argparse  # noqa: E402 (after the handler, on purpose)
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-USAGE = "python -m jddp.evaluate --workdir W [--step N] [--ema] [key.sub=value ...]"
+USAGE = "python -m jddp.evaluate --workdir W [--step N] [--ema] [--trust-code] [key.sub=value ...]"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -51,6 +51,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="evaluate the parameters' moving average (a run with train.ema_decay), logged as "
         "eval_ema/...",
     )
+    parser.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="import the pkg.module:factory names of the run's saved config (model, data, "
+        "loss, metrics): their code runs, as a script's would; without it such a config is "
+        "refused (exit 2). Built-in names need no consent",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.*")
     return parser.parse_intermixed_args(argv)  # overrides before and after the flags
 
@@ -66,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def body(session: Session) -> int:
             args = parse_args(argv)
-            cfg = run_config(Path(args.workdir), args.overrides)
+            cfg = run_config(Path(args.workdir), args.overrides, trust_code=args.trust_code)
             refuse_fit_run(cfg, "python -m jddp.evaluate")
             find_checkpoint(args.workdir, args.step, "--workdir", "--step")  # before JAX starts
             evaluate_checkpoint(

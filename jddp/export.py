@@ -31,7 +31,7 @@ from pathlib import Path  # noqa: E402
 
 USAGE = (
     "python -m jddp.export --workdir W [--step N] --format stablehlo|onnx "
-    "[--batch-size B|dynamic] [--input-shape SHAPE] [--ema] OUT"
+    "[--batch-size B|dynamic] [--input-shape SHAPE] [--ema] [--trust-code] OUT"
 )
 
 
@@ -78,6 +78,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="export the parameters' moving average (a run with train.ema_decay)",
     )
+    parser.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="import the pkg.module:factory names of the run's saved config (model, data, "
+        "loss, metrics): their code runs, as a script's would; without it such a config is "
+        "refused (exit 2). Built-in names need no consent",
+    )
     parser.add_argument("out", metavar="OUT", help="the file to write")
     return parser.parse_args(argv)
 
@@ -114,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             apply_cpu_flags()
             from jddp.config import refuse_fit_run
             from jddp.eval_lib import run_config
+            from jddp.imports import CODE_KEYS
 
-            refuse_fit_run(run_config(Path(args.workdir)), "python -m jddp.export")
+            # The code the export imports: the model's; the data's and the task's unless
+            # --input-shape gives the inputs. Refused before any of it is imported.
+            imports = ("model.name",) if args.input_shape else CODE_KEYS
+            cfg = run_config(Path(args.workdir), trust_code=args.trust_code, imports=imports)
+            refuse_fit_run(cfg, "python -m jddp.export")
             from jddp.export_lib import describe_inputs, export_checkpoint
 
             exported, checkpoint, loaded = export_checkpoint(
@@ -126,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.batch_size,
                 args.input_shape,
                 ema=args.ema,
+                trust_code=args.trust_code,
             )
             print(describe_inputs(exported, checkpoint, loaded), flush=True)
             return 0

@@ -26,6 +26,7 @@ from jddp.data.pipeline import eval_rows
 from jddp.data.source import ArraySource, is_image_source, pixel_images
 from jddp.data.trees import as_tree_source, example_spec
 from jddp.errors import ConfigError
+from jddp.imports import refuse_untrusted
 from jddp.state import split_model
 from jddp.tasks.classification import PixelNorm
 
@@ -72,7 +73,12 @@ def model_config(saved: dict[str, Any]) -> config_lib.Config:
 
 
 def load(
-    path: PathLike, step: int | None = None, *, model: nnx.Module | None = None, ema: bool = False
+    path: PathLike,
+    step: int | None = None,
+    *,
+    model: nnx.Module | None = None,
+    ema: bool = False,
+    trust_code: bool = False,
 ):
     """The trained model of a run, in eval mode, on the default device.
 
@@ -81,11 +87,14 @@ def load(
     (``model.name``, ``model.num_classes``, ...); for a model passed to :func:`jddp.fit` that the
     config cannot build, pass a freshly built ``model`` of the same architecture as a template:
     its arrays are replaced in place and it is returned. ``ema``: the parameters' exponential
-    moving average (a run with ``train.ema_decay``) in place of the parameters. Raises
+    moving average (a run with ``train.ema_decay``) in place of the parameters. ``trust_code``:
+    import the ``pkg.module:factory`` the checkpoint's config names for its model (its code
+    runs: the run folder's author wrote it); without it such a config is a
+    :class:`ConfigError` (not needed with ``model=``, nor for a built-in model). Raises
     :class:`ConfigError` when there is no such checkpoint, it holds no EMA (``ema``), or the
     model does not fit it (naming the arrays).
     """
-    return load_run(path, step, model=model, ema=ema).model
+    return load_run(path, step, model=model, ema=ema, trust_code=trust_code).model
 
 
 @dataclass
@@ -111,6 +120,7 @@ def load_run(
     key: str = "path",
     use: Callable[[int], str] = lambda step: f"step={step}",
     ema: bool = False,
+    trust_code: bool = False,
 ) -> LoadedRun:
     """:func:`load` and how the run fed its model (:class:`LoadedRun`). Errors name ``key`` (a
     CLI's ``--workdir``) and, for a damaged checkpoint, how to pick the intact one
@@ -118,7 +128,8 @@ def load_run(
     ckpts, step = open_checkpoint(path, step, key=key)
 
     def like_of(step: int) -> dict[str, Any]:  # the weights of the model checkpoint step fits
-        _, params, model_state = split_model(model if model is not None else _model_of(ckpts, step))
+        built = model if model is not None else _model_of(ckpts, step, trust_code)
+        _, params, model_state = split_model(built)
         return {"params": params, "model_state": model_state}
 
     try:
@@ -127,7 +138,7 @@ def load_run(
             task = ckpts.saved_task(step)
             classes = ckpts.saved_classes(step)
             saved = ckpts.saved_config(step)
-            loaded = _restored_model(ckpts, step, model, key, ema)
+            loaded = _restored_model(ckpts, step, model, key, ema, trust_code)
     finally:
         ckpts.close()
     loaded.eval()
@@ -149,25 +160,33 @@ def class_names(path: PathLike, step: int | None = None) -> list[str] | None:
         ckpts.close()
 
 
-def _model_of(ckpts: Checkpoints, step: int) -> nnx.Module:
+def _model_of(ckpts: Checkpoints, step: int, trust_code: bool = False) -> nnx.Module:
     """A fresh model as checkpoint ``step``'s config names it (a ``ConfigError`` saying what to
-    do for a model that was given to ``jddp.fit``)."""
+    do for a model that was given to ``jddp.fit``, or naming a factory imported only with
+    ``trust_code``)."""
     saved = ckpts.saved_config(step)
     fit = config_lib.from_dict({"fit": saved.get("fit") or {}, "model": saved.get("model") or {}})
     fit.workdir = str(ckpts.directory.parent)
     config_lib.refuse_fit_run(fit, "jddp.load/predict/export without model=")
     cfg = model_config(saved)
+    where = f"the config of checkpoint {ckpts.directory / str(step)}"
+    refuse_untrusted(where, [("model.name", cfg.model.name)], trust_code)
     channels = _in_channels(ckpts.weight_shapes(step))
     return build_model(cfg, nnx.Rngs(0), in_channels=channels)
 
 
 def _restored_model(
-    ckpts: Checkpoints, step: int, model: nnx.Module | None, key: str = "path", ema: bool = False
+    ckpts: Checkpoints,
+    step: int,
+    model: nnx.Module | None,
+    key: str = "path",
+    ema: bool = False,
+    trust_code: bool = False,
 ) -> nnx.Module:
     """``model`` (or the model checkpoint ``step``'s config names) with the step's weights."""
     if model is not None:
         return restore_into(model, ckpts, step, key=key, ema=ema)
-    model = _model_of(ckpts, step)
+    model = _model_of(ckpts, step, trust_code)
     try:
         return restore_into(model, ckpts, step, key=key, ema=ema)
     except ConfigError as e:
@@ -179,15 +198,19 @@ def _restored_model(
 
 
 def as_model(
-    model_or_workdir: nnx.Module | PathLike, step: int | None = None, ema: bool = False
+    model_or_workdir: nnx.Module | PathLike,
+    step: int | None = None,
+    ema: bool = False,
+    trust_code: bool = False,
 ) -> LoadedRun:
     """``model_or_workdir`` itself if it is a module (no known normalisation, eval transform or
-    task), else :func:`load_run` of it (``ema``: its parameters' moving average)."""
+    task), else :func:`load_run` of it (``ema``: its parameters' moving average;
+    ``trust_code``: its config's model factory may be imported)."""
     if isinstance(model_or_workdir, nnx.Module):
         if ema:
             raise TypeError("ema=True reads a run's checkpoint: pass a workdir, not a module")
         return LoadedRun(model_or_workdir, task="unknown")
-    return load_run(model_or_workdir, step, ema=ema)
+    return load_run(model_or_workdir, step, ema=ema, trust_code=trust_code)
 
 
 def pixel_norm_of(mean: Any, std: Any, default: PixelNorm | None) -> PixelNorm:
@@ -233,9 +256,12 @@ def predict(
     step: int | None = None,
     forward: Callable[[nnx.Module, Any], Any] | None = None,
     ema: bool = False,
+    trust_code: bool = False,
 ) -> Any:
     """The model's outputs for ``images`` (or any task's inputs), in input order. ``ema``: a
     run's parameters' moving average (``train.ema_decay``) in place of its parameters.
+    ``trust_code``: a run's model may be built by the ``pkg.module:factory`` its config names
+    (as :func:`load`).
 
     **Image classification** (a run trained on images, or a module given one image array or an
     image source): logits ``[N, K]`` (``logits.argmax(-1)``: the labels). ``images``:
@@ -259,7 +285,7 @@ def predict(
     is padded, so one program serves every batch); no inputs give outputs with a leading 0.
     The model passed is not changed.
     """
-    run = as_model(model_or_workdir, step, ema)
+    run = as_model(model_or_workdir, step, ema, trust_code)
     custom = run.task == "custom" or (run.task == "unknown" and not _is_images(images))
     if custom or forward is not None:
         source = as_tree_source(images, "inputs", label="inputs", allow_empty=True)

@@ -26,7 +26,7 @@ from jddp.proc.signals import StopRequest  # noqa: F811 - as a library module to
 
 USAGE = (
     "python -m jddp.train --config FILE.yaml [key.sub=value ...] [--print-config] "
-    "[--allow-config-change]"
+    "[--allow-config-change] [--trust-code]"
 )
 
 
@@ -48,6 +48,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="resume even if training keys differ from the checkpoint's config "
         "(= checkpoint.allow_config_change=true)",
+    )
+    parser.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="changes nothing here, accepted as evaluate and export take it: train imports only "
+        "the pkg.module:factory names of the config you give (trusted, as a script is); a "
+        "workdir's saved config is compared on resume, never imported, and "
+        "checkpoint.init_from reads another run's weights, not its code",
     )
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, YAML-typed")
     return parser.parse_intermixed_args(argv)  # overrides before and after the flags

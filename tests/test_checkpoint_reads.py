@@ -68,7 +68,7 @@ def evaluate_in_process(argv, capfd) -> tuple[int, str, str]:
 
 def test_a_damaged_checkpoint_in_evaluate_is_one_line_naming_it_and_the_intact_one(run_copy):
     damage(run_copy, 4)
-    out = run_python("-m", "jddp.evaluate", "--workdir", str(run_copy))
+    out = run_python("-m", "jddp.evaluate", "--workdir", str(run_copy), "--trust-code")
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
     (line,) = lines
@@ -82,11 +82,11 @@ def test_a_damaged_checkpoint_in_evaluate_is_one_line_naming_it_and_the_intact_o
 def test_a_damaged_checkpoint_in_load_names_it_or_that_none_is_intact(run_copy):
     damage(run_copy, 4)
     with pytest.raises(CheckpointError, match=r"checkpoints/2 is intact: use step=2$"):
-        jddp.load(run_copy)
-    assert jddp.load(run_copy, step=2) is not None
+        jddp.load(run_copy, trust_code=True)
+    assert jddp.load(run_copy, step=2, trust_code=True) is not None
     (run_copy / "checkpoints" / "2" / "manifest" / "metadata").write_text("garbage")
     with pytest.raises(CheckpointError) as failed:
-        jddp.load(run_copy, step=2)
+        jddp.load(run_copy, step=2, trust_code=True)
     message = str(failed.value)
     assert f"checkpoint {run_copy}/checkpoints/2 is damaged: its manifest cannot be read" in message
     assert message.endswith(f"no other checkpoint in {run_copy}/checkpoints is intact")
@@ -123,7 +123,7 @@ def rotate_away_once(step_dir):
 
 def test_evaluate_reads_the_newest_kept_checkpoint_when_rotation_deletes_its_pick(run_copy, capfd):
     with rotate_away_once(run_copy / "checkpoints" / "4"):
-        code, out, err = evaluate_in_process(["--workdir", str(run_copy)], capfd)
+        code, out, err = evaluate_in_process(["--workdir", str(run_copy), "--trust-code"], capfd)
     assert code == 0, err
     assert "jddp: eval step=2 " in out
     assert read_metrics(run_copy)[-1]["step"] == 2
@@ -131,7 +131,9 @@ def test_evaluate_reads_the_newest_kept_checkpoint_when_rotation_deletes_its_pic
 
 def test_evaluate_of_a_step_rotated_away_names_it_and_the_kept_ones(run_copy, capfd):
     with rotate_away_once(run_copy / "checkpoints" / "4"):
-        code, out, err = evaluate_in_process(["--workdir", str(run_copy), "--step", "4"], capfd)
+        code, out, err = evaluate_in_process(
+            ["--workdir", str(run_copy), "--step", "4", "--trust-code"], capfd
+        )
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith(f"jddp: error: --step: checkpoint {run_copy}/checkpoints/4 was ")
@@ -144,7 +146,7 @@ def test_evaluate_prints_its_result_when_metrics_jsonl_cannot_be_written(run_cop
     before = metrics.read_text()
     metrics.unlink()
     metrics.mkdir()  # unwritable, even for root (a read-only run folder: the same OSError)
-    code, out, err = evaluate_in_process(["--workdir", str(run_copy)], capfd)
+    code, out, err = evaluate_in_process(["--workdir", str(run_copy), "--trust-code"], capfd)
     assert code == 0, err
     assert "jddp: eval step=4 eval/loss=" in out
     (warning,) = err.strip().splitlines()
@@ -192,7 +194,8 @@ def test_ctrl_c_stops_evaluate_at_any_moment_in_one_line(finished, library):
     """While numpy and jddp import, or JAX starts (jaxlib's extension loads): exit 130 and one
     line (it printed a 40-line traceback from ``import jax``, was swallowed and exited 0, and
     under load a traceback from an import before the handler, which came after numpy)."""
-    job = start([sys.executable, "-m", "jddp.evaluate", "--workdir", str(finished)], fresh=True)
+    cmd = [sys.executable, "-m", "jddp.evaluate", "--workdir", str(finished), "--trust-code"]
+    job = start(cmd, fresh=True)
     wait_until_mapped(job, library)
     job.send_signal(signal.SIGINT)
     _, err = job.communicate(timeout=120)

@@ -130,12 +130,13 @@ def test_a_two_input_custom_task_exports_the_arrays_its_loss_passes_the_model(
     two_inputs_run, fmt, tmp_path, capfd
 ):
     out = tmp_path / f"two.{fmt}"
-    code, stdout, stderr = export(["--workdir", two_inputs_run, "--format", fmt, out], capfd)
+    argv = ["--workdir", two_inputs_run, "--format", fmt, "--trust-code", out]
+    code, stdout, stderr = export(argv, capfd)
     assert code == 0 and not stderr, stderr
     assert "image float32[batch,8,8,1], side float32[batch,16] -> output float32[batch,10]" in (
         stdout
     )
-    model = jddp.load(two_inputs_run)
+    model = jddp.load(two_inputs_run, trust_code=True)
     rng = np.random.default_rng(3)
     for rows in (2, 7):
         image = rng.random((rows, 8, 8, 1), np.float32)
@@ -195,7 +196,8 @@ def test_a_model_the_converter_cannot_express_is_one_line_naming_the_operation(
 
     out = tmp_path / f"m.{fmt}"
     with mock.patch.object(TwoInputs, "__call__", with_a_host_callback):
-        code, _, stderr = export(["--workdir", two_inputs_run, "--format", fmt, out], capfd)
+        argv = ["--workdir", two_inputs_run, "--format", fmt, "--trust-code", out]
+        code, _, stderr = export(argv, capfd)
     lines = stderr.strip().splitlines()
     assert code == 1 and len(lines) == 1, stderr
     assert lines[0].startswith(f"jddp: error: --format {fmt}: ") and operation in lines[0]
@@ -203,7 +205,7 @@ def test_a_model_the_converter_cannot_express_is_one_line_naming_the_operation(
 
 
 def test_inputs_a_loss_hides_from_the_model_call_ask_for_input_shape(two_inputs_run):
-    model = jddp.load(two_inputs_run)
+    model = jddp.load(two_inputs_run, trust_code=True)
     example = {"image": jax.ShapeDtypeStruct((8, 8, 1), np.float32)}
 
     def through_a_submodule(model, batch):
@@ -228,7 +230,7 @@ def test_an_export_that_computes_something_else_is_refused(two_inputs_run, tmp_p
     from jddp import export_lib
 
     out = tmp_path / "m.stablehlo"
-    model = jddp.load(two_inputs_run)
+    model = jddp.load(two_inputs_run, trust_code=True)
     example = (np.zeros((1, 8, 8, 1), np.float32), np.zeros((1, 16), np.float32))
     real = export_lib.run_stablehlo
 
@@ -284,12 +286,12 @@ def test_a_loss_given_to_fit_needs_input_shape(tmp_path, capfd):
         Linear(nnx.Rngs(0)), optax.sgd(0.1), data, loss=loss, config=config, overrides=overrides
     )
     out = tmp_path / "linear.onnx"
-    argv = ["--workdir", workdir, "--format", "onnx"]
+    argv = ["--workdir", workdir, "--format", "onnx", "--trust-code"]  # model.name: code
     code, _, stderr = export([*argv, out], capfd)
     assert code == 2 and stderr.startswith("jddp: error: --input-shape: ") and "jddp.fit" in stderr
     code, stdout, stderr = export([*argv, "--input-shape", 4, out], capfd)
     assert code == 0 and "x float32[batch,4] -> output float32[batch]" in stdout, stderr
-    model = jddp.load(workdir)
+    model = jddp.load(workdir, trust_code=True)
     for rows in (1, 6):
         x = np.random.default_rng(rows).standard_normal((rows, 4)).astype(np.float32)
         assert_close(run_exported(out, "onnx", x), np.asarray(model(x)))

@@ -321,17 +321,17 @@ def test_a_custom_task_from_the_command_line_evaluate_load_predict(tmp_path):
     final = [r for r in rows if "eval/loss" in r][-1]
     evals = user_tasks.arrays(user_tasks.EVAL, 1)
     assert final["eval/samples"] == pytest.approx(evals["w"].sum())
-    again = run_python("-m", "jddp.evaluate", "--workdir", str(workdir), cwd=ROOT)
+    again = run_python("-m", "jddp.evaluate", "--workdir", str(workdir), "--trust-code", cwd=ROOT)
     assert again.returncode == 0, again.stderr[-3000:]
     line = again.stdout.strip().splitlines()[-1]
     assert line.startswith("jddp: eval step=6") and f"eval/count={user_tasks.EVAL}" in line
     assert f"eval/loss={final['eval/loss']:.6g}" in line
     sys.path.insert(0, str(ROOT))  # the factories, as the CLI imported them
-    model = jddp.load(workdir)
+    model = jddp.load(workdir, trust_code=True)  # the run's own config names its factories
     assert isinstance(model, user_tasks.Linear)
     want = weighted_numpy(model, evals, evals["w"])
     assert final["eval/loss"] == pytest.approx(want["loss"], rel=1e-5)
-    got = jddp.predict(workdir, evals["x"], batch_size=16)  # the run's task: fed as it is
+    got = jddp.predict(workdir, evals["x"], batch_size=16, trust_code=True)  # fed as it is
     np.testing.assert_allclose(got, np.asarray(model(jnp.asarray(evals["x"]))), rtol=1e-6)
     plots = run_python("-m", "jddp.plot", str(workdir), cwd=ROOT)
     names = {Path(p).name for p in plots.stdout.split()}
@@ -397,13 +397,13 @@ def test_sums_and_extremes_are_exact_on_2x2_with_micro_batches_and_under_mpi(tmp
     # Step 5 ran the model of checkpoint 4 on rows 64..79 of epoch 0's order.
     order = epoch_permutation(0, 0, user_tasks.TRAIN)[64:80]
     rows5 = {k: v[order] for k, v in train.items()}
-    want = weighted_numpy(jddp.load(xla, step=4), rows5, rows5["w"])
+    want = weighted_numpy(jddp.load(xla, step=4, trust_code=True), rows5, rows5["w"])
     step5 = next(r for r in rows if r["step"] == 5 and "train/loss" in r)
     for key in METRIC_KEYS:
         assert step5[f"train/{key}"] == pytest.approx(want[key], rel=1e-5), key
     assert step5["train/big_errors"] == want["big_errors"]
     final = [r for r in rows if "eval/loss" in r][-1]
-    want = weighted_numpy(jddp.load(xla), evals, evals["w"])
+    want = weighted_numpy(jddp.load(xla, trust_code=True), evals, evals["w"])
     for key in METRIC_KEYS:
         assert final[f"eval/{key}"] == pytest.approx(want[key], rel=1e-5), key
     assert final["eval/big_errors"] == want["big_errors"]

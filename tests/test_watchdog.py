@@ -229,7 +229,7 @@ def test_python_m_jddp_evaluate_ends_a_hung_eval_in_one_line(tmp_path):
     workdir = tmp_path / "run"
     assert run(launch(workdir, 2)[8:], cwd=ROOT, timeout=300).returncode == 0  # one process
     env = {**os.environ, "JDDP_TEST_STALL": "eval"}  # the eval source hangs after one batch
-    evaluate = [sys.executable, "-m", "jddp.evaluate", "--workdir", str(workdir)]
+    evaluate = [sys.executable, "-m", "jddp.evaluate", "--workdir", str(workdir), "--trust-code"]
     out = run([*evaluate, "dist.step_timeout_s=2"], env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 124, out.stderr[-3000:]
     (line,) = out.stderr.strip().splitlines()

@@ -75,7 +75,7 @@ def test_load_builds_the_model_the_checkpoint_config_names(tmp_path):
         ],
     )
     result = train_and_evaluate(cfg)
-    loaded = jddp.load(tmp_path / "run")
+    loaded = jddp.load(tmp_path / "run", trust_code=True)  # its config names its factory
     assert int(loaded.calls[...]) == int(result.model.calls[...]) == 3  # model state too
     x = data(5)[0]
     result.model.eval()
@@ -88,16 +88,18 @@ def test_load_builds_the_model_the_checkpoint_config_names(tmp_path):
     splits = load_data(cfg)
     raw, labels = splits.eval.images[:24], splits.eval.labels[:24]
     assert raw.dtype == np.uint8 and not np.allclose(splits.train.std, 1.0)
-    by_run = jddp.predict(tmp_path / "run", raw)
+    by_run = jddp.predict(tmp_path / "run", raw, trust_code=True)
     stats = {"mean": splits.train.mean, "std": splits.train.std}
     np.testing.assert_allclose(by_run, jddp.predict(loaded, raw, **stats), rtol=1e-5, atol=1e-5)
     assert not np.allclose(by_run, jddp.predict(loaded, raw), atol=1e-3)
-    by_arrays = jddp.evaluate(tmp_path / "run", (raw, labels))
-    by_source = jddp.evaluate(tmp_path / "run", jddp.as_source((raw, labels)))  # scale only
+    by_arrays = jddp.evaluate(tmp_path / "run", (raw, labels), trust_code=True)
+    by_source = jddp.evaluate(  # scale only
+        tmp_path / "run", jddp.as_source((raw, labels)), trust_code=True
+    )
     from jddp.data.source import ArraySource
 
     sub = ArraySource(raw, labels, splits.eval.num_classes, stats["mean"], stats["std"], "sub")
-    want = jddp.evaluate(tmp_path / "run", sub)
+    want = jddp.evaluate(tmp_path / "run", sub, trust_code=True)
     assert by_arrays["eval/loss"] == pytest.approx(want["eval/loss"], rel=1e-5)
     assert by_source["eval/loss"] != pytest.approx(want["eval/loss"], rel=1e-3)
 
@@ -158,18 +160,18 @@ def test_train_progress_lines_then_evaluate_cli(tmp_path):
     assert [r["step"] for r in rows] == [4, 8, 10]
     assert all(r["train/grad_norm"] > 0 and r["train/param_norm"] > 0 for r in rows)
 
-    out = run_python("-m", "jddp.evaluate", "--workdir", str(workdir))
+    out = run_python("-m", "jddp.evaluate", "--workdir", str(workdir), "--trust-code")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "jddp: eval step=10 " in out.stdout
     final, appended = [r for r in read_metrics(workdir) if "eval/loss" in r][-2:]
     assert appended["step"] == final["step"] == 10 and appended["eval/data"] == "synthetic"
     for key in ("eval/loss", "eval/accuracy", "eval/top5_accuracy", "eval/count"):
         assert appended[key] == pytest.approx(final[key], rel=1e-6), key
-    assert main(["--workdir", str(workdir), "--step", "7"]) == 2
-    assert main(["--workdir", str(tmp_path)]) == 2  # no run there
+    assert main(["--workdir", str(workdir), "--step", "7", "--trust-code"]) == 2
+    assert main(["--workdir", str(tmp_path), "--trust-code"]) == 2  # no run there
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / "config.yaml").write_text((workdir / "config.yaml").read_text())
-    assert main(["--workdir", str(tmp_path / "fresh")]) == 2  # no checkpoint
+    assert main(["--workdir", str(tmp_path / "fresh"), "--trust-code"]) == 2  # no checkpoint
 
 
 def test_init_from_another_run(fitted, tmp_path, capsys):

@@ -260,6 +260,7 @@ def export_model(
     step: int | None = None,
     example: Any = None,
     ema: bool = False,
+    trust_code: bool = False,
 ) -> Exported:
     """Write the trained model for inference to ``out``: ``format`` ``"stablehlo"``
     (``jax.export``, serialized: ``jax.export.deserialize(open(out, "rb").read()).call(*x)``)
@@ -273,17 +274,19 @@ def export_model(
     ``model(x)``; a tuple: ``model(*x)``; a dict: ``model(**x)``; ``jax.ShapeDtypeStruct``
     leaves will do). ``batch_size``: the batch the program takes (None: any). The export is run
     on random inputs and compared with the model before it is written. ``ema``: a run's
-    parameters' moving average (``train.ema_decay``) in place of them.
+    parameters' moving average (``train.ema_decay``) in place of them. ``trust_code``: a run's
+    config may name the code that builds its model, data or task (``pkg.module:factory``),
+    imported only then (see :func:`jddp.load`).
     """
     from jddp.inference import as_model
 
-    run = as_model(model_or_workdir, step, ema)
+    run = as_model(model_or_workdir, step, ema, trust_code)
     if run.model is model_or_workdir:
         if example is None:
             raise TypeError("export: pass example= (a batch of the model's inputs) with a module")
         signature = signature_of_example(run.model, example)
     else:
-        signature = run_signature(model_or_workdir, run, example)
+        signature = run_signature(model_or_workdir, run, example, trust_code)
     return export_signature(
         run.model, signature, out, format, batch_size, _single_output(run), run_metadata(run)
     )
@@ -309,18 +312,21 @@ def export_checkpoint(
     batch_size: int | None = None,
     input_shape: str | None = None,
     ema: bool = False,
+    trust_code: bool = False,
 ) -> tuple[Exported, Path, Any]:
     """The CLI's export (:mod:`jddp.export`): checkpoint ``step`` (default: the newest) of the
     run at ``path``; ``input_shape`` (:func:`parse_input_shape`) replaces the inputs the run's
-    data would give. Returns what was written, the checkpoint and the
-    :class:`~jddp.inference.LoadedRun`."""
+    data would give; ``trust_code``: the run's config may name code to import (``--trust-code``).
+    Returns what was written, the checkpoint and the :class:`~jddp.inference.LoadedRun`."""
     from jddp.checkpoint.find import find_checkpoint
     from jddp.inference import load_run
 
     directory, step = find_checkpoint(path, step, "--workdir", "--step")
     example = None if input_shape is None else parse_input_shape(input_shape)
-    run = load_run(path, step, key="--workdir", use=lambda s: f"--step {s}", ema=ema)
-    signature = run_signature(path, run, example)
+    run = load_run(
+        path, step, key="--workdir", use=lambda s: f"--step {s}", ema=ema, trust_code=trust_code
+    )
+    signature = run_signature(path, run, example, trust_code)
     exported = export_signature(
         run.model, signature, out, fmt, batch_size, _single_output(run), run_metadata(run)
     )

@@ -216,11 +216,14 @@ def parse_input_shape(text: str) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((1, *dims), np_dtype)
 
 
-def run_signature(path: PathLike, run: Any, example: Any = None) -> Signature:
+def run_signature(
+    path: PathLike, run: Any, example: Any = None, trust_code: bool = False
+) -> Signature:
     """The inputs of the model of the run at ``path`` (``run``: its
     :class:`~jddp.inference.LoadedRun`): ``example``'s when given (a batch of the model's
     inputs, see :func:`signature_of_example`), else what the run's task feeds the model on a
-    batch of its eval data."""
+    batch of its eval data (the run's data and task code are imported only with
+    ``trust_code``: :func:`jddp.eval_lib.run_config`)."""
     from jddp.build import build_task, is_custom_task, load_data
     from jddp.data.pipeline import eval_batch
     from jddp.errors import DataError
@@ -229,7 +232,7 @@ def run_signature(path: PathLike, run: Any, example: Any = None) -> Signature:
     if example is not None:
         signature = signature_of_example(run.model, example)
     else:
-        cfg = run_config(Path(path))
+        cfg = run_config(Path(path), trust_code=trust_code)
         custom = is_custom_task(cfg)
         if run.task == "custom" and not custom:
             raise ConfigError(

@@ -20,6 +20,7 @@ from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.distributed import Job, current_job
 from jddp.errors import ConfigError, EvalFailed, JddpError, NonFiniteLoss, Preempted, one_line
+from jddp.imports import code_specs, names_code
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, describe_eval, nonfinite_eval
 from jddp.preflight import check_same_config
@@ -235,11 +236,13 @@ def _final_eval(run: Run, state: TrainState, step: int) -> dict[str, float]:
     except Exception as e:  # noqa: BLE001 - whatever failed, the run's checkpoint is on disk
         cause = one_line(e) if isinstance(e, JddpError) else f"{type(e).__name__}: {one_line(e)}"
         saved = run.checkpoints.directory / str(step)
+        # A config naming code is refused by the evaluate command without the flag.
+        trust = " --trust-code" if any(names_code(v) for _, v in code_specs(run.cfg)) else ""
         again = (
             f"jddp.evaluate(jddp.load({str(saved)!r}, model=model), data), model built as "
             f"the one given to jddp.fit"
             if run.user_model is not None
-            else f"python -m jddp.evaluate --workdir {run.folder.root}"
+            else f"python -m jddp.evaluate --workdir {run.folder.root}{trust}"
         )
         raise EvalFailed(
             f"the final eval failed ({cause}); the training is saved in checkpoint {saved}; "
