@@ -47,7 +47,7 @@ PRELOADED = ("jddp.run.trainer", "jaxlib.mlir.dialects.mhlo", "grain", "tensorbo
 # JAX, and a command that finds JAX imported behaves otherwise (a failed pack would skip the
 # interpreter's teardown, and its pool's semaphores leak with a warning: jddp/cli.py
 # ``stop_peers``). Not a user's script: it may set ``JAX_*`` variables before importing JAX.
-FORKED_MODULES = ("jddp.train", "jddp.evaluate", "jddp.export", "jddp.predict")
+FORKED_MODULES = ("jddp.train", "jddp.evaluate", "jddp.export")
 # Variables that native code may read while the libraries load (the loader, the interpreter,
 # OpenMP/OpenBLAS, TSL's logging, JAX's and XLA's plugins) or that a library reads by iterating
 # over the environment (tqdm's TQDM_*): a command whose environment differs in one of them is not
