@@ -352,6 +352,47 @@ def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
     return mesh, layout
 
 
+def bn_group_size(
+    cfg: Config, saved: dict[str, Any] | None, micro_rows: int
+) -> tuple[int | None, str | None]:
+    """The rows each BatchNorm normalises together (``model.bn_group_size``) and a warning to
+    say, if any: the key's value; else, resuming (``saved``: the run folder's saved config),
+    the value the run started with; else ``micro_rows``, each device's micro-batch now. None
+    with ``model.sync_batchnorm`` (statistics over the global batch). Raises
+    :class:`ConfigError` for a value that does not divide ``micro_rows`` or that differs from
+    the one the run started with. An inherited value that no longer divides (the run resumed
+    on more devices than it started on) gives way to ``micro_rows``, said in the warning."""
+    if cfg.model.sync_batchnorm:
+        return None, None
+    given = cfg.model.bn_group_size
+    started = ((saved or {}).get("model") or {}).get("bn_group_size")
+    if given is not None:
+        if started is not None and started != given:
+            raise ConfigError(
+                f"model.bn_group_size={given}, but the run started with {started}: BatchNorm "
+                "would normalise other groups of rows (other losses); leave the key unset to "
+                "keep the run's, or use another workdir"
+            )
+        if micro_rows % given:
+            raise ConfigError(
+                f"model.bn_group_size={given} does not divide the {micro_rows} rows each device "
+                "holds per micro-batch (data.global_batch_size / devices / "
+                "train.grad_accum_steps); choose a divisor, or leave it unset"
+            )
+        return given, None
+    if started is None:
+        return micro_rows, None
+    if micro_rows % started:
+        return micro_rows, (
+            f"jddp: warning: model.bn_group_size={started} (each device's micro-batch when this "
+            f"run started) does not divide the {micro_rows} rows a device holds now: BatchNorm "
+            f"normalises groups of {micro_rows} from here on, and the losses differ from the "
+            "run's on its first topology (set model.sync_batchnorm=true for statistics that do "
+            "not depend on the device count)"
+        )
+    return started, None
+
+
 def build_layout(cfg: Config, mesh: Mesh, comm: Comm) -> StateLayout:
     """The layout of the train state over ``mesh`` that ``dist.shard`` names
     (:mod:`jddp.shard`), split within the mesh's groups (:func:`build_mesh`)."""
@@ -396,5 +437,6 @@ def build_steps(
         ema_decay=cfg.train.ema_decay,
         ema_warmup=cfg.train.ema_warmup,
         remat=cfg.model.remat,
+        bn_group_size=None if cfg.model.sync_batchnorm else cfg.model.bn_group_size,
     )
     return train_step, make_eval_step(model_def, mesh, task=task)

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jddp import weighted
 from jddp.comm import Comm
 from jddp.mesh import DATA_AXES
+from jddp.models.batchnorm import group_batchnorms
 from jddp.models.units import rematerialise_blocks
 from jddp.shard.base import StateLayout, to_varying
 from jddp.shard.replicated import Replicated
@@ -312,19 +313,26 @@ def task_terms(
 
 
 def _local_grads_fn(
-    model_def: ModelDef, comm: Comm, task: Task, layout: StateLayout, shapes: Any, remat: bool
+    model_def: ModelDef,
+    comm: Comm,
+    task: Task,
+    layout: StateLayout,
+    shapes: Any,
+    remat: bool,
+    bn_group_size: int | None,
 ) -> Callable:
     """``(params, model_state, data) -> (grads, new model state, weighted means)`` of one
     micro-batch on one device (inside the step's ``shard_map``); ``layout`` says how the
     device's parameters (whole or its slices; ``shapes``: their full shapes) reach the model;
-    ``remat``: the model's blocks recompute their activations in the backward pass."""
+    ``remat``: the model's blocks recompute their activations in the backward pass;
+    ``bn_group_size``: its BatchNorms normalise groups of that many rows."""
 
     def local_grads(params, model_state, data):
         device = comm.device_index()
 
         def objective(p):
             def model_of() -> nnx.Module:
-                model = model_def.merge(p, model_state, device)
+                model = group_batchnorms(model_def.merge(p, model_state, device), bn_group_size)
                 if remat:  # first: a rematerialised block gathers for the modules inside it
                     rematerialise_blocks(model)
                 model = layout.bind(model)
@@ -372,6 +380,7 @@ def make_train_step(
     ema_decay: float = 0.0,
     ema_warmup: bool = True,
     remat: str = "none",
+    bn_group_size: int | None = None,
 ) -> TrainStep:
     """Build the data-parallel train step ``(state, batch) -> (state, metrics)``.
 
@@ -409,7 +418,9 @@ def make_train_step(
     a dropped update leaves them too). ``remat="blocks"`` (``model.remat``): each block of the
     model (a module held in a list of modules, :func:`jddp.models.units.blocks`) recomputes
     its activations in the backward pass; a model with none raises ``ValueError`` as the step
-    is traced.
+    is traced. ``bn_group_size`` (``model.bn_group_size``): each per-device BatchNorm of the
+    model normalises groups of that many rows in training (:mod:`jddp.models.batchnorm`), the
+    same groups on any device count; None: each device's micro-batch.
     """
     task = _classification(task, loss_fn, metrics_fn, compute_dtype, pixel_norm)
     layout = layout or Replicated(mesh)
@@ -417,7 +428,9 @@ def make_train_step(
 
     def grads_stage(state: TrainState, batch: Batch) -> tuple[Any, Any, Metrics]:
         shapes = jax.tree.map(_shape_of, state.params)
-        local_grads = _local_grads_fn(model_def, comm, task, layout, shapes, rematerialises)
+        local_grads = _local_grads_fn(
+            model_def, comm, task, layout, shapes, rematerialises, bn_group_size
+        )
 
         def per_device(params, model_state, batch: Batch):
             grads, stats, metrics = _accumulate(

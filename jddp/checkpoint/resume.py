@@ -34,6 +34,7 @@ FREE_KEYS = (
     "fit.data",  # its type only (a tuple or a dict of the same arrays): not what changes
     "train.max_skipped_fraction",
     "train.compilation_cache_dir",
+    "model.bn_group_size",  # resolved by jddp.build.bn_group_size, which refuses a change
     "dist.backend",
     "dist.num_local_devices",
     "dist.coordinator_address",

@@ -48,6 +48,14 @@ class ModelConfig:
     sync_batchnorm: bool = _f(
         False, "average BatchNorm batch statistics across all devices (global-batch BN)"
     )
+    bn_group_size: int | None = _f(
+        None,
+        "rows each BatchNorm normalises together in training, whatever the device count "
+        "(a device holding two groups normalises each apart); null: each device's "
+        "micro-batch when the run started, kept when it resumes on fewer devices (an elastic "
+        "restart), so the losses stay the same; unused with model.sync_batchnorm",
+        bound=POSITIVE,
+    )
     zero_init_residual: bool = _f(
         True,
         "start the last BatchNorm scale of each residual block at 0, so each block starts as "

@@ -6,18 +6,21 @@ state, the outputs (checkpoints, metrics log) and the loop's hooks.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
+import yaml
 from flax import nnx
 from jax.sharding import Mesh
 
 from jddp import config as config_lib
 from jddp.build import (
     Parts,
+    bn_group_size,
     build_layout,
     build_mesh,
     build_model,
@@ -174,6 +177,7 @@ def build_run(
     writer = comm.is_writer
     console = Console(writer)
     mesh, layout = build_mesh(cfg, comm)
+    cfg = _with_bn_group_size(cfg, folder, mesh, comm, console)
     custom = is_custom_task(cfg, parts)
     splits, batches, steps = _data(cfg, parts, custom, mesh, layout)
     if cfg.data.image_size is None and is_image_source(splits.train):  # which size, said once
@@ -299,6 +303,23 @@ def build_run(
         ],
         watchdog=watchdog,
     )
+
+
+def _with_bn_group_size(
+    cfg: Config, folder: RunFolder, mesh: Mesh, comm: Comm, console: Console
+) -> Config:
+    """``cfg`` with ``model.bn_group_size`` resolved (:func:`jddp.build.bn_group_size`): a
+    run that resumes keeps the groups it started with, read from its saved ``config.yaml``."""
+    saved = None
+    checkpoints = folder.checkpoints
+    resuming = cfg.checkpoint.resume and checkpoints.is_dir() and any(checkpoints.iterdir())
+    if resuming and folder.config_yaml.is_file():
+        saved = yaml.safe_load(folder.config_yaml.read_text())
+    micro_rows = per_device_rows(cfg, mesh, comm) // cfg.train.grad_accum_steps
+    rows, warning = bn_group_size(cfg, saved if isinstance(saved, dict) else None, micro_rows)
+    if warning:
+        console.say(warning)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, bn_group_size=rows))
 
 
 def _data(
