@@ -46,12 +46,7 @@ from jddp.shard.base import StateLayout, to_varying
 from jddp.shard.replicated import Replicated
 from jddp.state import MODEL_STATE, ModelDef, TrainState
 from jddp.tasks import Task
-from jddp.tasks.classification import (  # noqa: F401 - PixelNorm, cross_entropy_loss: public here
-    ClassificationTask,
-    LossFn,
-    PixelNorm,
-    cross_entropy_loss,
-)
+from jddp.tasks.classification import ClassificationTask
 
 Batch = dict[str, Any]
 Metrics = dict[str, jax.Array]
@@ -279,24 +274,6 @@ class TrainStep:
         return self.run.lower(state, batch)
 
 
-def _classification(
-    task: Task | None,
-    loss_fn: LossFn | None,
-    metrics_fn: Callable | None,
-    compute_dtype: Any,
-    pixel_norm: PixelNorm | None,
-) -> Task:
-    """``task``, or the classification task of the shorthand arguments."""
-    if task is not None:
-        return task
-    return ClassificationTask(
-        loss_fn=loss_fn or cross_entropy_loss(),
-        metrics_fn=metrics_fn,
-        compute_dtype=compute_dtype,
-        pixel_norm=pixel_norm or PixelNorm(),
-    )
-
-
 def task_terms(
     task: Task, model_of: Callable[[], nnx.Module], data: Any, training: bool
 ) -> tuple[weighted.Named, nnx.Module]:
@@ -369,12 +346,8 @@ def make_train_step(
     comm: Comm,
     *,
     task: Task | None = None,
-    loss_fn: LossFn | None = None,
-    metrics_fn: Callable[[jax.Array, jax.Array], dict[str, jax.Array]] | None = None,
     grad_accum_steps: int = 1,
-    compute_dtype: Any = jnp.float32,
     schedule: optax.Schedule | None = None,
-    pixel_norm: PixelNorm | None = None,
     layout: StateLayout | None = None,
     clip_grad_norm: float | None = None,
     ema_decay: float = 0.0,
@@ -386,24 +359,23 @@ def make_train_step(
 
     ``batch["data"]`` is the task's batch pytree, every leaf sharded over every device along its
     leading axis (B, the global batch); ``task`` (:mod:`jddp.tasks`) computes per-example losses
-    and metrics from it. Without ``task``, the classification task of ``loss_fn``/``metrics_fn``
-    (``(logits, labels) -> [B]``, cross-entropy by default): ``images`` [B,H,W,C] (uint8 pixels,
-    normalised on the device by ``pixel_norm``, or float, cast to ``compute_dtype``) and
-    ``labels`` [B]. Each device splits its slice into ``grad_accum_steps`` micro-batches, sums
-    their gradients, and the averaged gradient is applied once. Returned metrics are weighted
-    means over the whole global batch (``Σ w·x / Σ w``, w = 1 unless the task gives weights;
-    a metric's sum, max or min where the task says so, :class:`jddp.weighted.Metric`):
-    ``train/loss``, ``train/<metric>`` for each of the task's metrics, ``train/nonfinite`` (1
-    when the update was dropped because the loss or a gradient was not finite),
-    ``train/skipped_steps``, ``train/grad_norm`` (of the averaged gradient), ``train/param_norm``
-    (after the update) (and ``train/lr``); with a weighted loss also ``sys/loss_weight`` (the
-    mean weight per example) and ``sys/negative_weight`` (> 0 when a weight was negative).
-    Every other key of ``batch`` is a per-row flag (one per row, each process filling its rows:
-    ``sys/stop`` and the like, :mod:`jddp.proc.signals`) and comes back as ``metrics[key] > 0``
-    when any process raised it, so all processes agree on the step. The model's mutable state
-    (BatchNorm statistics, RNG counters, custom variables) carries through the micro-batches and
-    comes back synced over devices; each device draws its own random numbers. The state
-    argument is donated. Returns a :class:`TrainStep`: call it, or reach its stages.
+    and metrics from it (default: :class:`~jddp.tasks.classification.ClassificationTask`,
+    cross-entropy over ``images`` [B,H,W,C] and ``labels`` [B]). Each device splits its slice
+    into ``grad_accum_steps`` micro-batches, sums their gradients, and the averaged gradient is
+    applied once. Returned metrics are weighted means over the whole global batch (``Σ w·x / Σ
+    w``, w = 1 unless the task gives weights; a metric's sum, max or min where the task says so,
+    :class:`jddp.weighted.Metric`): ``train/loss``, ``train/<metric>`` for each of the task's
+    metrics, ``train/nonfinite`` (1 when the update was dropped because the loss or a gradient
+    was not finite), ``train/skipped_steps``, ``train/grad_norm`` (of the averaged gradient),
+    ``train/param_norm`` (after the update) (and ``train/lr``); with a weighted loss also
+    ``sys/loss_weight`` (the mean weight per example) and ``sys/negative_weight`` (> 0 when a
+    weight was negative). Every other key of ``batch`` is a per-row flag (one per row, each
+    process filling its rows: ``sys/stop`` and the like, :mod:`jddp.proc.signals`) and comes
+    back as ``metrics[key] > 0`` when any process raised it, so all processes agree on the step.
+    The model's mutable state (BatchNorm statistics, RNG counters, custom variables) carries
+    through the micro-batches and comes back synced over devices; each device draws its own
+    random numbers. The state argument is donated. Returns a :class:`TrainStep`: call it, or
+    reach its stages.
 
     ``layout`` (``dist.shard``, :mod:`jddp.shard`; default: everything whole on every device)
     says where the state lives (laid out by ``layout.place``) and how gradients become
@@ -422,7 +394,7 @@ def make_train_step(
     model normalises groups of that many rows in training (:mod:`jddp.models.batchnorm`), the
     same groups on any device count; None: each device's micro-batch.
     """
-    task = _classification(task, loss_fn, metrics_fn, compute_dtype, pixel_norm)
+    task = task or ClassificationTask()
     layout = layout or Replicated(mesh)
     rematerialises = remat != "none"
 
@@ -476,9 +448,6 @@ def make_eval_step(
     mesh: Mesh,
     *,
     task: Task | None = None,
-    loss_fn: LossFn | None = None,
-    compute_dtype: Any = jnp.float32,
-    pixel_norm: PixelNorm | None = None,
 ) -> Callable[[TrainState, Batch], Metrics]:
     """Build the eval step ``(state, batch) -> sums``.
 
@@ -491,9 +460,9 @@ def make_eval_step(
     ``sys/negative_weight~max`` (1 when a real row's weight was negative); the caller combines
     them over batches (:func:`jddp.weighted.combine`) and divides after the last
     (:func:`jddp.weighted.divide`).
-    The model runs in eval mode. Without ``task``: the classification task of ``loss_fn``.
+    The model runs in eval mode. Without ``task``: image classification's, cross-entropy.
     """
-    task = _classification(task, loss_fn, None, compute_dtype, pixel_norm)
+    task = task or ClassificationTask()
 
     def per_device(state: TrainState, batch: Batch) -> Metrics:
         def model_of() -> nnx.Module:

@@ -125,7 +125,8 @@ def test_uint8_batches_give_the_float_path_loss():
 
     from jddp.models import resnet10
     from jddp.state import create_train_state
-    from jddp.step import PixelNorm, make_eval_step
+    from jddp.step import make_eval_step
+    from jddp.tasks.classification import ClassificationTask, PixelNorm
 
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (16, 8, 8, 3), dtype=np.uint8)
@@ -139,7 +140,9 @@ def test_uint8_batches_give_the_float_path_loss():
     model_def, state = create_train_state(model, optax.sgd(0.1), mesh)
     losses = {}
     for src in (u8, f32):
-        step = make_eval_step(model_def, mesh, pixel_norm=PixelNorm.of(src))
+        step = make_eval_step(
+            model_def, mesh, task=ClassificationTask(pixel_norm=PixelNorm.of(src))
+        )
         (batch,) = eval_batches(src, 16, mesh)
         assert batch["data"]["images"].dtype == src.images.dtype
         losses[src.name] = float(step(state, batch)["loss"])

@@ -296,7 +296,9 @@ def test_remat_blocks_takes_the_same_steps(model):
         batch = {"tokens": rng.integers(1, 256, (8, 17)).astype(np.uint8),
                  "lengths": rng.integers(2, 18, 8).astype(np.int32)}  # fmt: skip
     else:
-        base = ["model.name=resnet10", "model.width=4", "data.name=synthetic", "data.image_size=8"]
+        from tests.helpers import TINY
+
+        base = list(TINY)  # resnet10 of width 4 on 8x8 synthetic images
         rng = np.random.default_rng(0)
         batch = {"images": rng.integers(0, 256, (8, 8, 8, 3)).astype(np.uint8),
                  "labels": rng.integers(0, 10, 8).astype(np.int32)}  # fmt: skip
