@@ -49,8 +49,11 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # And one LLVM module per program instead of XLA:CPU's parallel codegen split: on 2 busy cores
 # the split's threads only add work (the tiny run on an empty cache 6.07 -> 5.50 CPU-s, mean of
 # 5 pairs, -O0, 2026-11-27).
-_TEST_XLA_FLAGS = {"xla_backend_optimization_level": "0"}
-if version("jaxlib").startswith("0.10."):  # read without importing JAX
+# JDDP_TEST_AS_USERS_RUN=1 (CI's "as users run" lane, .ci/run): none of these settings, and
+# every command a new interpreter (tests/helpers.py): the suite as users run jddp.
+AS_USERS_RUN = os.environ.get("JDDP_TEST_AS_USERS_RUN") == "1"
+_TEST_XLA_FLAGS = {} if AS_USERS_RUN else {"xla_backend_optimization_level": "0"}
+if version("jaxlib").startswith("0.10.") and not AS_USERS_RUN:  # read without importing JAX
     _TEST_XLA_FLAGS["xla_cpu_use_fusion_emitters"] = "false"
     _TEST_XLA_FLAGS["xla_cpu_parallel_codegen_split_count"] = "1"
 for _flag, _value in _TEST_XLA_FLAGS.items():
@@ -60,12 +63,14 @@ for _flag, _value in _TEST_XLA_FLAGS.items():
 # while after each BLAS call (the synthetic data's labels, the resize's einsum), on CI's 2
 # busy cores: the tiny 2-device run 3.95 -> 3.82 and 4.06 -> 3.85 CPU-s (5 and 6 alternating
 # pairs, 2026-11-28, the 2-core VM). The steps are XLA's, which does not use OpenBLAS.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+if not AS_USERS_RUN:
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Every program into the compilation cache, not only those compiling in 0.5 s or more
 # (jddp/proc/xla.py): on an empty cache the suite's processes compiled ~3,700 small programs
 # (a model's initialisation, eager ops), ~1,400 of them distinct -- ~60 CPU-s, two thirds of it
 # compiling again what another process had compiled (2026-11-28, the 2-core VM).
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+if not AS_USERS_RUN:
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The workers' in-process tests trace as jddp's processes do, and their heaps grow over a
 # session: the same collector settings (jddp/compat/collector.py).
 from jddp.compat.collector import collect_less_often  # noqa: E402 - after the environment above
