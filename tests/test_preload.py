@@ -22,7 +22,7 @@ def test_only_jddps_commands_with_this_python_run_forked(tmp_path):
     # Found on PATH: ``python`` of this interpreter's own folder.
     env_on_path = {**env, "PATH": os.path.dirname(PY)}
     name = os.path.basename(PY)
-    assert preload.forked_module([name, "-m", "jddp.predict"], env_on_path) == "jddp.predict"
+    assert preload.forked_module([name, "-m", "jddp.export"], env_on_path) == "jddp.export"
     assert preload.forked_module([PY, "-m", "jddp.pack", "a", "b"], env) is None  # no JAX
     assert preload.forked_module([PY, "examples/lm_stdlib.py"], env) is None  # a script
     assert preload.forked_module([PY, "-u", "-m", "jddp.train"], env) is None  # an option

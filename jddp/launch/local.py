@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 from jddp.errors import PREEMPTED
 from jddp.launch.supervise import (
-    HELD_SIGNALS,
     PROG,
     READER_JOIN_TIMEOUT,
     REAP_TIMEOUT,
@@ -24,6 +23,7 @@ from jddp.launch.supervise import (
     catches,
     exit_code_for,
     failure_report,
+    held_signals,
     proc_group_has_live_member,
     pump,
     signal_name,
@@ -42,6 +42,7 @@ class Launcher:
         self.command = command
         self.nproc = nproc
         self.kill_timeout = kill_timeout
+        self.held_signals = held_signals(command)
         self.stdout = Output("stdout")
         self.stderr = Output("stderr")
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -66,7 +67,7 @@ class Launcher:
         (SIGUSR1, SIGHUP) and a leader in its first seconds that does not catch it yet, once it
         does (:meth:`send_held`)."""
         for pgid in list(self.live_groups) if groups is None else groups:
-            if sig in HELD_SIGNALS and self._starting_without_handler(pgid, sig):
+            if sig in self.held_signals and self._starting_without_handler(pgid, sig):
                 self.held[pgid] = sig
             else:
                 self._signal_group(pgid, sig)

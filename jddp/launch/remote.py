@@ -30,6 +30,7 @@ from jddp.launch.supervise import (
     REAP_TIMEOUT,
     STARTUP_GRACE_S,
     catches,
+    held_signals,
     proc_group_has_live_member,
     pump,
 )
@@ -134,6 +135,7 @@ class RankProcess:
         self._started_at = 0.0
         self._exited_at: float | None = None
         self._held: int | None = None  # a signal held until the rank catches it
+        self._held_signals: tuple[int, ...] = HELD_SIGNALS  # which ones (the command's)
 
     def node(self) -> tuple[str, str]:
         """``(IP address, host name)`` of this node."""
@@ -159,6 +161,7 @@ class RankProcess:
             cwd = None
         started = threading.Event()
         failure: list[OSError] = []
+        self._held_signals = held_signals(rank_command(command))
 
         def hold() -> None:
             # PDEATHSIG fires when the thread that forked ends: this one waits for the rank.
@@ -213,13 +216,15 @@ class RankProcess:
         return self._output.take(), returncode, drained  # taken after `drained` is known
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the rank's process group; SIGUSR1 and SIGHUP, which kill a process
-        without a handler, wait (at most 5 s after the start) until the rank catches them."""
+        """Send ``sig`` to the rank's process group; SIGUSR1 and SIGHUP (SIGTERM too for a
+        rank of jddp's commands: :func:`~jddp.launch.supervise.held_signals`), which kill a
+        process without a handler, wait (at most ``STARTUP_GRACE_S`` after the start) until
+        the rank catches them."""
         proc = self._proc
         if proc is None:
             return
         young = time.monotonic() - self._started_at < STARTUP_GRACE_S
-        if sig in HELD_SIGNALS and young and not catches(proc.pid, sig):
+        if sig in self._held_signals and young and not catches(proc.pid, sig):
             self._held = sig
             return
         self._signal_group(sig)

@@ -9,20 +9,32 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from typing import IO
 
 PROG = "jddp.launch"
 READER_JOIN_TIMEOUT = 5.0  # after all children are reaped, how long to wait for EOF on pipes
 REAP_TIMEOUT = 2.0  # after SIGKILL, how long to wait for a child / group to disappear
 _READ_LIMIT = 1 << 16  # longest piece of a newline-less line forwarded at once
-# SIGTERM, SIGUSR1 and SIGHUP kill a process that has no handler for them yet: a rank in its
-# first moments (Python starting, before ``jddp.train`` catches them in its first statement)
-# would die of a forwarded one with nothing said and nothing saved (the launcher exited 143).
-# The launcher holds such a signal until the rank catches it, for at most this long after the
-# rank's start (a plain script that never catches it gets it then). SIGINT goes at once: Python
-# catches it from its start (KeyboardInterrupt).
-HELD_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+# SIGUSR1 and SIGHUP kill a process that has no handler for them yet: a rank in its first
+# moments (Python starting, before ``jddp.train`` catches them in its first statement) would die
+# of a forwarded one with nothing said and nothing saved. The launcher holds such a signal until
+# the rank catches it, for at most this long after the rank's start. SIGTERM too for a rank of
+# jddp's own commands (:func:`held_signals`: it died, the launcher exited 143), not for another
+# command, whose default is to die of it at once. SIGINT goes at once: Python catches it from
+# its start (KeyboardInterrupt).
+HELD_SIGNALS = (signal.SIGUSR1, signal.SIGHUP)
 STARTUP_GRACE_S = 10.0
+
+
+def held_signals(command: Sequence[str]) -> tuple[int, ...]:
+    """The signals held for a starting rank of ``command``: :data:`HELD_SIGNALS`, and SIGTERM
+    where the rank is one of jddp's commands (``python -m jddp.X``), which catches it first
+    thing and saves on it."""
+    jddp_command = len(command) >= 3 and command[1] == "-m" and command[2].startswith("jddp.")
+    return (signal.SIGTERM, *HELD_SIGNALS) if jddp_command else HELD_SIGNALS
+
+
 # How long the ranks get to save after a forwarded stop signal before SIGKILL (SLURM's
 # --signal=USR1@120 gives a job the same); a second signal kills at once.
 STOP_GRACE_S = 120.0
