@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jddp import weighted
@@ -333,12 +333,6 @@ def _shape_of(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def _constrain(tree: Any, specs: Any, mesh: Mesh) -> Any:
-    """``tree`` laid out as ``specs`` over ``mesh`` (inside a jitted program)."""
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
-    return jax.lax.with_sharding_constraint(tree, shardings)
-
-
 def make_train_step(
     model_def: ModelDef,
     tx: optax.GradientTransformation,
@@ -429,12 +423,12 @@ def make_train_step(
     def update_stage(state: TrainState, grads, stats, terms) -> tuple[TrainState, Metrics]:
         # XLA partitions the update as the arrays are laid out: each device computes its
         # slices, and a statistic over a whole array adds the slices' parts
-        state = _constrain(state, layout.update_specs(state), mesh)
+        state = layout.constrain(state, layout.update_specs(state))
         new, metrics = update(state, grads, stats, terms)
         # computed as the slices (XLA had gathered both operands of the NaN guard's select:
         # each parameter gathered twice), then laid out as at rest
-        new = _constrain(new, layout.update_specs(new), mesh)
-        return _constrain(new, layout.state_specs(new), mesh), metrics
+        new = layout.constrain(new, layout.update_specs(new))
+        return layout.at_rest(new, comm), metrics
 
     barriers = layout.keeps_barriers(comm, rematerialises)
     run = comm.compose(

@@ -75,6 +75,14 @@ class StateLayout(ABC):
         """``specs`` as ``NamedSharding`` s over the mesh."""
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
 
+    def constrain(self, tree: PyTree, specs: PyTree) -> PyTree:
+        """Inside a jitted program: ``tree`` laid out as ``specs`` (XLA moves what it must)."""
+        return jax.lax.with_sharding_constraint(tree, self.shardings(specs))
+
+    def at_rest(self, state: PyTree, comm: Any) -> PyTree:
+        """Inside the step, after the update: the new state laid out as between steps."""
+        return self.constrain(state, self.state_specs(state))
+
     def place(self, state: PyTree) -> PyTree:
         """``state`` moved to :meth:`state_specs`' layout (unchanged when it is there)."""
         shardings = self.shardings(self.state_specs(state))
