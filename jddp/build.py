@@ -296,17 +296,12 @@ def per_device_rows(cfg: Config, mesh: Mesh, comm: Comm) -> int:
 def shard_group(cfg: Config, num_devices: int, local_devices: int) -> int:
     """The devices a split state is split over (``dist.shard_group``): ``all`` of them, a
     ``process``'s, or a count that divides them and either divides a process's devices or
-    holds whole processes (a group must not straddle processes unevenly). ``none`` keeps the
-    state whole: its group is every device, whatever the key says (refused unless ``all``)."""
+    holds whole processes (a group must not straddle processes unevenly). Unused with
+    ``dist.shard=none``: the state is whole on every device."""
     group = cfg.dist.shard_group
-    if group == "all":
+    if group == "all" or cfg.dist.shard == "none":
         return num_devices
     key = f"dist.shard_group={group}"
-    if cfg.dist.shard == "none":
-        raise ConfigError(
-            f"{key} with dist.shard=none: the state is whole on every device, nothing is split "
-            "within a group; set dist.shard=optimizer or full, or dist.shard_group=all"
-        )
     size = local_devices if group == "process" else int(group)
     if num_devices % size:
         raise ConfigError(

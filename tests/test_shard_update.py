@@ -402,8 +402,6 @@ def test_the_older_spelling_and_bad_values():
         ("full", "3", 4, 4, "dist.shard_group=3: a group of 3 devices does not divide the 4"),
         ("full", "3", 6, 2, "dist.shard_group=3: a group of 3 devices neither lies within a "
          "process (2 devices) nor holds whole processes"),
-        ("none", "process", 4, 2, "dist.shard_group=process with dist.shard=none: the state is "
-         "whole on every device"),
     ],
 )  # fmt: skip
 def test_a_group_that_does_not_fit_is_refused(shard, group, devices, per_process, error):
@@ -415,6 +413,8 @@ def test_a_group_that_does_not_fit_is_refused(shard, group, devices, per_process
     assert str(caught.value).startswith(error)
     ok = jddp.load_config(overrides=["dist.shard=full", "dist.shard_group=process"])
     assert shard_group(ok, 8, 4) == 4 and shard_group(jddp.load_config(), 8, 4) == 8
+    unused = jddp.load_config(overrides=["dist.shard=none", "dist.shard_group=3"])
+    assert shard_group(unused, 8, 4) == 8  # dist.shard=none: whole on every device
 
 
 FIT_SCRIPT = """

@@ -313,7 +313,7 @@ class DistConfig:
         "of every process), process (each process's devices: hybrid sharding, the processes "
         "holding replicas; gathers stay within a machine, the gradients cross machines once), "
         "or N devices (a divisor of the device count, within a process or whole processes); "
-        "dist.backend=mpi needs process",
+        "dist.backend=mpi needs process; unused with dist.shard=none",
     )
     check_sync_every: int = _f(
         0,
