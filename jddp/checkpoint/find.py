@@ -81,7 +81,6 @@ def reader(directory: Path) -> Checkpoints:
     """The checkpoints in ``directory``, for reading only."""
     return Checkpoints(
         directory,
-        every_steps=0,
         keep=1,
         async_save=False,
         writes=False,

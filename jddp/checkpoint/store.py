@@ -55,7 +55,8 @@ def _warn(message: str) -> None:
 
 
 class Checkpoints:
-    """Save every ``every_steps`` steps (and on demand), keep the newest ``keep``, restore.
+    """Save (when :class:`~jddp.checkpoint.policy.SavePolicy` says), keep the newest ``keep``,
+    restore.
 
     Under ``jax.distributed`` every process calls :meth:`save` (orbax makes process 0 the
     primary host). With ``writes=False`` (MPI ranks other than 0, which share no JAX runtime
@@ -71,7 +72,7 @@ class Checkpoints:
         self,
         directory: str | Path,
         *,
-        every_steps: int,
+        every_steps: int = 0,  # (unused: when to save is jddp.checkpoint.policy's)
         keep: int,
         async_save: bool,
         writes: bool = True,
@@ -91,7 +92,6 @@ class Checkpoints:
         self.classes = classes  # the train data's class names, where it names them
         self.primary = primary  # process 0: moves damaged checkpoints aside
         self.damaged_directory = Path(damaged_directory)
-        self.every_steps = every_steps
         self.writes = writes
         # Across JAX processes (all of which save), True on every process iff ok on every one:
         # they start a save, or refuse it for want of room, together.
@@ -131,10 +131,6 @@ class Checkpoints:
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
         return sorted(self._manager.all_steps())
-
-    def should_save(self, step: int) -> bool:
-        """Whether the periodic schedule saves after optimizer step ``step``."""
-        return self.every_steps > 0 and step % self.every_steps == 0
 
     def save(self, step: int, state: TrainState, config: dict[str, Any]) -> bool:
         """Start saving ``state``, its manifest and the resolved config as ``step``; whether a

@@ -48,7 +48,7 @@ def _steps(run: Run, where: _Where) -> tuple[TrainState, int, bool]:
             run.watchdog.progress()
         run.watchdog.waiting("step", step + 1)
         with run.profiler.step(step + 1, state):
-            flags = {**run.stop.flags(rows), **run.timed_saves.flags(rows)}
+            flags = {**run.stop.flags(rows), **run.saves.flags(rows)}
             flags = place_batch(flags, run.mesh, run.layout)
             batch = {**batch, **flags}
             where.step = step + 1
@@ -74,10 +74,11 @@ def _steps(run: Run, where: _Where) -> tuple[TrainState, int, bool]:
             return state, step, True
         pending = (step, metrics)
         run.progress.update(1)
-        if run.checkpoints.should_save(step):
+        if run.saves.due(step):
             # The save waits for this step anyway: its line first, so that a run that dies
             # before the next step (a kill -9, a stall) has every step up to its newest
-            # checkpoint logged, and its rerun, resuming there, logs each step once.
+            # checkpoint logged, and its rerun, resuming there, logs each step once. (The
+            # previous step's line, read above, told the policy of a save the clock asked for.)
             pending = None
             if _report(run, step, metrics):
                 return state, step, True

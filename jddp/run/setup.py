@@ -30,6 +30,7 @@ from jddp.build import (
     total_steps,
 )
 from jddp.checkpoint import Checkpoints
+from jddp.checkpoint.policy import SavePolicy
 from jddp.checkpoint.resume import restore
 from jddp.checkpoint.warm_start import warm_start
 from jddp.comm import Comm
@@ -43,7 +44,7 @@ from jddp.metrics import Console, MetricsLog, Progress, read_metrics
 from jddp.models.units import blocks
 from jddp.optimizer import make_optimizer
 from jddp.preflight import check_model_output, check_profile_steps, check_task
-from jddp.proc.signals import StopRequest, TimedSaves
+from jddp.proc.signals import StopRequest
 from jddp.proc.watchdog import StallWatchdog
 from jddp.run.callbacks import Callback, Callbacks, EarlyStopping, Fanout
 from jddp.run.hooks import (
@@ -120,7 +121,8 @@ class Run:
     # The periodic work around each step.
     meter: ThroughputMeter
     stop: StopRequest
-    timed_saves: TimedSaves  # checkpoint.every_minutes: its flag rides in every batch
+    saves: SavePolicy  # when to save (checkpoint.every_minutes: its flag rides in every batch)
+    saver: CheckpointHook  # saves when the policy says, and at the end
     reporter: StepReporter
     profiler: Profiler
     hooks: list = field(default_factory=list)
@@ -232,8 +234,11 @@ def build_run(
         )[0]
 
     budget = device_budget(cfg.dist.device_memory_bytes, mesh.local_devices[0])
-    # checkpoint.every_minutes, while checkpoint.every_steps is 0 (every_steps wins)
-    timed_saves = TimedSaves(None if cfg.checkpoint.every_steps else cfg.checkpoint.every_minutes)
+    saves = SavePolicy(
+        every_steps=cfg.checkpoint.every_steps,
+        every_minutes=cfg.checkpoint.every_minutes,
+        start_step=start_step,
+    )
     progress, meter, reporter = _reporting(
         cfg,
         comm,
@@ -259,7 +264,14 @@ def build_run(
     )
     if cfg.train.ema_decay > 0:
         evaluate = WithEma(evaluate)
-    reporter.timed_saves = timed_saves
+    reporter.saves = saves
+    saver = CheckpointHook(
+        checkpoints=ckpts,
+        policy=saves,
+        config=config_lib.to_dict(cfg),
+        watchdog=watchdog,
+        on_save=callbacks.checkpoint,
+    )
     return Run(
         cfg=cfg,
         comm=comm,
@@ -287,14 +299,21 @@ def build_run(
         callbacks=callbacks,
         meter=meter,
         stop=stop,
-        timed_saves=timed_saves,
+        saves=saves,
+        saver=saver,
         reporter=reporter,
         profiler=_profiler(cfg, comm, folder, console),
         hooks=[
-            EvalHook(cfg.train.eval_every_steps, steps, evaluate, log, meter, progress, watchdog),
-            CheckpointHook(
-                ckpts, config_lib.to_dict(cfg), watchdog, callbacks.checkpoint, timed_saves
+            EvalHook(
+                every=cfg.train.eval_every_steps,
+                last_step=steps,
+                evaluate=evaluate,
+                log=log,
+                meter=meter,
+                progress=progress,
+                watchdog=watchdog,
             ),
+            saver,  # after the eval: a step's eval is known when it is saved
             SyncCheck(cfg.dist.check_sync_every, comm),
         ],
         watchdog=watchdog,
@@ -443,7 +462,6 @@ def _checkpoints(
         task=task.kind,
         classes=classes,
         pixel_norm=None if pixel_norm is None else pixel_norm.to_json(),
-        every_steps=cfg.checkpoint.every_steps,
         keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_save,
         writes=comm.writes_checkpoints,
@@ -550,14 +568,14 @@ def _reporting(
     """The progress bar, the throughput meter and the per-step reporter."""
     writer = comm.is_writer
     progress = Progress(
-        cfg.log.progress,
-        steps,
-        start_step,
-        writer,
-        batches.steps_per_epoch,
-        console,
-        task.example_unit,
-        cfg.log.weight_unit,
+        mode=cfg.log.progress,
+        total=steps,
+        initial=start_step,
+        writer=writer,
+        steps_per_epoch=batches.steps_per_epoch,
+        console=console,
+        unit=task.example_unit,
+        weight_unit=cfg.log.weight_unit,
     )
     meter = ThroughputMeter(
         cfg.data.global_batch_size, start_step, task.example_unit, cfg.log.weight_unit

@@ -173,7 +173,7 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
             run.console.say(f"jddp: stopped at step {step}: {why}")
             stopped = False
         if stopped:
-            ckpts.save(step, state, run.config_dict)
+            run.saver.save(step, state)
             ckpts.close()
             comm.barrier()
             if comm.is_writer:
@@ -190,10 +190,8 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         run.stop.finishing("final save and eval")
         # The final checkpoint before the final eval: an eval that fails (a corrupt image, OOM,
         # a kill) must not take the training with it.
-        saved = ckpts.save(step, state, run.config_dict)
+        run.saver.save(step, state)  # (a no-op when the step's periodic save wrote it already)
         ckpts.close()
-        if saved:  # (not when the step's periodic save wrote it already)
-            run.callbacks.checkpoint(step, str(ckpts.directory / str(step)))
         comm.barrier()  # nobody leaves before rank 0's checkpoint is complete
         if comm.is_writer:
             run.folder.clear_preempted()
