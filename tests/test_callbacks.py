@@ -3,6 +3,7 @@ the end, on process 0, outside the step; a callback's stop ends the run as a fin
 early stopping decides from the eval lines, the same after a resume."""
 
 import gc
+from pathlib import Path
 
 import numpy as np
 import optax
@@ -47,6 +48,13 @@ class Recorder(jddp.Callback):
         self.calls.append(("eval", step, round(metrics["eval/loss"], 6)))
 
     def on_checkpoint(self, step, path):
+        # Told once the checkpoint is complete on disk (it was told at the save's start, in
+        # the background: a kill right after lost the checkpoint it was told about).
+        complete = (Path(path) / "_CHECKPOINT_METADATA").is_file() and all(
+            (Path(path) / item / "commit_success.txt").is_file()
+            for item in ("state", "manifest", "config")
+        )
+        assert complete, sorted(p.name for p in Path(path).parent.iterdir())
         self.calls.append(("checkpoint", step, path.endswith(f"checkpoints/{step}")))
 
     def on_end(self, result):

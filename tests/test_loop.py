@@ -115,6 +115,9 @@ def test_eval_hook_skips_the_last_step_and_checkpoint_hook_follows_its_period():
         def save(self, step, state, config):
             saved.append(step)
 
+        def poll(self):
+            pass
+
     ckpt = CheckpointHook(checkpoints=Ckpts(), policy=SavePolicy(every_steps=3), config={})
     for step in range(1, 8):
         ckpt(step, None)

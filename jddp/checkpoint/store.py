@@ -97,6 +97,10 @@ class Checkpoints:
         # they start a save, or refuse it for want of room, together.
         self._agree = agree or (lambda ok: ok)
         self._saving: int | None = None  # the step of the save in flight
+        # Told ``(step, path)`` once a save is complete on disk (the callbacks'
+        # on_checkpoint): at :meth:`poll`, :meth:`wait` or :meth:`close`, never at its start.
+        self.on_durable: Callable[[int, str], None] | None = None
+        self._untold: int | None = None  # a step saved, not yet told complete
         self._failed: CheckpointError | None = None
         self._state_bytes = 0  # the training state's bytes, known at the first save
         if writes and primary:
@@ -153,8 +157,24 @@ class Checkpoints:
         self.wait()  # the save before: on disk, or its failure raised here
         self._check_room(step)
         self._guard(lambda: self._manager.save(step, args=args), step)
-        self._saving = step
+        self._saving = self._untold = step
+        self.poll()  # a synchronous save is complete already
         return True
+
+    def poll(self) -> None:
+        """Without waiting: tell :attr:`on_durable` of the save in flight if it is complete
+        on disk (orbax's commit and rename done on every process). A save that failed is left
+        to :meth:`wait` to report (it never appears under its step's name)."""
+        step = self._untold
+        if step is None or self.on_durable is None or self._manager.is_saving_in_progress():
+            return
+        if (self.directory / str(step)).is_dir():
+            self._tell()
+
+    def _tell(self) -> None:
+        step, self._untold = self._untold, None
+        if step is not None and self.on_durable is not None:
+            self.on_durable(step, str(self.directory / str(step)))
 
     def _check_room(self, step: int) -> None:
         """Refuse (``CheckpointError``, on every process together) a save that the disk has no
@@ -384,8 +404,10 @@ class Checkpoints:
         return None
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is on disk; ``CheckpointError`` if it failed."""
+        """Block until the save in flight (if any) is on disk (told to :attr:`on_durable`);
+        ``CheckpointError`` if it failed."""
         self._guard(self._manager.wait_until_finished, self._saving)
+        self._tell()
 
     def close(self) -> None:
         """Finish pending saves and release the manager; ``CheckpointError`` if a save failed

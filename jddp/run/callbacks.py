@@ -38,7 +38,8 @@ class Callback:
         """An eval line (``eval/loss``, ...); True: stop the run."""
 
     def on_checkpoint(self, step: int, path: str) -> None:
-        """A checkpoint of ``step`` was started (written in the background) at ``path``."""
+        """The checkpoint of ``step`` at ``path`` is complete on disk (written in the
+        background, it is told once orbax has committed it: at a later step, or at the end)."""
 
     def on_end(self, result: Any) -> None:
         """The run finished (:class:`~jddp.run.trainer.RunResult`), after its summary."""

@@ -282,13 +282,12 @@ class CheckpointHook:
         policy: SavePolicy,
         config: dict[str, Any],
         watchdog: Any = None,
-        on_save: Callable[[int, str], None] | None = None,
     ):
         self.checkpoints, self.policy, self.config = checkpoints, policy, config
         self.watchdog = watchdog
-        self.on_save = on_save  # the callbacks' on_checkpoint
 
     def __call__(self, step: int, state: TrainState) -> None:
+        self.checkpoints.poll()  # a save in flight that is complete now: on_checkpoint
         if self.policy.due(step):
             self.save(step, state)
 
@@ -299,8 +298,6 @@ class CheckpointHook:
             self.watchdog.waiting("checkpoint")  # the save before waits for its disk
         started = self.checkpoints.save(step, state, self.config)
         self.policy.saved(step)
-        if started and self.on_save is not None:
-            self.on_save(step, str(self.checkpoints.directory / str(step)))
         if self.watchdog is not None:
             self.watchdog.progress()
         return started

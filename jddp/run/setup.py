@@ -270,8 +270,9 @@ def build_run(
         policy=saves,
         config=config_lib.to_dict(cfg),
         watchdog=watchdog,
-        on_save=callbacks.checkpoint,
     )
+    if callbacks.callbacks:  # on_checkpoint once a save is complete on disk
+        ckpts.on_durable = callbacks.checkpoint
     return Run(
         cfg=cfg,
         comm=comm,
