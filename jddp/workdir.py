@@ -94,8 +94,22 @@ class RunFolder:
         return self.root / "previous"
 
     def prepare(self) -> Path:
-        """Create the folder if needed; ``ConfigError`` naming it when it cannot be written."""
-        return prepare(self.root)
+        """Create the folder and its checkpoints folder if needed; ``ConfigError`` naming the
+        one that cannot be written (a save into it would fail only after training)."""
+        prepare(self.root)
+        checkpoints = self.checkpoints
+        if checkpoints.exists() and not checkpoints.is_dir():
+            raise ConfigError(
+                f"workdir={str(self.root)!r}: its checkpoints folder {checkpoints} is not a "
+                "folder (a file is there); move it away, or use another workdir"
+            )
+        problem = unwritable(checkpoints)
+        if problem is not None:
+            raise ConfigError(
+                f"workdir={str(self.root)!r}: its checkpoints folder {checkpoints} is not "
+                f"writable ({problem}); make it writable, or use another workdir"
+            )
+        return self.root
 
     def set_aside_previous_run(self) -> Path | None:
         """Move an earlier run's outputs (checkpoints, metrics, TensorBoard files, tracked runs,
@@ -155,6 +169,20 @@ def _pid_alive(pid: int, started: str) -> bool:
     if fields and fields[0] in ("Z", "X"):  # killed, not yet reaped: dead
         return False
     return not started or not fields or _start_time(pid) == started
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why a file cannot be written in ``folder`` (created if missing), as the OS says it
+    (``Read-only file system``, ``Permission denied``, ...); None when one can. Tried, not
+    read from the permission bits: root ignores those, a read-only mount binds it too."""
+    probe = folder / f".jddp-write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def prepare(workdir: str | Path) -> Path:

@@ -45,7 +45,7 @@ from jddp.errors import (
     JddpError,
 )
 from jddp.state import TrainState
-from jddp.workdir import RunFolder
+from jddp.workdir import RunFolder, unwritable
 
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a save not yet finalised
 
@@ -177,16 +177,23 @@ class Checkpoints:
             self.on_durable(step, str(self.directory / str(step)))
 
     def _check_room(self, step: int) -> None:
-        """Refuse (``CheckpointError``, on every process together) a save that the disk has no
-        room for, before any of it is written: one that runs out part-way across processes can
-        fail on one process alone while the others wait for it in orbax's commit (a stall)."""
+        """Refuse (``CheckpointError``, on every process together) a save into a folder that
+        cannot be written (made read-only, replaced, gone since the run started) or that the
+        disk has no room for, before any of it is written: a save that fails part-way across
+        processes can fail on one process alone while the others wait for it in orbax's
+        commit (a stall; a read-only folder had ended a 2-process run in a timeout)."""
         intact = [int(p.name) for p in sorted_steps(self.directory)]
-        missing = room.shortfall(self.directory, intact, self._state_bytes)
-        if self._agree(missing is None):
+        refused = unwritable(self.directory)
+        if refused is not None:
+            problem = f"{refused}: {self.directory}"
+        else:
+            missing = room.shortfall(self.directory, intact, self._state_bytes)
+            problem = None if missing is None else f"not enough space{missing}"
+        if self._agree(problem is None):
             return
         self._failed = CheckpointError(
-            f"checkpoint {self.directory / str(step)} could not be written (not enough space"
-            f"{missing or ' on another process'}); the checkpoints before it are intact: "
+            f"checkpoint {self.directory / str(step)} could not be written ("
+            f"{problem or 'on another process'}); the checkpoints before it are intact: "
             f"{intact or 'none'}"
         )
         raise self._failed
@@ -475,7 +482,7 @@ def _cause(e: BaseException) -> str:
     """The operating-system cause of a failed write if one is named (disk full, permission),
     else the error's first 200 characters."""
     text = " ".join(str(e).split())
-    for cause in ("No space left on device", "Permission denied", "Disk quota exceeded"):
+    for cause in (*_DISK_FULL, "Permission denied", "Read-only file system"):
         if cause in text:
             return cause
     return f"{type(e).__name__}: {text[:200]}"
