@@ -14,6 +14,7 @@ from jddp.errors import ConfigError, WorkdirLost
 
 LOCK_NAME = ".jddp.lock"
 PREEMPTED_NAME = ".jddp.preempted"
+STOPPED_NAME = ".jddp.stopped"
 
 
 class RunFolder:
@@ -89,6 +90,31 @@ class RunFolder:
         self.preempted_marker.unlink(missing_ok=True)
 
     @property
+    def stopped_marker(self) -> Path:
+        """Present while the folder's run ended early (a callback's stop, early stopping):
+        its step, why, and the early-stopping keys it ran under (so a rerun stays stopped,
+        see :meth:`stopped_run`)."""
+        return self.root / STOPPED_NAME
+
+    def mark_stopped(self, step: int, reason: str, keys: dict) -> None:
+        """Record that the run ended early at ``step`` (written atomically)."""
+        tmp = self.stopped_marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": step, "reason": reason, "keys": keys}))
+        tmp.replace(self.stopped_marker)
+
+    def stopped_run(self) -> tuple[int, str, dict] | None:
+        """``(step, reason, keys)`` of the folder's run that ended early, or None."""
+        try:
+            record = json.loads(self.stopped_marker.read_text())
+            return int(record["step"]), str(record["reason"]), dict(record["keys"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def clear_stopped(self) -> None:
+        """The run trained on past an early stop (or ended at its last step)."""
+        self.stopped_marker.unlink(missing_ok=True)
+
+    @property
     def previous_runs(self) -> Path:
         """Where ``checkpoint.resume=false`` moves an earlier run's outputs."""
         return self.root / "previous"
@@ -124,6 +150,7 @@ class RunFolder:
             self.damaged_checkpoints,
             self.profile,
             self.preempted_marker,
+            self.stopped_marker,
         ]
         present = [p for p in outputs if p.exists()]
         if not present:

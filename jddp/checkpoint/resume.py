@@ -29,8 +29,13 @@ FREE_KEYS = (
     "data.worker_kind",
     "train.eval_every_steps",
     "train.on_nonfinite",
-    "train.ema_decay",  # the EMA follows the parameters; it changes none of them
+    "train.ema_decay",  # the EMA follows the parameters; it changes none of them (said)
     "train.ema_warmup",
+    "train.early_stop_metric",  # when the run stops, not what its steps compute
+    "train.early_stop_patience",
+    "train.early_stop_mode",
+    "train.early_stop_min_delta",
+    "model.remat",  # recomputes the same activations: the same losses
     "fit.data",  # its type only (a tuple or a dict of the same arrays): not what changes
     "train.max_skipped_fraction",
     "train.compilation_cache_dir",
@@ -134,9 +139,12 @@ def restore(
     now = config_lib.to_dict(cfg)
     layouts: dict[int, dict[str, str]] = {}
 
+    emas: dict[int, Any] = {}
+
     def check_config(step: int, saved: dict[str, Any]) -> None:
         check_resume_config(saved, now, step, total_steps, str(ckpts.directory / str(step)))
         layouts[step] = saved_layout(saved)
+        emas[step] = (saved.get("train") or {}).get("ema_decay")
 
     try:
         restored = ckpts.restore_newest_good(state, comm.agree, check_config)
@@ -156,6 +164,12 @@ def restore(
                 f"jddp: dist.{key}={value} now, {before[key]} when the checkpoint was written: "
                 "the same arrays, laid out anew"
             )
+    decay, before = cfg.train.ema_decay, emas.get(saved_step)
+    if decay > 0 and isinstance(before, int | float) and before > 0 and before != decay:
+        console.say(  # (turned on or off: said where the EMA is added or dropped)
+            f"jddp: train.ema_decay={decay} now, {before} when the checkpoint was written: "
+            "the EMA goes on from the checkpoint's with the new decay"
+        )
     return state, start_step
 
 

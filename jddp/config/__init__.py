@@ -156,6 +156,13 @@ def _check_combinations(cfg: Config) -> None:
             "process: set dist.shard_group=process (the processes then hold replicas, their "
             "slices averaged by mpi4jax), or dist.backend=xla"
         )
+    metric = cfg.train.early_stop_metric
+    if metric is not None and cfg.train.eval_every_steps == 0:
+        raise ConfigError(
+            f"train.early_stop_metric={metric} needs evals during the run: set "
+            "train.eval_every_steps > 0 (with train.eval_every_steps=0 the only eval is the "
+            "final one: it could never stop)"
+        )
     if cfg.data.global_batch_size % cfg.train.grad_accum_steps:
         raise ConfigError(
             f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by "

@@ -34,7 +34,8 @@ class _Where:
 def _steps(run: Run, where: _Where) -> tuple[TrainState, int, bool]:
     state, step = run.state, run.start_step
     rows = run.layout.rows.stop - run.layout.rows.start
-    batches = run.batches.iterate(step, run.total_steps, run.cfg.data.prefetch_batches)
+    end = run.total_steps if run.end_step is None else run.end_step
+    batches = run.batches.iterate(step, end, run.cfg.data.prefetch_batches)
     pending = None  # the previous step's (step, metrics): read one step late
     memory = None  # the mem/ figures, read as the first step compiles
     run.watchdog.waiting("input", step + 1)

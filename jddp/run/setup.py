@@ -43,10 +43,16 @@ from jddp.mesh import to_host
 from jddp.metrics import Console, MetricsLog, Progress, read_metrics
 from jddp.models.units import blocks
 from jddp.optimizer import make_optimizer
-from jddp.preflight import check_model_output, check_profile_steps, check_task
+from jddp.preflight import (
+    check_eval_key,
+    check_model_output,
+    check_profile_steps,
+    check_task,
+    eval_metric_names,
+)
 from jddp.proc.signals import StopRequest
 from jddp.proc.watchdog import StallWatchdog
-from jddp.run.callbacks import Callback, Callbacks, EarlyStopping, Fanout
+from jddp.run.callbacks import Callback, Callbacks, EarlyStopping, Fanout, early_stop_keys
 from jddp.run.hooks import (
     CheckpointHook,
     EvalHook,
@@ -103,6 +109,10 @@ class Run:
     start_step: int
     total_steps: int
     start_skipped_steps: int = 0  # skipped before this run resumed
+    # The step the loop ends at: total_steps, or start_step for a rerun of a run that ended
+    # early (``stopped_early``: why, from the run folder), which stays stopped.
+    end_step: int | None = None
+    stopped_early: str | None = None
     user_model: nnx.Module | None = None  # the module jddp.fit was given: trained in place
     # How: the steps, and the eval pass (``run.evaluate(state)``: metrics over every example).
     train_step: TrainStep
@@ -194,6 +204,7 @@ def build_run(
         state=state,
         mesh=mesh,
     )
+    check_eval_keys(cfg, parts, task=task, model_def=model_def, state=state, splits=splits)
     classes = class_names(splits.train, num_outputs)
     if classes is not None and num_outputs is not None and num_outputs > len(classes):
         outputs = (
@@ -219,6 +230,7 @@ def build_run(
         num_outputs=num_outputs,
         state_layout=state_layout,
     )
+    stopped_early = _stays_stopped(cfg, comm, folder, start_step, console)
     callbacks = Callbacks(_callbacks(cfg, parts), stop, writer)
     callbacks.start(start_step, _history(folder, start_step) if writer else [])
     trackers, log = _outputs(cfg, folder, start_step, writer, callbacks)
@@ -285,6 +297,8 @@ def build_run(
         start_step=start_step,
         total_steps=steps,
         start_skipped_steps=int(to_host(state.skipped_steps)),
+        end_step=start_step if stopped_early is not None else steps,
+        stopped_early=stopped_early,
         user_model=parts.model,
         train_step=train_step,
         state_layout=state_layout,
@@ -435,6 +449,46 @@ def _checked_task(
     return task, pixel_norm, num_outputs
 
 
+def check_eval_keys(
+    cfg: Config,
+    parts: Parts,
+    *,
+    task: Any,
+    model_def: ModelDef,
+    state: TrainState,
+    splits: Splits,
+) -> None:
+    """Before anything trains: early stopping's metric (``train.early_stop_metric``, an
+    :class:`EarlyStopping` given to jddp.fit) must be a key of the run's eval lines, and
+    there must be evals before the end for it to decide on (one line naming the key)."""
+    wanted = [("train.early_stop_metric", cfg.train.early_stop_metric)]
+    wanted += [("EarlyStopping(metric=...)", c.metric) for c in parts.callbacks if _stops(c)]
+    wanted = [(key, value) for key, value in wanted if value is not None]
+    if not wanted:
+        return
+    key, value = wanted[0]
+    if cfg.train.eval_every_steps == 0:
+        raise ConfigError(
+            f"{key}={value} needs evals during the run: set train.eval_every_steps > 0 (with "
+            "train.eval_every_steps=0 the only eval is the final one: it could never stop)"
+        )
+    names = eval_metric_names(
+        task,
+        model_def,
+        state,
+        splits.eval,
+        cfg.data.augment,
+        cfg.log.weight_unit,
+        ema=cfg.train.ema_decay > 0,
+    )
+    for key, value in wanted if names is not None else ():
+        check_eval_key(key, value, names)
+
+
+def _stops(callback: Callback) -> bool:
+    return isinstance(callback, EarlyStopping)
+
+
 def class_names(source: Any, num_outputs: int | None) -> list[str] | None:
     """The class names a labelled image source gives (image folders, the Hub's ``ClassLabel``,
     packs), label order; None for a custom task (``num_outputs`` None) or unnamed classes."""
@@ -511,6 +565,28 @@ def _restored_state(
         state = state_layout.place(state)
     # the same on every process (under mpi rank 0's, copied whole: laid out again)
     return state_layout.place(comm.broadcast_state(state, mesh)), start_step
+
+
+def _stays_stopped(
+    cfg: Config, comm: Comm, folder: RunFolder, start_step: int, console: Console
+) -> str | None:
+    """Why the run resumed at ``start_step`` ended early, when it did so at that step under
+    the same ``train.early_stop_*`` keys: a rerun then stays stopped (it trained on to the
+    next eval and replaced the final checkpoint and eval). Process 0 reads the run folder and
+    decides for everyone; None otherwise."""
+    record = folder.stopped_run() if comm.is_writer else None
+    keys = early_stop_keys(cfg.train)
+    applies = record is not None and record[0] == start_step > 0 and record[2] == keys
+    if not comm.allgather_int(int(applies))[0]:
+        return None
+    if record is None:  # another process: process 0 says why
+        return "stopped early"
+    step, reason, _ = record
+    console.say(
+        f"jddp: this run stopped early at step {step} ({reason}); it stays stopped (change "
+        f"train.early_stop_*, or remove {folder.stopped_marker}, to train on)"
+    )
+    return reason
 
 
 def _callbacks(cfg: Config, parts: Parts) -> list[Callback]:

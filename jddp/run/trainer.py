@@ -27,6 +27,7 @@ from jddp.preflight import check_same_config
 from jddp.proc.signals import StopRequest
 from jddp.proc.watchdog import StallWatchdog
 from jddp.proc.xla import enable_compilation_cache
+from jddp.run.callbacks import early_stop_keys
 from jddp.run.hooks import LockCheck
 from jddp.run.loop import train_loop
 from jddp.run.setup import Parts, Run, build_run
@@ -168,9 +169,10 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         run.progress.close()
         lock.verify()  # the last save only into a folder that is still this run's
         run.watchdog.waiting("checkpoint")
+        ended_early = None  # why a callback ended the run (recorded: a rerun stays stopped)
         if stopped and run.reporter.stop_kind == "finish":  # a callback ended it: finished
-            why = run.stop.finish_reason or "a callback on process 0"
-            run.console.say(f"jddp: stopped at step {step}: {why}")
+            ended_early = run.stop.finish_reason or "a callback on process 0"
+            run.console.say(f"jddp: stopped at step {step}: {ended_early}")
             stopped = False
         if stopped:
             run.saver.save(step, state)
@@ -195,6 +197,10 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         comm.barrier()  # nobody leaves before rank 0's checkpoint is complete
         if comm.is_writer:
             run.folder.clear_preempted()
+            if ended_early is not None:
+                run.folder.mark_stopped(step, ended_early, early_stop_keys(run.cfg.train))
+            elif run.stopped_early is None:  # trained on (to its last step)
+                run.folder.clear_stopped()
     except NonFiniteLoss:
         ckpts.close()  # every process raised at the same step: finish the saves in flight
         raise
