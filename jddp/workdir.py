@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -15,6 +16,7 @@ from jddp.errors import ConfigError, WorkdirLost
 LOCK_NAME = ".jddp.lock"
 PREEMPTED_NAME = ".jddp.preempted"
 STOPPED_NAME = ".jddp.stopped"
+RESUMED_FROM_NAME = ".jddp.resumed_from"
 
 
 class RunFolder:
@@ -115,6 +117,49 @@ class RunFolder:
         self.stopped_marker.unlink(missing_ok=True)
 
     @property
+    def resumed_from_marker(self) -> Path:
+        """Present once ``checkpoint.resume_from`` was applied: its value and the step it
+        resumed from (a rerun with the same value continues from the newest checkpoint)."""
+        return self.root / RESUMED_FROM_NAME
+
+    def mark_resumed_from(self, value: str, step: int) -> None:
+        """Record that ``checkpoint.resume_from=value`` resumed from ``step`` (atomically)."""
+        tmp = self.resumed_from_marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"resume_from": value, "step": step}))
+        tmp.replace(self.resumed_from_marker)
+
+    def resumed_from(self) -> tuple[str, int] | None:
+        """``(value, step)`` of the ``checkpoint.resume_from`` applied here, or None."""
+        try:
+            record = json.loads(self.resumed_from_marker.read_text())
+            return str(record["resume_from"]), int(record["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _new_previous(self) -> Path:
+        """A new, empty ``previous/<UTC time>[-n]/`` folder."""
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        target = self.previous_runs / stamp
+        suffix = 1
+        while target.exists():
+            suffix += 1
+            target = self.previous_runs / f"{stamp}-{suffix}"
+        target.mkdir(parents=True)
+        return target
+
+    def set_aside_checkpoints(self, steps: list[int]) -> Path:
+        """Move checkpoints ``steps`` to ``previous/<UTC time>/checkpoints/`` with a copy of
+        ``metrics.jsonl`` (a run resuming from an older checkpoint drops the lines after
+        it); returns where they went. Nothing is deleted."""
+        target = self._new_previous()
+        (target / "checkpoints").mkdir()
+        for step in steps:
+            (self.checkpoints / str(step)).rename(target / "checkpoints" / str(step))
+        if self.metrics_jsonl.exists():
+            shutil.copy2(self.metrics_jsonl, target / self.metrics_jsonl.name)
+        return target
+
+    @property
     def previous_runs(self) -> Path:
         """Where ``checkpoint.resume=false`` moves an earlier run's outputs."""
         return self.root / "previous"
@@ -151,17 +196,12 @@ class RunFolder:
             self.profile,
             self.preempted_marker,
             self.stopped_marker,
+            self.resumed_from_marker,
         ]
         present = [p for p in outputs if p.exists()]
         if not present:
             return None
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        target = self.previous_runs / stamp
-        suffix = 1
-        while target.exists():
-            suffix += 1
-            target = self.previous_runs / f"{stamp}-{suffix}"
-        target.mkdir(parents=True)
+        target = self._new_previous()
         for path in present:
             path.rename(target / path.name)
         return target

@@ -47,7 +47,7 @@ from jddp.errors import (
 from jddp.state import TrainState
 from jddp.workdir import RunFolder, unwritable
 
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a save not yet finalised
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a save not yet finalised
 
 
 def _warn(message: str) -> None:
@@ -82,7 +82,11 @@ class Checkpoints:
         task: str = "classification",
         classes: list[str] | None = None,
         agree: Callable[[bool], bool] | None = None,
+        preserve: Any = None,
     ):
+        """``preserve``: which checkpoints rotation keeps (an orbax ``PreservationPolicy``,
+        e.g. :class:`~jddp.checkpoint.best.KeepNewestAndBest`) instead of the newest
+        ``keep``."""
         self.directory = Path(directory).absolute()
         # How the run turns integer pixels into model input (PixelNorm.to_json), and what its
         # task is (jddp.tasks: "classification" or "custom"): recorded with every checkpoint so
@@ -113,7 +117,8 @@ class Checkpoints:
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep,
+                max_to_keep=keep if preserve is None else None,
+                preservation_policy=preserve,
                 create=writes,
                 enable_async_checkpointing=async_save,
             ),
@@ -127,7 +132,7 @@ class Checkpoints:
         # A failed save's other writes may still run (orbax's close does not wait for them):
         # one landing after the removal would re-create the folder.
         wait_for_failed_writes()
-        for cut in sorted(self.directory.glob(f"*{_TMP_SUFFIX}*")):
+        for cut in sorted(self.directory.glob(f"*{TMP_SUFFIX}*")):
             shutil.rmtree(cut, ignore_errors=True)
             if say:
                 _warn(f"removed {cut}: a save cut short (the checkpoints before it are intact)")

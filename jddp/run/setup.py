@@ -30,6 +30,7 @@ from jddp.build import (
     total_steps,
 )
 from jddp.checkpoint import Checkpoints
+from jddp.checkpoint.best import BestCheckpoints, KeepNewestAndBest
 from jddp.checkpoint.policy import SavePolicy
 from jddp.checkpoint.resume import restore
 from jddp.checkpoint.warm_start import warm_start
@@ -113,6 +114,7 @@ class Run:
     # early (``stopped_early``: why, from the run folder), which stays stopped.
     end_step: int | None = None
     stopped_early: str | None = None
+    best: BestCheckpoints | None = None  # checkpoint.keep_best: the evals that rank them
     user_model: nnx.Module | None = None  # the module jddp.fit was given: trained in place
     # How: the steps, and the eval pass (``run.evaluate(state)``: metrics over every example).
     train_step: TrainStep
@@ -217,7 +219,8 @@ def build_run(
             f"({_short(classes)}): {num_outputs - len(classes)} outputs will never be a label"
             + ("" if parts.model is not None else f"; set model.num_classes={len(classes)}")
         )
-    ckpts = _checkpoints(cfg, comm, folder, task, pixel_norm, classes)
+    best = _best(cfg, comm, folder)
+    ckpts = _checkpoints(cfg, comm, folder, task, pixel_norm, classes, best)
     state, start_step = _restored_state(
         cfg,
         comm,
@@ -230,6 +233,8 @@ def build_run(
         num_outputs=num_outputs,
         state_layout=state_layout,
     )
+    if best is not None:
+        best.resumed_at(start_step)
     stopped_early = _stays_stopped(cfg, comm, folder, start_step, console)
     callbacks = Callbacks(_callbacks(cfg, parts), stop, writer)
     callbacks.start(start_step, _history(folder, start_step) if writer else [])
@@ -249,6 +254,8 @@ def build_run(
     saves = SavePolicy(
         every_steps=cfg.checkpoint.every_steps,
         every_minutes=cfg.checkpoint.every_minutes,
+        eval_every_steps=cfg.train.eval_every_steps,
+        save_at_evals=best is not None,  # an eval's checkpoint must exist to be kept
         start_step=start_step,
     )
     progress, meter, reporter = _reporting(
@@ -299,6 +306,7 @@ def build_run(
         start_skipped_steps=int(to_host(state.skipped_steps)),
         end_step=start_step if stopped_early is not None else steps,
         stopped_early=stopped_early,
+        best=best,
         user_model=parts.model,
         train_step=train_step,
         state_layout=state_layout,
@@ -327,8 +335,9 @@ def build_run(
                 meter=meter,
                 progress=progress,
                 watchdog=watchdog,
+                on_eval=None if best is None else best.record,
             ),
-            saver,  # after the eval: a step's eval is known when it is saved
+            saver,  # after the eval: a step's eval is known when it is saved (and ranked)
             SyncCheck(cfg.dist.check_sync_every, comm),
         ],
         watchdog=watchdog,
@@ -459,10 +468,13 @@ def check_eval_keys(
     splits: Splits,
 ) -> None:
     """Before anything trains: early stopping's metric (``train.early_stop_metric``, an
-    :class:`EarlyStopping` given to jddp.fit) must be a key of the run's eval lines, and
-    there must be evals before the end for it to decide on (one line naming the key)."""
+    :class:`EarlyStopping` given to jddp.fit) and the best checkpoints' ``checkpoint.monitor``
+    must be keys of the run's eval lines, and there must be evals before the end for them to
+    decide on (one line naming the key)."""
     wanted = [("train.early_stop_metric", cfg.train.early_stop_metric)]
     wanted += [("EarlyStopping(metric=...)", c.metric) for c in parts.callbacks if _stops(c)]
+    if cfg.checkpoint.keep_best > 0:
+        wanted.append(("checkpoint.monitor", cfg.checkpoint.monitor))
     wanted = [(key, value) for key, value in wanted if value is not None]
     if not wanted:
         return
@@ -510,8 +522,10 @@ def _checkpoints(
     task: Any,
     pixel_norm: PixelNorm | None,
     classes: list[str] | None,
+    best: BestCheckpoints | None,
 ) -> Checkpoints:
-    """The run's checkpoints, saved with what an export or an eval of them needs."""
+    """The run's checkpoints, saved with what an export or an eval of them needs; rotation
+    keeps the newest ``checkpoint.keep`` and, with ``best``, the best ``keep_best``."""
     return Checkpoints.of(
         folder,
         task=task.kind,
@@ -523,6 +537,21 @@ def _checkpoints(
         primary=comm.is_writer,
         # Every JAX process saves (under MPI each rank is its own JAX runtime, rank 0 saves).
         agree=comm.agree if jax.process_count() > 1 else None,
+        preserve=None if best is None else KeepNewestAndBest(cfg.checkpoint.keep, best),
+    )
+
+
+def _best(cfg: Config, comm: Comm, folder: RunFolder) -> BestCheckpoints | None:
+    """``checkpoint.keep_best``: the record of the run's evals that ranks its checkpoints."""
+    ckpt = cfg.checkpoint
+    if ckpt.keep_best == 0:
+        return None
+    return BestCheckpoints(
+        folder.checkpoints,
+        monitor=ckpt.monitor,
+        mode=ckpt.mode,
+        keep_best=ckpt.keep_best,
+        writer=comm.is_writer,
     )
 
 

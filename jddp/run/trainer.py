@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from flax import nnx
 
 from jddp import config as config_lib
-from jddp.checkpoint.resume import changed_keys
+from jddp.checkpoint.resume import apply_resume_from, changed_keys
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.distributed import Job, current_job
@@ -114,7 +114,13 @@ def train_and_evaluate(
                     f"jddp: checkpoint.resume=false: the earlier run's outputs in this workdir "
                     f"were moved to {moved}"
                 )
+        if problem is None:
+            try:  # the checkpoint it names becomes the newest: resumed as always
+                apply_resume_from(folder, cfg, Console())
+            except ConfigError as e:
+                problem = e
     if not comm.agree(problem is None):
+        lock.release()  # (held when checkpoint.resume_from was refused)
         raise problem or ConfigError(f"process 0 could not use workdir={cfg.workdir!r}")
     if comm.allgather_int(int(continues))[0]:  # process 0 decides for everyone
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
@@ -263,6 +269,8 @@ def _final_eval(run: Run, state: TrainState, step: int) -> dict[str, float]:
         )
     if not run.log.logged(step, "eval/loss"):  # a rerun of a finished run logs it once
         run.log.write(step, eval_metrics)
+    if run.best is not None:  # the final checkpoint, ranked with the others
+        run.best.record(step, eval_metrics)
     return eval_metrics
 
 
