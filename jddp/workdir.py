@@ -174,7 +174,8 @@ class RunFolder:
                 f"workdir={str(self.root)!r}: its checkpoints folder {checkpoints} is not a "
                 "folder (a file is there); move it away, or use another workdir"
             )
-        problem = unwritable(checkpoints)
+        # (One that does not exist yet is made in the workdir, writable as just checked.)
+        problem = unwritable(checkpoints) if checkpoints.exists() else None
         if problem is not None:
             raise ConfigError(
                 f"workdir={str(self.root)!r}: its checkpoints folder {checkpoints} is not "
@@ -239,12 +240,12 @@ def _pid_alive(pid: int, started: str) -> bool:
 
 
 def unwritable(folder: Path) -> str | None:
-    """Why a file cannot be written in ``folder`` (created if missing), as the OS says it
-    (``Read-only file system``, ``Permission denied``, ...); None when one can. Tried, not
-    read from the permission bits: root ignores those, a read-only mount binds it too."""
+    """Why a file cannot be written in ``folder``, as the OS says it (``Read-only file
+    system``, ``Permission denied``, ``No such file or directory``, ...); None when one can.
+    Tried, not read from the permission bits: root ignores those, a read-only mount binds it
+    too."""
     probe = folder / f".jddp-write-test-{socket.gethostname()}-{os.getpid()}"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
         probe.unlink()
     except OSError as e:
