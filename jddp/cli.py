@@ -27,6 +27,17 @@ class OneLineParser(argparse.ArgumentParser):
         raise ConfigError(f"command line: {message} (usage: {self.usage})")
 
 
+def checkpoint_step(text: str) -> int | str:
+    """``--step``: a checkpoint's step, or ``best`` (the run's best by ``checkpoint.monitor``,
+    recorded with ``checkpoint.keep_best``)."""
+    if text.strip().lower() == "best":
+        return "best"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a step number nor best") from None
+
+
 class Session:
     """One CLI invocation: holds the job once JAX has started, so a failure can stop peers."""
 

@@ -181,7 +181,7 @@ def evaluate_model(
     data: Any = None,
     *,
     batch_size: int = 256,
-    step: int | None = None,
+    step: int | str | None = None,
     loss: Callable | None = None,
     metrics: Callable | None = None,
     loss_fn: Callable | None = None,
@@ -340,7 +340,7 @@ ROTATION_RETRIES = 3
 
 
 def evaluate_checkpoint(
-    cfg: Config, path: str, step: int | None, job: Job, ema: bool = False
+    cfg: Config, path: str, step: int | str | None, job: Job, ema: bool = False
 ) -> dict:
     """Evaluate checkpoint ``step`` (default: the newest) of the run at ``path`` on ``cfg``'s
     eval split over the job's devices and processes; process 0 prints the result, then
@@ -415,15 +415,16 @@ def evaluate_checkpoint(
 
 
 def restore_run_checkpoint(
-    model: nnx.Module, path: str, step: int | None, comm: Comm, ema: bool = False
+    model: nnx.Module, path: str, step: int | str | None, comm: Comm, ema: bool = False
 ) -> tuple[Path, int]:
     """Set ``model``'s weights to checkpoint ``step`` (default: the newest) of the run at
     ``path`` (``ema``: its parameters' moving average); its checkpoints folder and step. Every
     process reads the step process 0 picked.
 
     A live run's ``checkpoint.keep`` rotation may delete the picked checkpoint before it is
-    read: with no ``step`` asked for, the newest one then present is read instead (up to
-    :data:`ROTATION_RETRIES` times); a ``step`` asked for that vanished is a ``ConfigError``
+    read: with no ``step`` asked for (or ``"best"``), the newest (best) one then present is
+    read instead (up to :data:`ROTATION_RETRIES` times); a ``step`` asked for that vanished is a
+    ``ConfigError``
     naming it and the checkpoints now present. A damaged checkpoint is a ``CheckpointError``
     naming it and the newest intact one.
     """
@@ -442,7 +443,7 @@ def restore_run_checkpoint(
             ckpts.close()
         if comm.agree(gone is None):
             return directory, picked
-        if step is not None:
+        if step not in (None, "best"):  # (a best one is rotated only for a better one)
             now = [p.name for p in sorted_steps(directory)]
             raise ConfigError(
                 f"--step: {gone or f'checkpoint {directory / str(step)} vanished'}; the "

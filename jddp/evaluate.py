@@ -1,4 +1,4 @@
-"""CLI: ``python -m jddp.evaluate --workdir W [--step N] [key=value ...]``.
+"""CLI: ``python -m jddp.evaluate --workdir W [--step N|best] [key=value ...]``.
 
 Evaluates a checkpoint of a run on the configured eval split (overrides may change ``data.*``),
 on any number of devices and processes (under ``python -m jddp.launch``, SLURM or mpirun, as
@@ -30,12 +30,14 @@ import argparse  # noqa: E402 (after the handler, on purpose)
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-USAGE = "python -m jddp.evaluate --workdir W [--step N] [--ema] [--trust-code] [key.sub=value ...]"
+USAGE = (
+    "python -m jddp.evaluate --workdir W [--step N|best] [--ema] [--trust-code] [key.sub=value ...]"
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """``--workdir``, ``--step`` and the ``key=value`` overrides."""
-    from jddp.cli import OneLineParser
+    from jddp.cli import OneLineParser, checkpoint_step
 
     parser = OneLineParser(
         prog="python -m jddp.evaluate",
@@ -44,7 +46,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "loss, top-1 and top-5 accuracy, printed and appended to WORKDIR/metrics.jsonl.",
     )
     parser.add_argument("--workdir", required=True, help="the run's folder")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument(
+        "--step",
+        type=checkpoint_step,
+        help="checkpoint step, or best (by checkpoint.monitor, a run with checkpoint.keep_best; "
+        "default: the newest)",
+    )
     parser.add_argument(
         "--ema",
         action="store_true",

@@ -1,4 +1,4 @@
-"""CLI: ``python -m jddp.export --workdir W [--step N] --format stablehlo|onnx [--batch-size
+"""CLI: ``python -m jddp.export --workdir W [--step N|best] --format stablehlo|onnx [--batch-size
 B|dynamic] [--input-shape SHAPE] OUT``.
 
 Writes the trained model of a run (its newest checkpoint, or ``--step``) for inference, in eval
@@ -30,7 +30,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 USAGE = (
-    "python -m jddp.export --workdir W [--step N] --format stablehlo|onnx "
+    "python -m jddp.export --workdir W [--step N|best] --format stablehlo|onnx "
     "[--batch-size B|dynamic] [--input-shape SHAPE] [--ema] [--trust-code] OUT"
 )
 
@@ -50,7 +50,7 @@ def _batch_size(text: str) -> int | None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """``--workdir``, ``--step``, ``--format``, ``--batch-size``, ``--input-shape`` and OUT."""
-    from jddp.cli import OneLineParser
+    from jddp.cli import OneLineParser, checkpoint_step
     from jddp.export_lib import FORMATS
 
     parser = OneLineParser(
@@ -60,7 +60,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "(jax.export) or ONNX (jax2onnx, checked in onnxruntime).",
     )
     parser.add_argument("--workdir", required=True, help="the run's folder")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument(
+        "--step",
+        type=checkpoint_step,
+        help="checkpoint step, or best (by checkpoint.monitor, a run with checkpoint.keep_best; "
+        "default: the newest)",
+    )
     parser.add_argument("--format", required=True, choices=FORMATS, help="what to write")
     parser.add_argument(
         "--batch-size",

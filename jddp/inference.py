@@ -74,7 +74,7 @@ def model_config(saved: dict[str, Any]) -> config_lib.Config:
 
 def load(
     path: PathLike,
-    step: int | None = None,
+    step: int | str | None = None,
     *,
     model: nnx.Module | None = None,
     ema: bool = False,
@@ -82,7 +82,8 @@ def load(
 ):
     """The trained model of a run, in eval mode, on the default device.
 
-    ``path``: a workdir (its newest checkpoint, or ``step``) or one checkpoint folder
+    ``path``: a workdir (its newest checkpoint, or ``step``; ``step="best"``: its best by
+    ``checkpoint.monitor``, a run with ``checkpoint.keep_best``) or one checkpoint folder
     (``workdir/checkpoints/<step>``). The model is built as the checkpoint's config says
     (``model.name``, ``model.num_classes``, ...); for a model passed to :func:`jddp.fit` that the
     config cannot build, pass a freshly built ``model`` of the same architecture as a template:
@@ -114,7 +115,7 @@ class LoadedRun:
 
 def load_run(
     path: PathLike,
-    step: int | None = None,
+    step: int | str | None = None,
     *,
     model: nnx.Module | None = None,
     key: str = "path",
@@ -147,7 +148,7 @@ def load_run(
     return LoadedRun(loaded, norm, augment, task, classes)
 
 
-def class_names(path: PathLike, step: int | None = None) -> list[str] | None:
+def class_names(path: PathLike, step: int | str | None = None) -> list[str] | None:
     """The class names of a run's train data in label order, so that output ``k`` of
     :func:`predict`'s logits is ``class_names(run)[k]``: the image folder's class folders, the
     Hub's ``ClassLabel`` names, a pack's classes. None where the data named none (arrays, a
@@ -199,7 +200,7 @@ def _restored_model(
 
 def as_model(
     model_or_workdir: nnx.Module | PathLike,
-    step: int | None = None,
+    step: int | str | None = None,
     ema: bool = False,
     trust_code: bool = False,
 ) -> LoadedRun:
@@ -253,7 +254,7 @@ def predict(
     *,
     mean: Any = None,
     std: Any = None,
-    step: int | None = None,
+    step: int | str | None = None,
     forward: Callable[[nnx.Module, Any], Any] | None = None,
     ema: bool = False,
     trust_code: bool = False,

@@ -180,6 +180,7 @@ class Progress:
 
     def __init__(
         self,
+        *,
         mode: str,
         total: int,
         initial: int,

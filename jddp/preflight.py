@@ -1,14 +1,17 @@
 """Checks before the first step, so a mistake costs seconds and one clear line, not a crash
 deep inside a compiled step: the same config on every process, a model output that fits the
 data (image classification), a task whose loss and metrics fit the batches (any task), a
-profile range inside the run."""
+profile range inside the run, eval keys that the run's evals hold (early stopping, the best
+checkpoints)."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jddp import config as config_lib
 from jddp.comm import Comm, config_fingerprint
@@ -125,3 +128,53 @@ def check_task(
                 f"{getattr(task, 'loss_name', 'the loss')} (or its metrics) failed on a {split} "
                 f"batch of {rows} examples {shapes} ({type(e).__name__}: {error})"
             ) from None
+
+
+def eval_metric_names(
+    task: Task,
+    model_def: ModelDef,
+    state: TrainState,
+    source: Any,
+    augment: str,
+    weight_unit: str | None = None,
+    ema: bool = False,
+) -> list[str] | None:
+    """The keys of this run's eval lines (``eval/loss``, ``eval/<metric>`` of the task's
+    metrics, ``eval/count``, ``eval/<weight_unit>``; ``eval_ema/...`` too with ``ema``), from
+    the task's eval terms traced on the shapes of two eval examples (nothing computed, the
+    eval step not run). None for an eval split without examples."""
+    from jddp.data.pipeline import eval_batch
+
+    if len(source) == 0:
+        return None
+    example = eval_batch(source, np.arange(min(2, len(source))), augment)
+    data = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), example)
+
+    def terms(params, model_state, data):
+        def model_of():
+            model = model_def.merge(params, model_state)
+            model.eval()
+            return model
+
+        return {k: 0 for k in task_terms(task, model_of, data, False)[0]}
+
+    named = jax.eval_shape(terms, state.params, state.model_state, data)
+    names = ["eval/loss", *(f"eval/{k}" for k in sorted(named) if k != "loss"), "eval/count"]
+    if weight_unit is not None:
+        names.append(f"eval/{weight_unit}")
+    if ema:
+        names += [f"eval_ema/{n.removeprefix('eval/')}" for n in names]
+    return names
+
+
+def check_eval_key(key: str, value: str, names: list[str]) -> None:
+    """``ConfigError`` naming ``key`` when ``value`` is not one of the eval keys ``names``
+    (:func:`eval_metric_names`), with the closest as a hint."""
+    if value in names:
+        return
+    close = difflib.get_close_matches(value, names, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(
+        f"{key}: {value!r} is not an eval metric of this run (its eval lines hold "
+        f"{', '.join(names)}){hint}"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -14,6 +15,8 @@ from jddp.errors import ConfigError, WorkdirLost
 
 LOCK_NAME = ".jddp.lock"
 PREEMPTED_NAME = ".jddp.preempted"
+STOPPED_NAME = ".jddp.stopped"
+RESUMED_FROM_NAME = ".jddp.resumed_from"
 
 
 class RunFolder:
@@ -89,13 +92,96 @@ class RunFolder:
         self.preempted_marker.unlink(missing_ok=True)
 
     @property
+    def stopped_marker(self) -> Path:
+        """Present while the folder's run ended early (a callback's stop, early stopping):
+        its step, why, and the early-stopping keys it ran under (so a rerun stays stopped,
+        see :meth:`stopped_run`)."""
+        return self.root / STOPPED_NAME
+
+    def mark_stopped(self, step: int, reason: str, keys: dict) -> None:
+        """Record that the run ended early at ``step`` (written atomically)."""
+        tmp = self.stopped_marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": step, "reason": reason, "keys": keys}))
+        tmp.replace(self.stopped_marker)
+
+    def stopped_run(self) -> tuple[int, str, dict] | None:
+        """``(step, reason, keys)`` of the folder's run that ended early, or None."""
+        try:
+            record = json.loads(self.stopped_marker.read_text())
+            return int(record["step"]), str(record["reason"]), dict(record["keys"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def clear_stopped(self) -> None:
+        """The run trained on past an early stop (or ended at its last step)."""
+        self.stopped_marker.unlink(missing_ok=True)
+
+    @property
+    def resumed_from_marker(self) -> Path:
+        """Present once ``checkpoint.resume_from`` was applied: its value and the step it
+        resumed from (a rerun with the same value continues from the newest checkpoint)."""
+        return self.root / RESUMED_FROM_NAME
+
+    def mark_resumed_from(self, value: str, step: int) -> None:
+        """Record that ``checkpoint.resume_from=value`` resumed from ``step`` (atomically)."""
+        tmp = self.resumed_from_marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"resume_from": value, "step": step}))
+        tmp.replace(self.resumed_from_marker)
+
+    def resumed_from(self) -> tuple[str, int] | None:
+        """``(value, step)`` of the ``checkpoint.resume_from`` applied here, or None."""
+        try:
+            record = json.loads(self.resumed_from_marker.read_text())
+            return str(record["resume_from"]), int(record["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _new_previous(self) -> Path:
+        """A new, empty ``previous/<UTC time>[-n]/`` folder."""
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        target = self.previous_runs / stamp
+        suffix = 1
+        while target.exists():
+            suffix += 1
+            target = self.previous_runs / f"{stamp}-{suffix}"
+        target.mkdir(parents=True)
+        return target
+
+    def set_aside_checkpoints(self, steps: list[int]) -> Path:
+        """Move checkpoints ``steps`` to ``previous/<UTC time>/checkpoints/`` with a copy of
+        ``metrics.jsonl`` (a run resuming from an older checkpoint drops the lines after
+        it); returns where they went. Nothing is deleted."""
+        target = self._new_previous()
+        (target / "checkpoints").mkdir()
+        for step in steps:
+            (self.checkpoints / str(step)).rename(target / "checkpoints" / str(step))
+        if self.metrics_jsonl.exists():
+            shutil.copy2(self.metrics_jsonl, target / self.metrics_jsonl.name)
+        return target
+
+    @property
     def previous_runs(self) -> Path:
         """Where ``checkpoint.resume=false`` moves an earlier run's outputs."""
         return self.root / "previous"
 
     def prepare(self) -> Path:
-        """Create the folder if needed; ``ConfigError`` naming it when it cannot be written."""
-        return prepare(self.root)
+        """Create the folder and its checkpoints folder if needed; ``ConfigError`` naming the
+        one that cannot be written (a save into it would fail only after training)."""
+        prepare(self.root)
+        checkpoints = self.checkpoints
+        if checkpoints.exists() and not checkpoints.is_dir():
+            raise ConfigError(
+                f"workdir={str(self.root)!r}: its checkpoints folder {checkpoints} is not a "
+                "folder (a file is there); move it away, or use another workdir"
+            )
+        # (One that does not exist yet is made in the workdir, writable as just checked.)
+        problem = unwritable(checkpoints) if checkpoints.exists() else None
+        if problem is not None:
+            raise ConfigError(
+                f"workdir={str(self.root)!r}: its checkpoints folder {checkpoints} is not "
+                f"writable ({problem}); make it writable, or use another workdir"
+            )
+        return self.root
 
     def set_aside_previous_run(self) -> Path | None:
         """Move an earlier run's outputs (checkpoints, metrics, TensorBoard files, tracked runs,
@@ -110,17 +196,13 @@ class RunFolder:
             self.damaged_checkpoints,
             self.profile,
             self.preempted_marker,
+            self.stopped_marker,
+            self.resumed_from_marker,
         ]
         present = [p for p in outputs if p.exists()]
         if not present:
             return None
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        target = self.previous_runs / stamp
-        suffix = 1
-        while target.exists():
-            suffix += 1
-            target = self.previous_runs / f"{stamp}-{suffix}"
-        target.mkdir(parents=True)
+        target = self._new_previous()
         for path in present:
             path.rename(target / path.name)
         return target
@@ -155,6 +237,20 @@ def _pid_alive(pid: int, started: str) -> bool:
     if fields and fields[0] in ("Z", "X"):  # killed, not yet reaped: dead
         return False
     return not started or not fields or _start_time(pid) == started
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why a file cannot be written in ``folder``, as the OS says it (``Read-only file
+    system``, ``Permission denied``, ``No such file or directory``, ...); None when one can.
+    Tried, not read from the permission bits: root ignores those, a read-only mount binds it
+    too."""
+    probe = folder / f".jddp-write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def prepare(workdir: str | Path) -> Path:

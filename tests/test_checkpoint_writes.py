@@ -1,8 +1,22 @@
-"""How a checkpoint of arrays every device holds is written (jddp.compat.orbax_writes)."""
+"""How checkpoints are written: arrays every device holds (jddp.compat.orbax_writes), and a
+checkpoints folder that cannot be written, at the start and mid-run."""
 
 import json
+import os
+from pathlib import Path
 
-from tests.helpers import fake_devices, run_python
+import pytest
+
+from tests.helpers import (
+    fake_devices,
+    launch_cmd,
+    read_losses,
+    run,
+    run_python,
+    start,
+    steps_saved,
+    wait_for,
+)
 
 # Two devices holding the same arrays; the programs JAX lowers while each save runs.
 _SAVE_TWICE = """
@@ -94,3 +108,104 @@ def test_room_for_a_checkpoint_is_the_newest_ones_size_else_the_states_bytes(tmp
     # A file system that reports no size (some FUSE mounts): unknown, no save refused.
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(0, 0, 0))
     assert room.shortfall(tmp_path, [2], state_bytes=100) is None
+
+
+# The custom task (tests/user_tasks.py), its train batches after step 2 waiting for a file.
+GATED = [
+    "model.name=tests.user_tasks:linear",
+    "data.name=tests.user_tasks:gated_data",
+    "train.loss=tests.user_tasks:loss",
+    "data.global_batch_size=16",
+    "data.workers=0",
+    "log.every_steps=1",
+    "log.progress=off",
+    "dist.step_timeout_s=120",  # a hang (the bug) ends as a stall, not the test's timeout
+]
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "jddp: error:" in line]
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """``read_only(folder)``: bind-mount ``folder`` read-only onto itself (unmounted after the
+    test). Tests run as root, which ignores permission bits (chmod stops nothing); a read-only
+    mount binds root too (EROFS). Skipped where mounts are not allowed."""
+    mounted = []
+
+    def make(folder: Path) -> None:
+        for args in (["--bind", folder, folder], ["-o", "remount,bind,ro", folder]):
+            made = run(["mount", *map(str, args)])
+            if made.returncode != 0:
+                pytest.skip(f"cannot bind-mount read-only here: {made.stderr.strip()}")
+            mounted.append(folder)
+
+    yield make
+    for folder in reversed(mounted):
+        run(["umount", "-l", str(folder)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["a file", "a read-only mount"])
+def test_an_unwritable_checkpoints_folder_is_refused_before_training(tmp_path, how, read_only):
+    """The checkpoints folder is a regular file (what binds root everywhere) or a read-only
+    mount: every rank of a 2-process job stops at the start, exit 2, process 0 naming the
+    folder and why. It had trained to the last step, then hung in orbax's first save (one rank
+    a raw TimeoutError, the other silent until the step timeout)."""
+    wd = tmp_path / "run"
+    checkpoints = wd / "checkpoints"
+    wd.mkdir()
+    if how == "a file":
+        checkpoints.write_text("not a folder")
+        said = f"its checkpoints folder {checkpoints} is not a folder (a file is there)"
+    else:
+        checkpoints.mkdir()
+        read_only(checkpoints)
+        said = f"its checkpoints folder {checkpoints} is not writable (Read-only file system)"
+    out = run(launch_cmd(2, 1, wd, *GATED, "train.steps=4", base=[]), timeout=300)
+    lines = error_lines(out.stderr)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert sorted(line.split("]")[0] for line in lines) == ["[rank 0", "[rank 1"], out.stderr
+    (first,) = [line for line in lines if line.startswith("[rank 0]")]
+    assert said in first, first
+    assert not (wd / "metrics.jsonl").exists()  # nothing trained, nothing written
+    if how == "a file":
+        assert checkpoints.read_text() == "not a folder"
+
+
+@pytest.mark.slow
+def test_a_checkpoints_folder_made_read_only_mid_run_stops_every_rank_in_one_line(
+    tmp_path, read_only
+):
+    """Checkpoint 2 is written, then the folder turns read-only (the steps after 2 wait for
+    that: tests/user_tasks.py GatedSource): the save of step 4 is refused on both ranks
+    together before any of it is written, one line each naming the folder and the OS error,
+    exit 1; checkpoint 2 stays, and once the folder is writable again the same command
+    resumes from it."""
+    wd, gate = tmp_path / "run", tmp_path / "go"
+    command = launch_cmd(2, 1, wd, *GATED, "train.steps=6", "checkpoint.every_steps=2", base=[])
+    env = {**os.environ, "JDDP_TEST_GATE": str(gate)}
+    job = start(command, env=env)
+    try:
+        first = wd / "checkpoints" / "2"
+        assert wait_for(lambda: first.is_dir() or job.poll() is not None, 300), "no checkpoint 2"
+        read_only(wd / "checkpoints")
+        gate.touch()
+        _, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    lines = error_lines(err)
+    assert job.returncode == 1, err[-3000:]
+    assert sorted(line.split("]")[0] for line in lines) == ["[rank 0", "[rank 1"], err[-3000:]
+    for line in lines:
+        assert (
+            f"checkpoint {wd}/checkpoints/4 could not be written (Read-only file system: "
+            f"{wd}/checkpoints); the checkpoints before it are intact: [2]"
+        ) in line, line
+    assert steps_saved(wd) == [2]
+    run(["umount", "-l", str(wd / "checkpoints")])
+    again = run(command, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "at step 2" in again.stdout and sorted(read_losses(wd)) == list(range(1, 7))

@@ -6,6 +6,7 @@ import os
 import jax.numpy as jnp
 import pytest
 
+from jddp.checkpoint.policy import SavePolicy
 from jddp.errors import NonFiniteLoss
 from jddp.proc.signals import STOP_KEY
 from jddp.run.hooks import CheckpointHook, EvalHook, Every, StepReporter, ThroughputMeter
@@ -99,19 +100,25 @@ def test_reporter_halts_on_a_nonfinite_step_or_logs_it_under_skip():
 
 def test_eval_hook_skips_the_last_step_and_checkpoint_hook_follows_its_period():
     log, evaluated, saved = Recorder(), [], []
-    hook = EvalHook(2, 4, lambda state: evaluated.append(state) or {"eval/loss": 0.0}, log,
-                    ThroughputMeter(8, 0))  # fmt: skip
+    hook = EvalHook(
+        every=2,
+        last_step=4,
+        evaluate=lambda state: evaluated.append(state) or {"eval/loss": 0.0},
+        log=log,
+        meter=ThroughputMeter(8, 0),
+    )
     for step in range(1, 5):
         hook(step, f"state{step}")
     assert evaluated == ["state2"]  # step 4 is the last: evaluated after the loop
 
     class Ckpts:
-        every_steps = 3
-
         def save(self, step, state, config):
             saved.append(step)
 
-    ckpt = CheckpointHook(Ckpts(), {})
+        def poll(self):
+            pass
+
+    ckpt = CheckpointHook(checkpoints=Ckpts(), policy=SavePolicy(every_steps=3), config={})
     for step in range(1, 8):
         ckpt(step, None)
     assert saved == [3, 6]

@@ -33,6 +33,23 @@ def test_free_keys_may_change():
     check_resume_config(saved, now, 4, 40, "ckpt")
 
 
+def test_early_stopping_and_remat_are_no_trajectory_change():
+    """Adding early stopping or changing its patience at a resume changes when the run stops,
+    not what its steps compute; model.remat recomputes the same activations (the same
+    losses): a resume may turn it on or off."""
+    saved = resolved("train.eval_every_steps=2")
+    now = resolved(
+        "train.eval_every_steps=2",
+        "train.early_stop_metric=eval/accuracy",
+        "train.early_stop_patience=7",
+        "train.early_stop_mode=max",
+        "train.early_stop_min_delta=0.01",
+        "model.remat=blocks",
+    )
+    assert changed_keys(saved, now) == []
+    check_resume_config(saved, now, 4, 10, "ckpt")
+
+
 def test_trajectory_keys_are_refused_naming_each_key_and_both_values():
     saved = resolved("optim.lr=0.1", "train.seed=0")
     now = resolved("optim.lr=0.2", "train.seed=3")
@@ -115,3 +132,26 @@ def test_a_resume_with_another_optimizer_says_so(tmp_path):
     assert 'update -0.00999993" there, "optax EmptyState+EmptyState, a unit' in str(e.value)
     with pytest.raises(jddp.ConfigError, match=r'-0\.00999993" there, .* -0\.0199999\d*" now'):
         fit(optax.adam(0.02), 4)
+
+
+def test_a_changed_ema_decay_at_a_resume_is_said(tmp_path, capsys):
+    """train.ema_decay changed at a resume goes on from the checkpoint's EMA with the new
+    decay, said in one line (it was taken silently); unchanged, nothing is said."""
+    from flax import nnx
+
+    import jddp
+    from tests.user_models import TinyMLP
+
+    def fit(steps, decay):
+        jddp.fit(TinyMLP(192, 10, nnx.Rngs(0)), train_data=_mlp_data(),
+                 config={"workdir": str(tmp_path / "run")},
+                 overrides=[*_MLP, f"train.steps={steps}", f"train.ema_decay={decay}"])  # fmt: skip
+        out = capsys.readouterr().out.splitlines()
+        return [line for line in out if line.startswith("jddp: train.ema_decay")]
+
+    assert fit(2, 0.9) == []
+    assert fit(4, 0.99) == [
+        "jddp: train.ema_decay=0.99 now, 0.9 when the checkpoint was written: the EMA goes on "
+        "from the checkpoint's with the new decay"
+    ]
+    assert fit(6, 0.99) == []

@@ -256,3 +256,40 @@ def stalling_loss(model, batch):
 
     jax.debug.callback(_maybe_block, batch["x"][0, 0])
     return loss(model, batch)
+
+
+class GatedSource:
+    """``arrays`` by index; with JDDP_TEST_GATE=FILE, the reads after the first ``after``
+    batches wait until FILE exists (a test does what it must between two steps, e.g. make the
+    checkpoints folder read-only after the first save, then lets the run go on)."""
+
+    def __init__(self, arrays: dict, after: int):
+        from jddp.data.trees import ArrayTreeSource
+
+        self.inner = ArrayTreeSource(arrays, "gated")
+        self.example = self.inner.example
+        self.calls, self.after = 0, after
+
+    def __len__(self):
+        return len(self.inner)
+
+    def get_batch(self, indices):
+        import os
+        import time
+        from pathlib import Path
+
+        self.calls += 1
+        gate = os.environ.get("JDDP_TEST_GATE")
+        while gate and self.calls > self.after and not Path(gate).exists():
+            time.sleep(0.05)  # waits for the file, not for a moment
+        return self.inner.get_batch(indices)
+
+
+GATE_AFTER = 2  # batches read before the gate: the steps 1 and 2
+
+
+def gated_data(config: dict, seed: int = 0):
+    """``data.name=tests.user_tasks:gated_data``: :func:`data`, the train split read through
+    a GatedSource (the batches of steps 1 and 2 pass, later ones wait for JDDP_TEST_GATE)."""
+    train, evals = data(config, seed)
+    return GatedSource(train, GATE_AFTER), evals

@@ -2,6 +2,8 @@
 
 * :mod:`~jddp.checkpoint.store`: :class:`Checkpoints`, the orbax checkpoints of the train state
   in ``workdir/checkpoints/<step>/``: saved in the background, verified on restore;
+* :mod:`~jddp.checkpoint.policy`: when a run saves (every k steps, by the clock, at eval steps
+  for the best checkpoints), the one object the loop asks;
 * :mod:`~jddp.checkpoint.manifest`: each leaf's path, shape, dtype and CRC-32;
 * :mod:`~jddp.checkpoint.resume`: where a run resumes (its newest good checkpoint) and which
   config changes a resume allows;

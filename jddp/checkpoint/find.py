@@ -9,16 +9,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from jddp.checkpoint.best import best_step
 from jddp.checkpoint.store import Checkpoints, sorted_steps
 from jddp.errors import CheckpointDamaged, CheckpointError, ConfigError
 from jddp.workdir import RunFolder
 
+Step = int | str | None  # a step, "best" (jddp.checkpoint.best), or None: the newest
+
 
 def find_checkpoint(
-    path: str | Path, step: int | None, key: str, step_key: str | None = None
+    path: str | Path, step: Step, key: str, step_key: str | None = None
 ) -> tuple[Path, int]:
     """The checkpoints folder and the step that ``path`` names: a workdir (its newest
-    checkpoint, or ``step``), its ``checkpoints`` folder, or one checkpoint folder
+    checkpoint, ``step``, or with ``step="best"`` its best by the record of its evals:
+    ``checkpoint.keep_best``), its ``checkpoints`` folder, or one checkpoint folder
     ``.../checkpoints/<step>``. Reads only the file system. ``ConfigError`` naming ``key`` (or
     ``step_key`` for a step that does not exist) when there is none."""
     step_key = step_key or key
@@ -39,6 +43,8 @@ def find_checkpoint(
         raise ConfigError(f"{key}: no checkpoint in {directory}")
     if step is None:
         step = steps[-1]
+    elif step == "best":
+        step = best_step(directory, steps, step_key)
     elif step not in steps:
         raise ConfigError(
             f"{step_key}: no checkpoint of step {step} in {directory} (there are: "
@@ -71,7 +77,7 @@ def damage_named(
         raise CheckpointError(f"{key}: {e}; {advice}") from None
 
 
-def open_checkpoint(path: str | Path, step: int | None, key: str) -> tuple[Checkpoints, int]:
+def open_checkpoint(path: str | Path, step: Step, key: str) -> tuple[Checkpoints, int]:
     """:func:`find_checkpoint`, opened for reading (close it after use)."""
     directory, step = find_checkpoint(path, step, key)
     return reader(directory), step
@@ -81,7 +87,6 @@ def reader(directory: Path) -> Checkpoints:
     """The checkpoints in ``directory``, for reading only."""
     return Checkpoints(
         directory,
-        every_steps=0,
         keep=1,
         async_save=False,
         writes=False,

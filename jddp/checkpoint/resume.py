@@ -9,16 +9,21 @@ user says so with ``checkpoint.allow_config_change=true`` (``--allow-config-chan
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 from jddp import config as config_lib
-from jddp.checkpoint.store import Checkpoints
+from jddp.checkpoint.best import best_step
+from jddp.checkpoint.find import find_checkpoint
+from jddp.checkpoint.store import TMP_SUFFIX, Checkpoints, sorted_steps
 from jddp.comm import Comm
 from jddp.config import Config
 from jddp.errors import ConfigError
 from jddp.mesh import to_host
 from jddp.metrics import Console
 from jddp.state import TrainState
+from jddp.workdir import RunFolder
 
 # Keys a resume may change freely: where outputs go, how often things happen, and the topology
 # (the trajectory is the same on every topology and backend: tests/test_multiprocess.py).
@@ -29,8 +34,13 @@ FREE_KEYS = (
     "data.worker_kind",
     "train.eval_every_steps",
     "train.on_nonfinite",
-    "train.ema_decay",  # the EMA follows the parameters; it changes none of them
+    "train.ema_decay",  # the EMA follows the parameters; it changes none of them (said)
     "train.ema_warmup",
+    "train.early_stop_metric",  # when the run stops, not what its steps compute
+    "train.early_stop_patience",
+    "train.early_stop_mode",
+    "train.early_stop_min_delta",
+    "model.remat",  # recomputes the same activations: the same losses
     "fit.data",  # its type only (a tuple or a dict of the same arrays): not what changes
     "train.max_skipped_fraction",
     "train.compilation_cache_dir",
@@ -120,6 +130,71 @@ def check_resume_config(
         )
 
 
+def apply_resume_from(folder: RunFolder, cfg: Config, console: Console) -> None:
+    """``checkpoint.resume_from`` (process 0, the workdir locked, before the run is built):
+    make the checkpoint it names the newest good one of the workdir, which the run then
+    resumes from as always. One of this workdir's: its newer checkpoints are moved to
+    ``previous/<UTC time>/`` with a copy of ``metrics.jsonl``; another run's: this workdir's
+    earlier run is moved there (as ``checkpoint.resume=false`` does) and the checkpoint is
+    copied in. Applied once: a rerun with the same value continues from the newest. A step,
+    ``best`` or path that names no checkpoint is a ``ConfigError`` naming the key."""
+    value, key = cfg.checkpoint.resume_from, "checkpoint.resume_from"
+    if value is None:
+        return
+    done = folder.resumed_from()
+    if done is not None and done[0] == str(value):
+        console.say(
+            f"jddp: {key}={value} was applied by an earlier run of this workdir (it resumed "
+            f"from step {done[1]}): continuing from the newest checkpoint (remove "
+            f"{folder.resumed_from_marker} to apply it again)"
+        )
+        return
+    own = folder.checkpoints
+    steps = [int(p.name) for p in sorted_steps(own)]
+    listed = ", ".join(map(str, steps)) or "none"
+    if isinstance(value, int) or value.strip().isdigit():
+        directory, step = own, int(value)
+        if step not in steps:
+            raise ConfigError(f"{key}: no checkpoint of step {step} in {own} (there are: {listed})")
+    elif value.strip().lower() == "best":
+        if not steps:
+            raise ConfigError(f"{key}: best: no checkpoint in {own}")
+        directory = own
+        step = best_step(own, steps, key, cfg.checkpoint.monitor, cfg.checkpoint.mode)
+    else:
+        directory, step = find_checkpoint(value, None, key)
+    where = own / str(step)
+    if directory.resolve() == own.resolve():
+        newer = [s for s in steps if s > step]
+        moved = folder.set_aside_checkpoints(newer) if newer else None
+        console.say(
+            f"jddp: {key}={value}: resuming from {where}"
+            + (
+                f"; the newer checkpoints ({', '.join(map(str, newer))}) went to {moved}"
+                if moved
+                else ""
+            )
+        )
+    else:
+        moved = folder.set_aside_previous_run()
+        copy_checkpoint(directory / str(step), where)
+        console.say(
+            f"jddp: {key}={value}: starting from {where}, a copy of checkpoint "
+            f"{directory / str(step)}"
+            + (f"; this workdir's earlier run went to {moved}" if moved else "")
+        )
+    folder.mark_resumed_from(str(value), step)
+
+
+def copy_checkpoint(source: Path, target: Path) -> None:
+    """Copy checkpoint folder ``source`` to ``target`` under orbax's temporary name first (a
+    copy cut short is such a folder, which the next run writing here removes), then rename."""
+    tmp = target.with_name(f"{target.name}{TMP_SUFFIX}-copy")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(source, tmp)
+    tmp.rename(target)
+
+
 def restore(
     cfg: Config,
     ckpts: Checkpoints,
@@ -135,9 +210,12 @@ def restore(
     now = config_lib.to_dict(cfg)
     layouts: dict[int, dict[str, str]] = {}
 
+    emas: dict[int, Any] = {}
+
     def check_config(step: int, saved: dict[str, Any]) -> None:
         check_resume_config(saved, now, step, total_steps, str(ckpts.directory / str(step)))
         layouts[step] = saved_layout(saved)
+        emas[step] = (saved.get("train") or {}).get("ema_decay")
 
     try:
         restored = ckpts.restore_newest_good(state, comm.agree, check_config)
@@ -157,6 +235,12 @@ def restore(
                 f"jddp: dist.{key}={value} now, {before[key]} when the checkpoint was written: "
                 "the same arrays, laid out anew"
             )
+    decay, before = cfg.train.ema_decay, emas.get(saved_step)
+    if decay > 0 and isinstance(before, int | float) and before > 0 and before != decay:
+        console.say(  # (turned on or off: said where the EMA is added or dropped)
+            f"jddp: train.ema_decay={decay} now, {before} when the checkpoint was written: "
+            "the EMA goes on from the checkpoint's with the new decay"
+        )
     return state, start_step
 
 

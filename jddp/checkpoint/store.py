@@ -45,9 +45,9 @@ from jddp.errors import (
     JddpError,
 )
 from jddp.state import TrainState
-from jddp.workdir import RunFolder
+from jddp.workdir import RunFolder, unwritable
 
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a save not yet finalised
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's name for a save not yet finalised
 
 
 def _warn(message: str) -> None:
@@ -55,7 +55,8 @@ def _warn(message: str) -> None:
 
 
 class Checkpoints:
-    """Save every ``every_steps`` steps (and on demand), keep the newest ``keep``, restore.
+    """Save (when :class:`~jddp.checkpoint.policy.SavePolicy` says), keep the newest ``keep``,
+    restore.
 
     Under ``jax.distributed`` every process calls :meth:`save` (orbax makes process 0 the
     primary host). With ``writes=False`` (MPI ranks other than 0, which share no JAX runtime
@@ -71,7 +72,7 @@ class Checkpoints:
         self,
         directory: str | Path,
         *,
-        every_steps: int,
+        every_steps: int = 0,  # (unused: when to save is jddp.checkpoint.policy's)
         keep: int,
         async_save: bool,
         writes: bool = True,
@@ -81,7 +82,11 @@ class Checkpoints:
         task: str = "classification",
         classes: list[str] | None = None,
         agree: Callable[[bool], bool] | None = None,
+        preserve: Any = None,
     ):
+        """``preserve``: which checkpoints rotation keeps (an orbax ``PreservationPolicy``,
+        e.g. :class:`~jddp.checkpoint.best.KeepNewestAndBest`) instead of the newest
+        ``keep``."""
         self.directory = Path(directory).absolute()
         # How the run turns integer pixels into model input (PixelNorm.to_json), and what its
         # task is (jddp.tasks: "classification" or "custom"): recorded with every checkpoint so
@@ -91,12 +96,15 @@ class Checkpoints:
         self.classes = classes  # the train data's class names, where it names them
         self.primary = primary  # process 0: moves damaged checkpoints aside
         self.damaged_directory = Path(damaged_directory)
-        self.every_steps = every_steps
         self.writes = writes
         # Across JAX processes (all of which save), True on every process iff ok on every one:
         # they start a save, or refuse it for want of room, together.
         self._agree = agree or (lambda ok: ok)
         self._saving: int | None = None  # the step of the save in flight
+        # Told ``(step, path)`` once a save is complete on disk (the callbacks'
+        # on_checkpoint): at :meth:`poll`, :meth:`wait` or :meth:`close`, never at its start.
+        self.on_durable: Callable[[int, str], None] | None = None
+        self._untold: int | None = None  # a step saved, not yet told complete
         self._failed: CheckpointError | None = None
         self._state_bytes = 0  # the training state's bytes, known at the first save
         if writes and primary:
@@ -109,7 +117,8 @@ class Checkpoints:
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep,
+                max_to_keep=keep if preserve is None else None,
+                preservation_policy=preserve,
                 create=writes,
                 enable_async_checkpointing=async_save,
             ),
@@ -123,7 +132,7 @@ class Checkpoints:
         # A failed save's other writes may still run (orbax's close does not wait for them):
         # one landing after the removal would re-create the folder.
         wait_for_failed_writes()
-        for cut in sorted(self.directory.glob(f"*{_TMP_SUFFIX}*")):
+        for cut in sorted(self.directory.glob(f"*{TMP_SUFFIX}*")):
             shutil.rmtree(cut, ignore_errors=True)
             if say:
                 _warn(f"removed {cut}: a save cut short (the checkpoints before it are intact)")
@@ -131,10 +140,6 @@ class Checkpoints:
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
         return sorted(self._manager.all_steps())
-
-    def should_save(self, step: int) -> bool:
-        """Whether the periodic schedule saves after optimizer step ``step``."""
-        return self.every_steps > 0 and step % self.every_steps == 0
 
     def save(self, step: int, state: TrainState, config: dict[str, Any]) -> bool:
         """Start saving ``state``, its manifest and the resolved config as ``step``; whether a
@@ -157,20 +162,43 @@ class Checkpoints:
         self.wait()  # the save before: on disk, or its failure raised here
         self._check_room(step)
         self._guard(lambda: self._manager.save(step, args=args), step)
-        self._saving = step
+        self._saving = self._untold = step
+        self.poll()  # a synchronous save is complete already
         return True
 
+    def poll(self) -> None:
+        """Without waiting: tell :attr:`on_durable` of the save in flight if it is complete
+        on disk (orbax's commit and rename done on every process). A save that failed is left
+        to :meth:`wait` to report (it never appears under its step's name)."""
+        step = self._untold
+        if step is None or self.on_durable is None or self._manager.is_saving_in_progress():
+            return
+        if (self.directory / str(step)).is_dir():
+            self._tell()
+
+    def _tell(self) -> None:
+        step, self._untold = self._untold, None
+        if step is not None and self.on_durable is not None:
+            self.on_durable(step, str(self.directory / str(step)))
+
     def _check_room(self, step: int) -> None:
-        """Refuse (``CheckpointError``, on every process together) a save that the disk has no
-        room for, before any of it is written: one that runs out part-way across processes can
-        fail on one process alone while the others wait for it in orbax's commit (a stall)."""
+        """Refuse (``CheckpointError``, on every process together) a save into a folder that
+        cannot be written (made read-only, replaced, gone since the run started) or that the
+        disk has no room for, before any of it is written: a save that fails part-way across
+        processes can fail on one process alone while the others wait for it in orbax's
+        commit (a stall; a read-only folder had ended a 2-process run in a timeout)."""
         intact = [int(p.name) for p in sorted_steps(self.directory)]
-        missing = room.shortfall(self.directory, intact, self._state_bytes)
-        if self._agree(missing is None):
+        refused = unwritable(self.directory)
+        if refused is not None:
+            problem = f"{refused}: {self.directory}"
+        else:
+            missing = room.shortfall(self.directory, intact, self._state_bytes)
+            problem = None if missing is None else f"not enough space{missing}"
+        if self._agree(problem is None):
             return
         self._failed = CheckpointError(
-            f"checkpoint {self.directory / str(step)} could not be written (not enough space"
-            f"{missing or ' on another process'}); the checkpoints before it are intact: "
+            f"checkpoint {self.directory / str(step)} could not be written ("
+            f"{problem or 'on another process'}); the checkpoints before it are intact: "
             f"{intact or 'none'}"
         )
         raise self._failed
@@ -388,8 +416,10 @@ class Checkpoints:
         return None
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is on disk; ``CheckpointError`` if it failed."""
+        """Block until the save in flight (if any) is on disk (told to :attr:`on_durable`);
+        ``CheckpointError`` if it failed."""
         self._guard(self._manager.wait_until_finished, self._saving)
+        self._tell()
 
     def close(self) -> None:
         """Finish pending saves and release the manager; ``CheckpointError`` if a save failed
@@ -457,7 +487,7 @@ def _cause(e: BaseException) -> str:
     """The operating-system cause of a failed write if one is named (disk full, permission),
     else the error's first 200 characters."""
     text = " ".join(str(e).split())
-    for cause in ("No space left on device", "Permission denied", "Disk quota exceeded"):
+    for cause in (*_DISK_FULL, "Permission denied", "Read-only file system"):
         if cause in text:
             return cause
     return f"{type(e).__name__}: {text[:200]}"

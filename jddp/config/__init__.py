@@ -156,6 +156,28 @@ def _check_combinations(cfg: Config) -> None:
             "process: set dist.shard_group=process (the processes then hold replicas, their "
             "slices averaged by mpi4jax), or dist.backend=xla"
         )
+    metric = cfg.train.early_stop_metric
+    if metric is not None and cfg.train.eval_every_steps == 0:
+        raise ConfigError(
+            f"train.early_stop_metric={metric} needs evals during the run: set "
+            "train.eval_every_steps > 0 (with train.eval_every_steps=0 the only eval is the "
+            "final one: it could never stop)"
+        )
+    ckpt = cfg.checkpoint
+    if ckpt.keep_best > 0 and cfg.train.eval_every_steps == 0:
+        raise ConfigError(
+            f"checkpoint.keep_best={ckpt.keep_best} needs evals during the run: set "
+            "train.eval_every_steps > 0 (the best are ranked by their evals)"
+        )
+    if ckpt.resume_from is not None and not ckpt.resume:
+        raise ConfigError(
+            f"checkpoint.resume_from={ckpt.resume_from} with checkpoint.resume=false: resuming "
+            "from a checkpoint needs checkpoint.resume=true (the default)"
+        )
+    if isinstance(ckpt.resume_from, int) and ckpt.resume_from < 0:
+        raise ConfigError(f"checkpoint.resume_from: a step must be >= 0, got {ckpt.resume_from}")
+    if isinstance(ckpt.resume_from, str) and not ckpt.resume_from.strip():
+        raise ConfigError("checkpoint.resume_from: must not be empty; give STEP, best or PATH")
     if cfg.data.global_batch_size % cfg.train.grad_accum_steps:
         raise ConfigError(
             f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by "

@@ -379,7 +379,28 @@ class CheckpointConfig:
         bound=NON_NEGATIVE,
     )
     keep: int = _f(3, "newest checkpoints kept", bound=POSITIVE)
+    keep_best: int = _f(
+        0,
+        "also keep the best k checkpoints by checkpoint.monitor, beside the newest "
+        "checkpoint.keep (every eval step is then saved; needs train.eval_every_steps > 0); "
+        "0: off",
+        bound=NON_NEGATIVE,
+    )
+    monitor: str = _f(
+        "eval/loss",
+        "the eval key that ranks checkpoints (checkpoint.keep_best, checkpoint.resume_from=best, "
+        "--step best, jddp.load(W, step='best')); checked against the run's eval keys before "
+        "training",
+    )
+    mode: Literal["min", "max"] = _f("min", "checkpoint.monitor: min or max is better")
     resume: bool = _f(True, "continue from the newest checkpoint in workdir/checkpoints")
+    resume_from: int | str | None = _f(
+        None,
+        "resume from this checkpoint instead of the newest: STEP (one of this workdir's), best "
+        "(its best by checkpoint.monitor) or PATH (a checkpoint folder, or a run's workdir: its "
+        "newest); this workdir's newer checkpoints are moved to workdir/previous/; applied "
+        "once (a rerun with the same value continues from the newest); null: the newest",
+    )
     async_save: bool = _f(True, "write checkpoints in the background while training goes on")
     allow_config_change: bool = _f(
         False,

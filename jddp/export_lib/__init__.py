@@ -257,7 +257,7 @@ def export_model(
     format: str = "stablehlo",  # noqa: A002 - the CLI's --format
     *,
     batch_size: int | None = None,
-    step: int | None = None,
+    step: int | str | None = None,
     example: Any = None,
     ema: bool = False,
     trust_code: bool = False,
@@ -306,7 +306,7 @@ def _single_output(run: Any) -> str:
 
 def export_checkpoint(
     path: PathLike,
-    step: int | None,
+    step: int | str | None,
     out: PathLike,
     fmt: str,
     batch_size: int | None = None,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,39 +21,8 @@ from jddp.proc.interrupt import exit_interrupted
 
 STOP_KEY = "sys/stop"  # per-row stop request in a batch; > 0 in the metrics if any process asked
 FINISH_KEY = "sys/finish"  # per-row "end the run as finished" (a callback's wish)
-SAVE_KEY = "sys/save"  # per-row "a checkpoint is due by the clock" (checkpoint.every_minutes)
 _STOP_NUMBERS = frozenset(int(sig) for sig in STOP_SIGNALS)  # as the wakeup fd writes them
 SECOND_CTRL_C = " again: stopped at once, not saved (the last checkpoint is kept)"
-
-
-class TimedSaves:
-    """``checkpoint.every_minutes``: a checkpoint when that long has passed since the last one.
-    Each process looks at its own clock and puts the answer in its rows of the batch
-    (:data:`SAVE_KEY`); the step's max over processes comes back with the step's metrics, so
-    every process saves at the same step (:meth:`take`), whatever its clock said."""
-
-    def __init__(self, every_minutes: float | None):
-        self.every_s = every_minutes * 60 if every_minutes else None
-        self.last = time.monotonic()
-        self.requested = False  # set from a step's metrics (jddp.run.hooks.StepReporter)
-
-    def flags(self, rows: int) -> dict[str, np.ndarray]:
-        """This process's rows of the batch's save flags (none when off)."""
-        if self.every_s is None:
-            return {}
-        import numpy as np
-
-        due = time.monotonic() - self.last >= self.every_s
-        return {SAVE_KEY: np.full(rows, float(due), np.float32)}
-
-    def take(self) -> bool:
-        """Whether every process is to save now (once per request)."""
-        requested, self.requested = self.requested, False
-        return requested
-
-    def saved(self) -> None:
-        """A checkpoint was saved: the clock starts again."""
-        self.last = time.monotonic()
 
 
 def _say_finishing(name: str, what: str) -> None:

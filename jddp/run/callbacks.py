@@ -17,6 +17,7 @@ killed and resumed decides as the uninterrupted one.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from jddp.errors import ConfigError
@@ -38,7 +39,8 @@ class Callback:
         """An eval line (``eval/loss``, ...); True: stop the run."""
 
     def on_checkpoint(self, step: int, path: str) -> None:
-        """A checkpoint of ``step`` was started (written in the background) at ``path``."""
+        """The checkpoint of ``step`` at ``path`` is complete on disk (written in the
+        background, it is told once orbax has committed it: at a later step, or at the end)."""
 
     def on_end(self, result: Any) -> None:
         """The run finished (:class:`~jddp.run.trainer.RunResult`), after its summary."""
@@ -72,7 +74,10 @@ class EarlyStopping(Callback):
         return self._judge(step, float(metrics[self.metric]))
 
     def _judge(self, step: int, value: float) -> bool:
-        better = (
+        """Whether the evals so far, ``value`` at ``step`` the newest, ask to stop. A NaN is
+        never the best (every comparison with it fails: a first eval of NaN stayed the best,
+        and a run that then improved was stopped); it counts as an eval without improvement."""
+        better = not math.isnan(value) and (
             self.best is None
             or (self.mode == "min" and value < self.best - self.min_delta)
             or (self.mode == "max" and value > self.best + self.min_delta)
@@ -85,10 +90,26 @@ class EarlyStopping(Callback):
 
     def reason(self) -> str:
         """Why it stopped, for the run's summary."""
-        return (
-            f"early stopping: {self.metric} did not improve for {self.patience} evals "
-            f"(best {self.best:.6g} at step {self.best_step})"
+        best = (
+            f"best {self.best:.6g} at step {self.best_step}"
+            if self.best is not None
+            else "none was a number"
         )
+        return f"early stopping: {self.metric} did not improve for {self.patience} evals ({best})"
+
+
+EARLY_STOP_KEYS = (
+    "early_stop_metric",
+    "early_stop_patience",
+    "early_stop_mode",
+    "early_stop_min_delta",
+)
+
+
+def early_stop_keys(train: Any) -> dict[str, Any]:
+    """The ``train.early_stop_*`` values of config section ``train``: a run stopped early
+    stays stopped on a rerun under the same ones (:mod:`jddp.workdir`, ``.jddp.stopped``)."""
+    return {f"train.{k}": getattr(train, k) for k in EARLY_STOP_KEYS}
 
 
 class Callbacks:

@@ -1,9 +1,10 @@
 """Periodic work of the run loop as small objects, each with its own period.
 
 The loop (:mod:`jddp.run.loop`) calls ``hook(step, state)`` for every hook after every step; a hook
-does its work when :meth:`Every.due`. The throughput meter and the one-step-late metrics
-reader live here too (the stop-signal flag in :mod:`jddp.proc.signals`), so the loop itself is a
-dozen lines.
+does its work when :meth:`Every.due` (the checkpoint hook: when the run's
+:class:`~jddp.checkpoint.policy.SavePolicy` says). The throughput meter and the one-step-late
+metrics reader live here too (the stop-signal flag in :mod:`jddp.proc.signals`), so the loop
+itself is a dozen lines.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jddp.checkpoint import Checkpoints
+from jddp.checkpoint.policy import SAVE_KEY, SavePolicy
 from jddp.comm import Comm
 from jddp.errors import DataError, NonFiniteLoss, ReplicasDiverged
 from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, MetricsLog
-from jddp.proc.signals import FINISH_KEY, SAVE_KEY, STOP_KEY, TimedSaves
+from jddp.proc.signals import FINISH_KEY, STOP_KEY
 from jddp.state import TrainState
 from jddp.step import CLIPPED_KEY, LOSS_WEIGHT_KEY, NEGATIVE_WEIGHT_KEY, NONFINITE_KEY
 
@@ -163,14 +165,15 @@ class StepReporter:
         self.num_devices = num_devices  # logged as train/devices (an elastic restart shrinks it)
         self._clipped: list[float] = []  # train/clipped of the steps since the last line
         self.stop_kind: str | None = None  # preempt (a signal) or finish (a callback)
-        self.timed_saves: TimedSaves | None = None  # checkpoint.every_minutes, told by the flag
+        self.saves: SavePolicy | None = None  # told the clock's save flag (every_minutes)
 
     def __call__(self, step: int, metrics: Metrics, stopping: bool = False) -> bool:
         """Report ``step``'s ``metrics``; whether a stop was requested. ``stopping``: the run
         stops (and saves) at ``step``, so it gets a line whatever ``log.every_steps`` says."""
         host = {k: float(v) for k, v in to_host(metrics).items()}
-        if host.pop(SAVE_KEY, 0.0) > 0 and self.timed_saves is not None:
-            self.timed_saves.requested = True  # every process read the same flag
+        asked = host.pop(SAVE_KEY, 0.0) > 0  # every process reads the same flag
+        if self.saves is not None:
+            self.saves.heard(step, asked)
         preempt, finish = host.pop(STOP_KEY, 0.0) > 0, host.pop(FINISH_KEY, 0.0) > 0
         stop_requested = preempt or finish
         if stop_requested:  # every process reads the same flags: the same kind of stop
@@ -235,10 +238,13 @@ class StepReporter:
 
 
 class EvalHook(Every):
-    """Evaluate every ``every`` steps before the last (the last step is evaluated anyway)."""
+    """Evaluate every ``every`` steps before the last (the last step is evaluated anyway);
+    each result goes to ``metrics.jsonl`` and to ``on_eval(step, metrics)`` (the run's record
+    of its best checkpoints)."""
 
     def __init__(
         self,
+        *,
         every: int,
         last_step: int,
         evaluate: Callable[[TrainState], dict],
@@ -246,10 +252,11 @@ class EvalHook(Every):
         meter: ThroughputMeter,
         progress: Any = None,
         watchdog: Any = None,
+        on_eval: Callable[[int, dict], None] | None = None,
     ):
         super().__init__(every)
         self.last_step, self.evaluate, self.log, self.meter = last_step, evaluate, log, meter
-        self.progress, self.watchdog = progress, watchdog
+        self.progress, self.watchdog, self.on_eval = progress, watchdog, on_eval
 
     def __call__(self, step: int, state: TrainState) -> None:
         if self.due(step) and step < self.last_step:
@@ -257,39 +264,43 @@ class EvalHook(Every):
                 self.watchdog.waiting("eval")
             metrics = self.evaluate(state)
             self.log.write(step, metrics)
+            if self.on_eval is not None:
+                self.on_eval(step, metrics)
             if self.progress is not None:
                 self.progress.eval(step, metrics)
             self.meter.restart(step)  # eval time is not train throughput
 
 
-class CheckpointHook(Every):
-    """Save every ``checkpoint.every_steps`` steps (in the background)."""
+class CheckpointHook:
+    """Save (in the background) when the run's :class:`SavePolicy` says, and at the end
+    (:meth:`save`, the trainer's final save and a stop signal's)."""
 
     def __init__(
         self,
+        *,
         checkpoints: Checkpoints,
+        policy: SavePolicy,
         config: dict[str, Any],
         watchdog: Any = None,
-        on_save: Callable[[int, str], None] | None = None,
-        timed: TimedSaves | None = None,
     ):
-        super().__init__(checkpoints.every_steps)
-        self.checkpoints, self.config, self.watchdog = checkpoints, config, watchdog
-        self.on_save = on_save  # the callbacks' on_checkpoint
-        self.timed = timed  # checkpoint.every_minutes (when every_steps is 0)
+        self.checkpoints, self.policy, self.config = checkpoints, policy, config
+        self.watchdog = watchdog
 
     def __call__(self, step: int, state: TrainState) -> None:
-        timed = self.timed is not None and self.timed.take()
-        if self.due(step) or timed:
-            if self.watchdog is not None:
-                self.watchdog.waiting("checkpoint")  # the save before waits for its disk
-            started = self.checkpoints.save(step, state, self.config)
-            if self.timed is not None:
-                self.timed.saved()
-            if started and self.on_save is not None:
-                self.on_save(step, str(self.checkpoints.directory / str(step)))
-            if self.watchdog is not None:
-                self.watchdog.progress()
+        self.checkpoints.poll()  # a save in flight that is complete now: on_checkpoint
+        if self.policy.due(step):
+            self.save(step, state)
+
+    def save(self, step: int, state: TrainState) -> bool:
+        """Start saving ``state`` as ``step``; whether a save started (not when the step is
+        saved already, nor on a process that writes none)."""
+        if self.watchdog is not None:
+            self.watchdog.waiting("checkpoint")  # the save before waits for its disk
+        started = self.checkpoints.save(step, state, self.config)
+        self.policy.saved(step)
+        if self.watchdog is not None:
+            self.watchdog.progress()
+        return started
 
 
 class LockCheck:

@@ -34,7 +34,8 @@ class _Where:
 def _steps(run: Run, where: _Where) -> tuple[TrainState, int, bool]:
     state, step = run.state, run.start_step
     rows = run.layout.rows.stop - run.layout.rows.start
-    batches = run.batches.iterate(step, run.total_steps, run.cfg.data.prefetch_batches)
+    end = run.total_steps if run.end_step is None else run.end_step
+    batches = run.batches.iterate(step, end, run.cfg.data.prefetch_batches)
     pending = None  # the previous step's (step, metrics): read one step late
     memory = None  # the mem/ figures, read as the first step compiles
     run.watchdog.waiting("input", step + 1)
@@ -48,7 +49,7 @@ def _steps(run: Run, where: _Where) -> tuple[TrainState, int, bool]:
             run.watchdog.progress()
         run.watchdog.waiting("step", step + 1)
         with run.profiler.step(step + 1, state):
-            flags = {**run.stop.flags(rows), **run.timed_saves.flags(rows)}
+            flags = {**run.stop.flags(rows), **run.saves.flags(rows)}
             flags = place_batch(flags, run.mesh, run.layout)
             batch = {**batch, **flags}
             where.step = step + 1
@@ -74,10 +75,11 @@ def _steps(run: Run, where: _Where) -> tuple[TrainState, int, bool]:
             return state, step, True
         pending = (step, metrics)
         run.progress.update(1)
-        if run.checkpoints.should_save(step):
+        if run.saves.due(step):
             # The save waits for this step anyway: its line first, so that a run that dies
             # before the next step (a kill -9, a stall) has every step up to its newest
-            # checkpoint logged, and its rerun, resuming there, logs each step once.
+            # checkpoint logged, and its rerun, resuming there, logs each step once. (The
+            # previous step's line, read above, told the policy of a save the clock asked for.)
             pending = None
             if _report(run, step, metrics):
                 return state, step, True

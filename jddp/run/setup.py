@@ -33,6 +33,8 @@ from jddp.build import (
     total_steps,
 )
 from jddp.checkpoint import Checkpoints
+from jddp.checkpoint.best import BestCheckpoints, KeepNewestAndBest
+from jddp.checkpoint.policy import SavePolicy
 from jddp.checkpoint.resume import restore
 from jddp.checkpoint.warm_start import warm_start
 from jddp.comm import Comm
@@ -45,10 +47,16 @@ from jddp.mesh import to_host
 from jddp.metrics import Console, MetricsLog, Progress, read_metrics
 from jddp.models.units import blocks
 from jddp.optimizer import make_optimizer
-from jddp.preflight import check_model_output, check_profile_steps, check_task
-from jddp.proc.signals import StopRequest, TimedSaves
+from jddp.preflight import (
+    check_eval_key,
+    check_model_output,
+    check_profile_steps,
+    check_task,
+    eval_metric_names,
+)
+from jddp.proc.signals import StopRequest
 from jddp.proc.watchdog import StallWatchdog
-from jddp.run.callbacks import Callback, Callbacks, EarlyStopping, Fanout
+from jddp.run.callbacks import Callback, Callbacks, EarlyStopping, Fanout, early_stop_keys
 from jddp.run.hooks import (
     CheckpointHook,
     EvalHook,
@@ -105,6 +113,11 @@ class Run:
     start_step: int
     total_steps: int
     start_skipped_steps: int = 0  # skipped before this run resumed
+    # The step the loop ends at: total_steps, or start_step for a rerun of a run that ended
+    # early (``stopped_early``: why, from the run folder), which stays stopped.
+    end_step: int | None = None
+    stopped_early: str | None = None
+    best: BestCheckpoints | None = None  # checkpoint.keep_best: the evals that rank them
     user_model: nnx.Module | None = None  # the module jddp.fit was given: trained in place
     # How: the steps, and the eval pass (``run.evaluate(state)``: metrics over every example).
     train_step: TrainStep
@@ -123,7 +136,8 @@ class Run:
     # The periodic work around each step.
     meter: ThroughputMeter
     stop: StopRequest
-    timed_saves: TimedSaves  # checkpoint.every_minutes: its flag rides in every batch
+    saves: SavePolicy  # when to save (checkpoint.every_minutes: its flag rides in every batch)
+    saver: CheckpointHook  # saves when the policy says, and at the end
     reporter: StepReporter
     profiler: Profiler
     hooks: list = field(default_factory=list)
@@ -196,6 +210,7 @@ def build_run(
         state=state,
         mesh=mesh,
     )
+    check_eval_keys(cfg, parts, task=task, model_def=model_def, state=state, splits=splits)
     classes = class_names(splits.train, num_outputs)
     if classes is not None and num_outputs is not None and num_outputs > len(classes):
         outputs = (
@@ -208,7 +223,8 @@ def build_run(
             f"({_short(classes)}): {num_outputs - len(classes)} outputs will never be a label"
             + ("" if parts.model is not None else f"; set model.num_classes={len(classes)}")
         )
-    ckpts = _checkpoints(cfg, comm, folder, task, pixel_norm, classes)
+    best = _best(cfg, comm, folder)
+    ckpts = _checkpoints(cfg, comm, folder, task, pixel_norm, classes, best)
     state, start_step = _restored_state(
         cfg,
         comm,
@@ -221,6 +237,9 @@ def build_run(
         num_outputs=num_outputs,
         state_layout=state_layout,
     )
+    if best is not None:
+        best.resumed_at(start_step)
+    stopped_early = _stays_stopped(cfg, comm, folder, start_step, console)
     callbacks = Callbacks(_callbacks(cfg, parts), stop, writer)
     callbacks.start(start_step, _history(folder, start_step) if writer else [])
     trackers, log = _outputs(cfg, folder, start_step, writer, callbacks)
@@ -236,8 +255,13 @@ def build_run(
         )[0]
 
     budget = device_budget(cfg.dist.device_memory_bytes, mesh.local_devices[0])
-    # checkpoint.every_minutes, while checkpoint.every_steps is 0 (every_steps wins)
-    timed_saves = TimedSaves(None if cfg.checkpoint.every_steps else cfg.checkpoint.every_minutes)
+    saves = SavePolicy(
+        every_steps=cfg.checkpoint.every_steps,
+        every_minutes=cfg.checkpoint.every_minutes,
+        eval_every_steps=cfg.train.eval_every_steps,
+        save_at_evals=best is not None,  # an eval's checkpoint must exist to be kept
+        start_step=start_step,
+    )
     progress, meter, reporter = _reporting(
         cfg,
         comm,
@@ -263,7 +287,15 @@ def build_run(
     )
     if cfg.train.ema_decay > 0:
         evaluate = WithEma(evaluate)
-    reporter.timed_saves = timed_saves
+    reporter.saves = saves
+    saver = CheckpointHook(
+        checkpoints=ckpts,
+        policy=saves,
+        config=config_lib.to_dict(cfg),
+        watchdog=watchdog,
+    )
+    if callbacks.callbacks:  # on_checkpoint once a save is complete on disk
+        ckpts.on_durable = callbacks.checkpoint
     return Run(
         cfg=cfg,
         comm=comm,
@@ -276,6 +308,9 @@ def build_run(
         start_step=start_step,
         total_steps=steps,
         start_skipped_steps=int(to_host(state.skipped_steps)),
+        end_step=start_step if stopped_early is not None else steps,
+        stopped_early=stopped_early,
+        best=best,
         user_model=parts.model,
         train_step=train_step,
         state_layout=state_layout,
@@ -291,14 +326,22 @@ def build_run(
         callbacks=callbacks,
         meter=meter,
         stop=stop,
-        timed_saves=timed_saves,
+        saves=saves,
+        saver=saver,
         reporter=reporter,
         profiler=_profiler(cfg, comm, folder, console),
         hooks=[
-            EvalHook(cfg.train.eval_every_steps, steps, evaluate, log, meter, progress, watchdog),
-            CheckpointHook(
-                ckpts, config_lib.to_dict(cfg), watchdog, callbacks.checkpoint, timed_saves
+            EvalHook(
+                every=cfg.train.eval_every_steps,
+                last_step=steps,
+                evaluate=evaluate,
+                log=log,
+                meter=meter,
+                progress=progress,
+                watchdog=watchdog,
+                on_eval=None if best is None else best.record,
             ),
+            saver,  # after the eval: a step's eval is known when it is saved (and ranked)
             SyncCheck(cfg.dist.check_sync_every, comm),
         ],
         watchdog=watchdog,
@@ -436,6 +479,49 @@ def _checked_task(
     return task, pixel_norm, num_outputs
 
 
+def check_eval_keys(
+    cfg: Config,
+    parts: Parts,
+    *,
+    task: Any,
+    model_def: ModelDef,
+    state: TrainState,
+    splits: Splits,
+) -> None:
+    """Before anything trains: early stopping's metric (``train.early_stop_metric``, an
+    :class:`EarlyStopping` given to jddp.fit) and the best checkpoints' ``checkpoint.monitor``
+    must be keys of the run's eval lines, and there must be evals before the end for them to
+    decide on (one line naming the key)."""
+    wanted = [("train.early_stop_metric", cfg.train.early_stop_metric)]
+    wanted += [("EarlyStopping(metric=...)", c.metric) for c in parts.callbacks if _stops(c)]
+    if cfg.checkpoint.keep_best > 0:
+        wanted.append(("checkpoint.monitor", cfg.checkpoint.monitor))
+    wanted = [(key, value) for key, value in wanted if value is not None]
+    if not wanted:
+        return
+    key, value = wanted[0]
+    if cfg.train.eval_every_steps == 0:
+        raise ConfigError(
+            f"{key}={value} needs evals during the run: set train.eval_every_steps > 0 (with "
+            "train.eval_every_steps=0 the only eval is the final one: it could never stop)"
+        )
+    names = eval_metric_names(
+        task,
+        model_def,
+        state,
+        splits.eval,
+        cfg.data.augment,
+        cfg.log.weight_unit,
+        ema=cfg.train.ema_decay > 0,
+    )
+    for key, value in wanted if names is not None else ():
+        check_eval_key(key, value, names)
+
+
+def _stops(callback: Callback) -> bool:
+    return isinstance(callback, EarlyStopping)
+
+
 def class_names(source: Any, num_outputs: int | None) -> list[str] | None:
     """The class names a labelled image source gives (image folders, the Hub's ``ClassLabel``,
     packs), label order; None for a custom task (``num_outputs`` None) or unnamed classes."""
@@ -457,20 +543,36 @@ def _checkpoints(
     task: Any,
     pixel_norm: PixelNorm | None,
     classes: list[str] | None,
+    best: BestCheckpoints | None,
 ) -> Checkpoints:
-    """The run's checkpoints, saved with what an export or an eval of them needs."""
+    """The run's checkpoints, saved with what an export or an eval of them needs; rotation
+    keeps the newest ``checkpoint.keep`` and, with ``best``, the best ``keep_best``."""
     return Checkpoints.of(
         folder,
         task=task.kind,
         classes=classes,
         pixel_norm=None if pixel_norm is None else pixel_norm.to_json(),
-        every_steps=cfg.checkpoint.every_steps,
         keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_save,
         writes=comm.writes_checkpoints,
         primary=comm.is_writer,
         # Every JAX process saves (under MPI each rank is its own JAX runtime, rank 0 saves).
         agree=comm.agree if jax.process_count() > 1 else None,
+        preserve=None if best is None else KeepNewestAndBest(cfg.checkpoint.keep, best),
+    )
+
+
+def _best(cfg: Config, comm: Comm, folder: RunFolder) -> BestCheckpoints | None:
+    """``checkpoint.keep_best``: the record of the run's evals that ranks its checkpoints."""
+    ckpt = cfg.checkpoint
+    if ckpt.keep_best == 0:
+        return None
+    return BestCheckpoints(
+        folder.checkpoints,
+        monitor=ckpt.monitor,
+        mode=ckpt.mode,
+        keep_best=ckpt.keep_best,
+        writer=comm.is_writer,
     )
 
 
@@ -513,6 +615,28 @@ def _restored_state(
         state = state_layout.place(state)
     # the same on every process (under mpi rank 0's, copied whole: laid out again)
     return state_layout.place(comm.broadcast_state(state, mesh)), start_step
+
+
+def _stays_stopped(
+    cfg: Config, comm: Comm, folder: RunFolder, start_step: int, console: Console
+) -> str | None:
+    """Why the run resumed at ``start_step`` ended early, when it did so at that step under
+    the same ``train.early_stop_*`` keys: a rerun then stays stopped (it trained on to the
+    next eval and replaced the final checkpoint and eval). Process 0 reads the run folder and
+    decides for everyone; None otherwise."""
+    record = folder.stopped_run() if comm.is_writer else None
+    keys = early_stop_keys(cfg.train)
+    applies = record is not None and record[0] == start_step > 0 and record[2] == keys
+    if not comm.allgather_int(int(applies))[0]:
+        return None
+    if record is None:  # another process: process 0 says why
+        return "stopped early"
+    step, reason, _ = record
+    console.say(
+        f"jddp: this run stopped early at step {step} ({reason}); it stays stopped (change "
+        f"train.early_stop_*, or remove {folder.stopped_marker}, to train on)"
+    )
+    return reason
 
 
 def _callbacks(cfg: Config, parts: Parts) -> list[Callback]:
@@ -571,14 +695,14 @@ def _reporting(
     """The progress bar, the throughput meter and the per-step reporter."""
     writer = comm.is_writer
     progress = Progress(
-        cfg.log.progress,
-        steps,
-        start_step,
-        writer,
-        batches.steps_per_epoch,
-        console,
-        task.example_unit,
-        cfg.log.weight_unit,
+        mode=cfg.log.progress,
+        total=steps,
+        initial=start_step,
+        writer=writer,
+        steps_per_epoch=batches.steps_per_epoch,
+        console=console,
+        unit=task.example_unit,
+        weight_unit=cfg.log.weight_unit,
     )
     meter = ThroughputMeter(
         cfg.data.global_batch_size, start_step, task.example_unit, cfg.log.weight_unit

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from flax import nnx
 
 from jddp import config as config_lib
-from jddp.checkpoint.resume import changed_keys
+from jddp.checkpoint.resume import apply_resume_from, changed_keys
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
 from jddp.distributed import Job, current_job
@@ -27,6 +27,7 @@ from jddp.preflight import check_same_config
 from jddp.proc.signals import StopRequest
 from jddp.proc.watchdog import StallWatchdog
 from jddp.proc.xla import enable_compilation_cache
+from jddp.run.callbacks import early_stop_keys
 from jddp.run.hooks import LockCheck
 from jddp.run.loop import train_loop
 from jddp.run.setup import Parts, Run, build_run
@@ -113,7 +114,13 @@ def train_and_evaluate(
                     f"jddp: checkpoint.resume=false: the earlier run's outputs in this workdir "
                     f"were moved to {moved}"
                 )
+        if problem is None:
+            try:  # the checkpoint it names becomes the newest: resumed as always
+                apply_resume_from(folder, cfg, Console())
+            except ConfigError as e:
+                problem = e
     if not comm.agree(problem is None):
+        lock.release()  # (held when checkpoint.resume_from was refused)
         raise problem or ConfigError(f"process 0 could not use workdir={cfg.workdir!r}")
     if comm.allgather_int(int(continues))[0]:  # process 0 decides for everyone
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
@@ -168,12 +175,13 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         run.progress.close()
         lock.verify()  # the last save only into a folder that is still this run's
         run.watchdog.waiting("checkpoint")
+        ended_early = None  # why a callback ended the run (recorded: a rerun stays stopped)
         if stopped and run.reporter.stop_kind == "finish":  # a callback ended it: finished
-            why = run.stop.finish_reason or "a callback on process 0"
-            run.console.say(f"jddp: stopped at step {step}: {why}")
+            ended_early = run.stop.finish_reason or "a callback on process 0"
+            run.console.say(f"jddp: stopped at step {step}: {ended_early}")
             stopped = False
         if stopped:
-            ckpts.save(step, state, run.config_dict)
+            run.saver.save(step, state)
             ckpts.close()
             comm.barrier()
             if comm.is_writer:
@@ -190,13 +198,15 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
         run.stop.finishing("final save and eval")
         # The final checkpoint before the final eval: an eval that fails (a corrupt image, OOM,
         # a kill) must not take the training with it.
-        saved = ckpts.save(step, state, run.config_dict)
+        run.saver.save(step, state)  # (a no-op when the step's periodic save wrote it already)
         ckpts.close()
-        if saved:  # (not when the step's periodic save wrote it already)
-            run.callbacks.checkpoint(step, str(ckpts.directory / str(step)))
         comm.barrier()  # nobody leaves before rank 0's checkpoint is complete
         if comm.is_writer:
             run.folder.clear_preempted()
+            if ended_early is not None:
+                run.folder.mark_stopped(step, ended_early, early_stop_keys(run.cfg.train))
+            elif run.stopped_early is None:  # trained on (to its last step)
+                run.folder.clear_stopped()
     except NonFiniteLoss:
         ckpts.close()  # every process raised at the same step: finish the saves in flight
         raise
@@ -259,6 +269,8 @@ def _final_eval(run: Run, state: TrainState, step: int) -> dict[str, float]:
         )
     if not run.log.logged(step, "eval/loss"):  # a rerun of a finished run logs it once
         run.log.write(step, eval_metrics)
+    if run.best is not None:  # the final checkpoint, ranked with the others
+        run.best.record(step, eval_metrics)
     return eval_metrics
 
 
