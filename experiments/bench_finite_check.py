@@ -40,7 +40,7 @@ def build(cfg, variant: str):
     import jddp.step
     from jddp import XlaComm, build_steps, create_train_state, make_mesh
     from jddp.build import build_model
-    from jddp.data.loader import batch_layout, place_batch
+    from jddp.data.loader import place_batch, process_rows_of
     from jddp.optimizer import make_optimizer
 
     once = jddp.step.computed_once
@@ -55,7 +55,7 @@ def build(cfg, variant: str):
         images = rng.integers(0, 255, (rows, size, size, 3), dtype=np.uint8)
         labels = rng.integers(0, cfg.model.num_classes, rows).astype(np.int32)
         local = {"images": images, "labels": labels}
-        batch = {"data": place_batch(local, mesh, batch_layout(mesh, rows))}
+        batch = {"data": place_batch(local, mesh, process_rows_of(mesh, rows))}
         start = time.perf_counter()
         compiled = step.lower(state, batch).compile()
         compile_s = time.perf_counter() - start

@@ -38,7 +38,7 @@ def build_steps(width: int, batch: int, image_size: int, lr: float) -> dict[str,
     from flax import nnx
 
     from jddp import XlaComm, build_steps, create_train_state, load_config, make_mesh
-    from jddp.data.loader import batch_layout, place_batch  # jddp-internal: the trainer's
+    from jddp.data.loader import place_batch, process_rows_of  # jddp-internal: the trainer's
     from jddp.models import resnet18
     from jddp.proc.signals import (
         StopRequest,  # placement and its per-step stop flag, as it adds them
@@ -56,7 +56,7 @@ def build_steps(width: int, batch: int, image_size: int, lr: float) -> dict[str,
 
     # A: jddp, as the trainer builds it (jddp.build.build_steps on a 1-device mesh + stop flags).
     mesh = make_mesh(jax.devices()[:1])
-    layout = batch_layout(mesh, batch)
+    layout = process_rows_of(mesh, batch)
     model_def, jstate = create_train_state(model(), tx, mesh)
     jstep, _ = build_steps(load_config(), model_def, tx, mesh, XlaComm())
     jbatch = {"data": place_batch({"images": images, "labels": labels}, mesh, layout)}

@@ -23,13 +23,13 @@ def step_flops(model, task, data) -> float:
     import optax
 
     from jddp import XlaComm, create_train_state, make_mesh, make_train_step
-    from jddp.data.loader import batch_layout, place_batch
+    from jddp.data.loader import place_batch, process_rows_of
 
     mesh = make_mesh()
     tx = optax.sgd(0.1)
     model_def, state = create_train_state(model, tx, mesh)
     step = make_train_step(model_def, tx, mesh, XlaComm(), task=task)
-    batch = place_batch({"data": data}, mesh, batch_layout(mesh, BATCH))
+    batch = place_batch({"data": data}, mesh, process_rows_of(mesh, BATCH))
     return float(benchlib.xla_cost(step.lower(state, batch).compile())["flops"])
 
 

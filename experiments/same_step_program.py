@@ -23,7 +23,7 @@ import hashlib, re, sys
 import numpy as np, optax
 from flax import nnx
 from jddp import XlaComm, build_steps, create_train_state, load_config, make_mesh
-from jddp.data.loader import batch_layout, place_batch
+from jddp.data.loader import process_rows_of, place_batch
 from jddp.models import resnet18
 width, batch = int(sys.argv[1]), int(sys.argv[2])
 cfg = load_config(None, [f"data.global_batch_size={batch}"])
@@ -35,7 +35,7 @@ step, _ = build_steps(cfg, model_def, tx, mesh, XlaComm())
 rng = np.random.default_rng(0)
 local = {"images": rng.integers(0, 255, (batch, 32, 32, 3), dtype=np.uint8),
          "labels": rng.integers(0, 10, batch).astype(np.int32)}
-placed = {"data": place_batch(local, mesh, batch_layout(mesh, batch))}
+placed = {"data": place_batch(local, mesh, process_rows_of(mesh, batch))}
 text = step.lower(state, placed).compile().as_text()
 text = text[text.index("\n%"):]  # the computations: no header, no source-location tables
 text = re.sub(r",?\s*stack_frame_id=\d+|,?\s*metadata=\{[^}]*\}", "", text)

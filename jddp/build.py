@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jddp import config as config_lib
 from jddp.comm import Comm
 from jddp.config import Config
-from jddp.data.loader import BatchLayout, PipelineOptions, batch_layout
+from jddp.data.loader import PipelineOptions, ProcessRows, process_rows_of
 from jddp.data.registry import load_splits
 from jddp.data.source import Splits, as_source
 from jddp.data.trees import as_tree_source
@@ -317,7 +317,7 @@ def shard_group(cfg: Config, num_devices: int, local_devices: int) -> int:
     return size
 
 
-def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
+def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, ProcessRows]:
     """The mesh of ``dist.num_local_devices`` per process, in groups of ``dist.shard_group``
     (under ``dist.backend=mpi`` the mesh holds this process's devices: its group), and this
     process's batch rows."""
@@ -332,7 +332,7 @@ def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
                 "gradient mean; set dist.shard_group=process"
             )
         mesh = make_mesh(devices, min(group, len(devices)))
-        layout = batch_layout(
+        process_rows = process_rows_of(
             mesh, cfg.data.global_batch_size, comm.process_index, comm.process_count
         )
     except ValueError as e:
@@ -344,7 +344,7 @@ def build_mesh(cfg: Config, comm: Comm) -> tuple[Mesh, BatchLayout]:
             f"per-device batch {per_device}"
         )
     comm.meet(mesh)
-    return mesh, layout
+    return mesh, process_rows
 
 
 def bn_group_size(

@@ -35,7 +35,7 @@ from jddp.checkpoint.find import find_checkpoint, reader
 from jddp.checkpoint.store import sorted_steps
 from jddp.comm import Comm, make_comm
 from jddp.config import Config
-from jddp.data.loader import BatchLayout, PipelineOptions, batch_layout, eval_batches
+from jddp.data.loader import PipelineOptions, ProcessRows, eval_batches, process_rows_of
 from jddp.data.source import as_source, check_label_range, is_image_source
 from jddp.data.trees import as_tree_source
 from jddp.distributed import Job, current_job
@@ -74,7 +74,7 @@ class EvalRun:
     source: Any
     global_batch_size: int
     mesh: Mesh
-    layout: BatchLayout
+    process_rows: ProcessRows
     comm: Comm
     pipeline: PipelineOptions | None = None
     weight_unit: str | None = None
@@ -92,7 +92,7 @@ class EvalRun:
             self.source,
             self.global_batch_size,
             self.mesh,
-            self.layout,
+            self.process_rows,
             pipeline=self.pipeline or PipelineOptions(),
         )
         for batch in batches:
@@ -141,7 +141,7 @@ def build_eval_run(
     source: Any,
     global_batch_size: int,
     mesh: Mesh,
-    layout: BatchLayout,
+    process_rows: ProcessRows,
     comm: Comm,
     *,
     task: Task,
@@ -164,7 +164,7 @@ def build_eval_run(
         source=source,
         global_batch_size=global_batch_size,
         mesh=mesh,
-        layout=layout,
+        process_rows=process_rows,
         comm=comm,
         pipeline=pipeline,
         weight_unit=weight_unit,
@@ -231,7 +231,7 @@ def evaluate_model(
     mesh = make_mesh()
     devices = comm.num_devices(mesh)
     global_batch = -(-batch_size // devices) * devices
-    layout = batch_layout(mesh, global_batch, comm.process_index, comm.process_count)
+    process_rows = process_rows_of(mesh, global_batch, comm.process_index, comm.process_count)
     run_cfg = cfg or config_lib.from_dict({})
     task, pipeline, labels_of = _eval_task(run, data, cfg, run_cfg, parts, custom, source)
     evaluate, state = build_eval_run(
@@ -239,7 +239,7 @@ def evaluate_model(
         source,
         global_batch,
         mesh,
-        layout,
+        process_rows,
         comm,
         task=task,
         pipeline=pipeline,
@@ -350,7 +350,7 @@ def evaluate_checkpoint(
     enable_compilation_cache(cfg.train.compilation_cache_dir)  # the run's eval step, compiled
     comm = make_comm(job, cfg.dist.backend, cfg.dist.grad_allreduce_dtype, cfg.dist.fuse_allreduce)
     check_same_config(comm, cfg)
-    mesh, layout = build_mesh(cfg, comm)
+    mesh, process_rows = build_mesh(cfg, comm)
     splits = load_data(cfg, is_custom_task(cfg))
     images = is_image_source(splits.train)
     channels = splits.train.image_shape[-1] if images else 3
@@ -361,7 +361,7 @@ def evaluate_checkpoint(
         splits.eval,
         cfg.data.global_batch_size,
         mesh,
-        layout,
+        process_rows,
         comm,
         task=build_task(cfg, pixel_norm=PixelNorm.of(splits.train) if images else None),
         pipeline=pipeline_options(cfg),

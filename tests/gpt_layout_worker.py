@@ -24,7 +24,7 @@ from flax import nnx  # noqa: E402
 import jddp.models.units as units  # noqa: E402
 from jddp import XlaComm, load_config  # noqa: E402
 from jddp.build import build_layout, build_model, build_steps  # noqa: E402
-from jddp.data.loader import batch_layout, place_batch  # noqa: E402
+from jddp.data.loader import place_batch, process_rows_of  # noqa: E402
 from jddp.mesh import make_mesh  # noqa: E402
 from jddp.optimizer import make_optimizer  # noqa: E402
 from jddp.state import create_train_state  # noqa: E402
@@ -87,7 +87,7 @@ def full_step_memory(mesh) -> dict[str, int]:
     state = layout.place(state)
     step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
     batch = {"tokens": np.ones((rows, 17), np.uint8), "lengths": np.full(rows, 17, np.int32)}
-    placed = {"data": place_batch(batch, mesh, batch_layout(mesh, rows))}
+    placed = {"data": place_batch(batch, mesh, process_rows_of(mesh, rows))}
     stats = step.lower(state, placed).compile().memory_analysis()
     return {"temp_bytes": int(stats.temp_size_in_bytes), "param_bytes": int(param_bytes)}
 
@@ -115,7 +115,7 @@ def remat_memory(mesh) -> dict[str, dict[str, int]]:
             layout = build_layout(cfg, mesh, comm)
             state = layout.place(state)
             step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
-            placed = {"data": place_batch(batch, mesh, batch_layout(mesh, 16))}
+            placed = {"data": place_batch(batch, mesh, process_rows_of(mesh, 16))}
             stats = step.lower(state, placed).compile().memory_analysis()
             out[name][remat] = int(stats.temp_size_in_bytes)
     return out
@@ -133,7 +133,7 @@ def losses_of(mesh, batches, make_model, *overrides: str) -> dict[str, list[floa
         layout = build_layout(cfg, mesh, comm)
         state = layout.place(state)
         step, _ = build_steps(cfg, model_def, tx, mesh, comm, schedule=schedule, layout=layout)
-        where = batch_layout(mesh, ROWS)
+        where = process_rows_of(mesh, ROWS)
         losses[kind] = []
         for batch in batches:
             state, metrics = step(state, {"data": place_batch(batch, mesh, where)})

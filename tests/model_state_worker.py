@@ -15,7 +15,7 @@ from flax import nnx
 from jddp.api import load_config
 from jddp.build import build_steps
 from jddp.comm import XlaComm
-from jddp.data.loader import batch_layout, place_batch
+from jddp.data.loader import place_batch, process_rows_of
 from jddp.mesh import make_mesh
 from jddp.proc.xla import enable_compilation_cache
 from jddp.state import create_train_state
@@ -34,7 +34,7 @@ def run(num_devices: int, images: np.ndarray, rate: float, accum: int, steps: in
     cfg = load_config(overrides=[f"train.grad_accum_steps={accum}"])
     step, _ = build_steps(cfg, model_def, tx, mesh, XlaComm())
     local = {"images": images, "labels": np.zeros(len(images), np.int32)}
-    batch = {"data": place_batch(local, mesh, batch_layout(mesh, len(images)))}
+    batch = {"data": place_batch(local, mesh, process_rows_of(mesh, len(images)))}
     losses, counts, calls = [], [], []
     for _ in range(steps):
         state, metrics = step(state, batch)

@@ -24,7 +24,7 @@ from flax import nnx  # noqa: E402
 from jddp.api import load_config  # noqa: E402
 from jddp.build import build_steps  # noqa: E402
 from jddp.comm import XlaComm  # noqa: E402
-from jddp.data.loader import batch_layout, place_batch  # noqa: E402
+from jddp.data.loader import place_batch, process_rows_of  # noqa: E402
 from jddp.mesh import DATA_AXES, make_mesh  # noqa: E402
 from jddp.models import resnet10  # noqa: E402
 from jddp.proc.xla import enable_compilation_cache  # noqa: E402
@@ -113,7 +113,7 @@ def main() -> None:
             "images": rng.normal(size=(16, 8, 8, 3)).astype(dtype),
             "labels": rng.integers(0, 10, size=16).astype(np.int32),
         }
-        batch = {"data": place_batch(local, mesh, batch_layout(mesh, 16))}
+        batch = {"data": place_batch(local, mesh, process_rows_of(mesh, 16))}
         if not hlo:
             hlo = step.lower(state, batch).as_text()
             collectives = count_collectives(jax.make_jaxpr(step)(state, batch).jaxpr)

@@ -8,10 +8,10 @@ import pytest
 
 from jddp.data.loader import (
     TrainBatches,
-    batch_layout,
     epoch_permutation,
     eval_batches,
     prefetch_iterator,
+    process_rows_of,
 )
 from jddp.data.source import ArraySource
 from jddp.mesh import make_mesh
@@ -65,10 +65,10 @@ def test_layout_of_a_local_mesh_under_mpi():
     """MPI ranks share no JAX runtime: each reads its block, arrays hold only that block."""
     mesh = make_mesh()
     n = len(mesh.local_devices)
-    layout = batch_layout(mesh, 8 * n, process_index=1, process_count=2)
-    assert layout.rows == slice(4 * n, 8 * n) and layout.array_rows == 4 * n
+    rows = process_rows_of(mesh, 8 * n, process_index=1, process_count=2)
+    assert rows.rows == slice(4 * n, 8 * n) and rows.array_rows == 4 * n
     with pytest.raises(ValueError, match=f"not divisible by the {3 * n} devices .3 processes"):
-        batch_layout(mesh, 4 * n, process_index=0, process_count=3)
+        process_rows_of(mesh, 4 * n, process_index=0, process_count=3)
 
 
 def test_batch_larger_than_data_is_an_error():
@@ -90,7 +90,7 @@ def test_prefetch_keeps_order_and_reraises():
 
 MULTI = """
 import numpy as np, jax
-from jddp.data.loader import TrainBatches, batch_layout
+from jddp.data.loader import TrainBatches, process_rows_of
 from jddp.mesh import make_mesh
 from tests.helpers import toy_source as source
 src = source(n=64)
@@ -102,7 +102,7 @@ for k in range(8):
     assert len(b["labels"].sharding.device_set) == 4
     np.testing.assert_array_equal(a, np.asarray(b["labels"]))
 try:
-    batch_layout(make_mesh(), 6)
+    process_rows_of(make_mesh(), 6)
 except ValueError as e:
     print("ERR", e)
 """

@@ -284,7 +284,7 @@ def test_remat_blocks_takes_the_same_steps(model):
 
     from jddp import XlaComm, load_config
     from jddp.build import build_model, build_steps
-    from jddp.data.loader import batch_layout, place_batch
+    from jddp.data.loader import place_batch, process_rows_of
     from jddp.mesh import make_mesh
     from jddp.state import create_train_state
 
@@ -309,7 +309,7 @@ def test_remat_blocks_takes_the_same_steps(model):
         tx = optax.sgd(0.05, momentum=0.9)
         model_def, state = create_train_state(build_model(cfg, nnx.Rngs(0)), tx, mesh)
         step, _ = build_steps(cfg, model_def, tx, mesh, XlaComm())
-        placed = {"data": place_batch(batch, mesh, batch_layout(mesh, 8))}
+        placed = {"data": place_batch(batch, mesh, process_rows_of(mesh, 8))}
         program = str(step.run.trace(state, placed).jaxpr)
         assert ("remat2[" in program) == (remat == "blocks")  # the blocks are rematted
         compiled = step.run.lower(state, placed).compile()  # the executable the steps run
@@ -321,7 +321,7 @@ def test_remat_blocks_takes_the_same_steps(model):
     np.testing.assert_allclose(losses["blocks"], losses["none"], rtol=1e-6)
     assert losses["none"][0] != losses["none"][2]  # it trained
     if model == "resnet10":  # (the GPT's peak at this size is not its activations)
-        # XLA:CPU keeps the recomputation apart (jddp.layout.keep_checkpoint_barriers):
+        # XLA:CPU keeps the recomputation apart (jddp.step.keep_checkpoint_barriers):
         # measured 246 KB of temporaries against 301; 306 when it merged it back
         assert temp_bytes["blocks"] < 0.9 * temp_bytes["none"], temp_bytes
 

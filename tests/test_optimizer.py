@@ -190,13 +190,13 @@ def _one_device_batch():
     import numpy as np
 
     from jddp import make_mesh
-    from jddp.data.loader import batch_layout, place_batch
+    from jddp.data.loader import place_batch, process_rows_of
 
     mesh = make_mesh(jax.devices()[:1])
     rng = np.random.default_rng(0)
     batch = {"images": rng.normal(size=(16, 8, 8, 3)).astype(np.float32),
              "labels": rng.integers(0, 10, 16).astype(np.int32)}  # fmt: skip
-    return mesh, {"data": place_batch(batch, mesh, batch_layout(mesh, 16))}
+    return mesh, {"data": place_batch(batch, mesh, process_rows_of(mesh, 16))}
 
 
 def test_clip_grad_norm_is_optax_clip_by_global_norm_before_the_optimizer():

@@ -33,7 +33,7 @@ Batch = dict[str, Any]
 
 
 @dataclass(frozen=True)
-class BatchLayout:
+class ProcessRows:
     """Which rows of every global batch this process reads, and how they are placed.
 
     ``rows``: this process's contiguous block of the global batch. ``array_rows``: the leading
@@ -45,10 +45,10 @@ class BatchLayout:
     array_rows: int
 
 
-def batch_layout(
+def process_rows_of(
     mesh: Mesh, global_batch_size: int, process_index: int = 0, process_count: int = 1
-) -> BatchLayout:
-    """The :class:`BatchLayout` of this process; raises ``ValueError`` if the batch won't split.
+) -> ProcessRows:
+    """The :class:`ProcessRows` of this process; raises ``ValueError`` if the batch won't split.
 
     ``process_index``/``process_count`` count the job's processes, which differ from JAX's when
     processes share no JAX runtime (the MPI backend: then the mesh holds local devices only).
@@ -67,21 +67,21 @@ def batch_layout(
         mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
         if mine != list(range(mine[0], mine[-1] + 1)):
             raise ValueError("this process's devices are not contiguous in the mesh")
-        return BatchLayout(
+        return ProcessRows(
             slice(mine[0] * per_device, (mine[-1] + 1) * per_device), global_batch_size
         )
     per_process = per_device * local
     start = process_index * per_process
-    return BatchLayout(slice(start, start + per_process), per_process)
+    return ProcessRows(slice(start, start + per_process), per_process)
 
 
-def place_batch(local: Any, mesh: Mesh, layout: BatchLayout) -> Any:
-    """Every leaf of ``local`` (a pytree of this process's rows, see :class:`BatchLayout`) as an
+def place_batch(local: Any, mesh: Mesh, process_rows: ProcessRows) -> Any:
+    """Every leaf of ``local`` (a pytree of this process's rows, see :class:`ProcessRows`) as an
     array sharded over ``data`` along its leading axis."""
     sharding = batch_sharded(mesh)
     return jax.tree.map(
         lambda v: jax.make_array_from_process_local_data(
-            sharding, v, (layout.array_rows, *v.shape[1:])
+            sharding, v, (process_rows.array_rows, *v.shape[1:])
         ),
         local,
     )
@@ -114,12 +114,12 @@ class TrainBatches:
         global_batch_size: int,
         seed: int,
         mesh: Mesh,
-        layout: BatchLayout | None = None,
+        process_rows: ProcessRows | None = None,
         *,
         pipeline: PipelineOptions = PipelineOptions(),
     ):
         workers = pipeline.workers
-        self.layout = layout or batch_layout(mesh, global_batch_size)
+        self.process_rows = process_rows or process_rows_of(mesh, global_batch_size)
         self.source = source
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -133,7 +133,9 @@ class TrainBatches:
                 f"data.global_batch_size={global_batch_size} is larger than the "
                 f"{len(source)} train examples of {source!r}"
             )
-        self.host = HostBatches(source, global_batch_size, seed, self.layout.rows, pipeline.augment)
+        self.host = HostBatches(
+            source, global_batch_size, seed, self.process_rows.rows, pipeline.augment
+        )
         self.steps_per_epoch = self.host.steps_per_epoch
 
     def global_indices(self, step: int) -> np.ndarray:
@@ -146,7 +148,7 @@ class TrainBatches:
 
     def place(self, local: Any) -> Batch:
         """This process's rows as the step's batch, ``{"data": ...}``, sharded over ``data``."""
-        return place_batch({"data": local}, self.mesh, self.layout)
+        return place_batch({"data": local}, self.mesh, self.process_rows)
 
     def iterate(self, start_step: int, end_step: int, prefetch: int = 2) -> Iterator[Batch]:
         """Batches for steps ``start_step .. end_step-1``.
@@ -178,7 +180,7 @@ def eval_batches(
     source: Source,
     global_batch_size: int,
     mesh: Mesh,
-    layout: BatchLayout | None = None,
+    process_rows: ProcessRows | None = None,
     *,
     pipeline: PipelineOptions = PipelineOptions(),
 ) -> Iterator[Batch]:
@@ -189,12 +191,14 @@ def eval_batches(
     ``pipeline.augment="imagenet"`` evaluates the centre crop
     (:func:`~jddp.data.pipeline.eval_rows`).
     """
-    layout = layout or batch_layout(mesh, global_batch_size)
+    process_rows = process_rows or process_rows_of(mesh, global_batch_size)
     starts = range(0, len(source), global_batch_size)
     workers = cores_per_process() if pipeline.workers is None else pipeline.workers
-    fn = functools.partial(_eval_rows, source, global_batch_size, layout.rows, pipeline.augment)
+    fn = functools.partial(
+        _eval_rows, source, global_batch_size, process_rows.rows, pipeline.augment
+    )
     host = host_iterator(fn, starts, workers, pipeline.worker_kind)
-    return _placed(host, functools.partial(place_batch, mesh=mesh, layout=layout), 1)
+    return _placed(host, functools.partial(place_batch, mesh=mesh, process_rows=process_rows), 1)
 
 
 def _eval_rows(

@@ -18,7 +18,7 @@ def train_loop(run: Run) -> tuple[TrainState, int, bool]:
         return _steps(run, where)
     except Exception as e:
         if exhausted(e):  # XLA's RESOURCE_EXHAUSTED, at any step's dispatch or results
-            raise OutOfMemory(out_of_memory(where.step, where.memory, run.state_layout, e)) from e
+            raise OutOfMemory(out_of_memory(where.step, where.memory, run.layout, e)) from e
         raise
     finally:
         run.profiler.close()  # a trace the loop left open (a stop, an error) is still written
@@ -33,7 +33,7 @@ class _Where:
 
 def _steps(run: Run, where: _Where) -> tuple[TrainState, int, bool]:
     state, step = run.state, run.start_step
-    rows = run.layout.rows.stop - run.layout.rows.start
+    rows = run.process_rows.rows.stop - run.process_rows.rows.start
     end = run.total_steps if run.end_step is None else run.end_step
     batches = run.batches.iterate(step, end, run.cfg.data.prefetch_batches)
     pending = None  # the previous step's (step, metrics): read one step late
@@ -50,7 +50,7 @@ def _steps(run: Run, where: _Where) -> tuple[TrainState, int, bool]:
         run.watchdog.waiting("step", step + 1)
         with run.profiler.step(step + 1, state):
             flags = {**run.stop.flags(rows), **run.saves.flags(rows)}
-            flags = place_batch(flags, run.mesh, run.layout)
+            flags = place_batch(flags, run.mesh, run.process_rows)
             batch = {**batch, **flags}
             where.step = step + 1
             if memory is None:  # compiled now (the call reuses it); a step too large: refused
@@ -63,8 +63,8 @@ def _steps(run: Run, where: _Where) -> tuple[TrainState, int, bool]:
         if step == run.start_step + 1:  # the first step compiles: timed apart
             compile_s = run.meter.compiled(metrics)
             run.log.write(step, {"train/compile_s": compile_s, **memory})
-            share = run.state_layout.split_share(state)
-            run.console.say(memory_line(memory, run.state_layout, share))
+            share = run.layout.split_share(state)
+            run.console.say(memory_line(memory, run.layout, share))
             run.watchdog.progress(step_done=True)
         if pending is not None and _report(run, *pending):
             # Every process saw the same flag at the same step. This step already ran and is

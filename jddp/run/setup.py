@@ -39,7 +39,7 @@ from jddp.checkpoint.resume import restore
 from jddp.checkpoint.warm_start import warm_start
 from jddp.comm import Comm
 from jddp.config import Config
-from jddp.data.loader import BatchLayout, TrainBatches
+from jddp.data.loader import ProcessRows, TrainBatches
 from jddp.data.source import Splits, is_image_source
 from jddp.errors import ConfigError
 from jddp.eval_lib import EvalRun, WithEma
@@ -104,7 +104,7 @@ class Run:
     cfg: Config
     comm: Comm
     mesh: Mesh
-    layout: BatchLayout
+    process_rows: ProcessRows
     # What it trains: the data, the model and its state, from which step to which.
     splits: Splits
     batches: TrainBatches
@@ -121,7 +121,7 @@ class Run:
     user_model: nnx.Module | None = None  # the module jddp.fit was given: trained in place
     # How: the steps, and the eval pass (``run.evaluate(state)``: metrics over every example).
     train_step: TrainStep
-    state_layout: StateLayout  # dist.shard: where the state's arrays live (jddp.shard)
+    layout: StateLayout  # dist.shard: where the state's arrays live (jddp.shard)
     step_memory: StepMemory  # the step's memory, read and checked as it first compiles
     eval_step: Any
     evaluate: EvalRun | WithEma
@@ -190,14 +190,14 @@ def build_run(
     watchdog = watchdog or StallWatchdog(None, None)
     writer = comm.is_writer
     console = Console(writer)
-    mesh, layout = build_mesh(cfg, comm)
+    mesh, process_rows = build_mesh(cfg, comm)
     cfg = _with_bn_group_size(cfg, folder, mesh, comm, console)
     custom = is_custom_task(cfg, parts)
-    splits, batches, steps = _data(cfg, parts, custom, mesh, layout)
+    splits, batches, steps = _data(cfg, parts, custom, mesh, process_rows)
     if cfg.data.image_size is None and is_image_source(splits.train):  # which size, said once
         h, w, c = splits.train.image_shape
         console.say(f"jddp: data.image_size=null: {cfg.data.name} images at {h}x{w}x{c}")
-    model_def, state, tx, schedule, state_layout = _model_and_state(
+    model_def, state, tx, schedule, layout = _model_and_state(
         cfg, comm, parts=parts, splits=splits, steps=steps, mesh=mesh, console=console
     )
     task, pixel_norm, num_outputs = _checked_task(
@@ -235,7 +235,7 @@ def build_run(
         console=console,
         steps=steps,
         num_outputs=num_outputs,
-        state_layout=state_layout,
+        layout=layout,
     )
     if best is not None:
         best.resumed_at(start_step)
@@ -245,13 +245,13 @@ def build_run(
     trackers, log = _outputs(cfg, folder, start_step, writer, callbacks)
 
     train_step, eval_step = build_steps(
-        cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=state_layout
+        cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=layout
     )
 
     def step_for(kind: str) -> TrainStep:  # only to name what another layout would need
-        layout = make_layout(kind, mesh)
+        other = make_layout(kind, mesh)
         return build_steps(
-            cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=layout
+            cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=other
         )[0]
 
     budget = device_budget(cfg.dist.device_memory_bytes, mesh.local_devices[0])
@@ -279,7 +279,7 @@ def build_run(
         source=splits.eval,
         global_batch_size=cfg.data.global_batch_size,
         mesh=mesh,
-        layout=layout,
+        process_rows=process_rows,
         comm=comm,
         pipeline=pipeline_options(cfg),
         weight_unit=cfg.log.weight_unit,
@@ -300,7 +300,7 @@ def build_run(
         cfg=cfg,
         comm=comm,
         mesh=mesh,
-        layout=layout,
+        process_rows=process_rows,
         splits=splits,
         batches=batches,
         model_def=model_def,
@@ -313,8 +313,8 @@ def build_run(
         best=best,
         user_model=parts.model,
         train_step=train_step,
-        state_layout=state_layout,
-        step_memory=StepMemory(budget, state_layout, step_for),
+        layout=layout,
+        step_memory=StepMemory(budget, layout, step_for),
         eval_step=eval_step,
         evaluate=evaluate,
         folder=folder,
@@ -366,7 +366,7 @@ def _with_bn_group_size(
 
 
 def _data(
-    cfg: Config, parts: Parts, custom: bool, mesh: Mesh, layout: BatchLayout
+    cfg: Config, parts: Parts, custom: bool, mesh: Mesh, process_rows: ProcessRows
 ) -> tuple[Splits, TrainBatches, int]:
     """The data, its training batches and the run's total steps."""
     splits = parts.splits or load_data(cfg, custom)
@@ -376,7 +376,7 @@ def _data(
             cfg.data.global_batch_size,
             cfg.train.seed,
             mesh,
-            layout,
+            process_rows,
             pipeline=pipeline_options(cfg),
         )
     except ValueError as e:  # the batch is larger than the data set
@@ -413,25 +413,25 @@ def _model_and_state(
             "repeated blocks, e.g. self.blocks = nnx.List([...])) whose activations could be "
             "recomputed; hold its blocks in a list, or set model.remat=none"
         )
-    state_layout = build_layout(cfg, mesh, comm)
+    layout = build_layout(cfg, mesh, comm)
     # Before anything is placed: a state that cannot fit is one line, not an out-of-memory.
     _, params, model_state = split_model(model)
     budget = device_budget(cfg.dist.device_memory_bytes, mesh.local_devices[0])
     ema = cfg.train.ema_decay > 0
     abstract = abstract_train_state(params, model_state, tx, ema=ema)
-    check_state_fits(abstract, state_layout, budget)
-    if state_layout.kind != "none" and comm.name == "xla":  # each process places its slices
-        check_same_init(comm, params, state_layout.kind)  # of its own copy (mpi: rank 0's)
+    check_state_fits(abstract, layout, budget)
+    if layout.kind != "none" and comm.name == "xla":  # each process places its slices
+        check_same_init(comm, params, layout.kind)  # of its own copy (mpi: rank 0's)
     del params, model_state
     model_def, state = create_train_state(model, tx, mesh, ema=ema)
     del model
-    if state_layout.kind != "none" and state_layout.split_share(state) == 0:
+    if layout.kind != "none" and layout.split_share(state) == 0:
         devices = comm.num_devices(mesh)
         console.say(
-            f"jddp: warning: dist.shard={state_layout.kind}: no array of the train state has an "
+            f"jddp: warning: dist.shard={layout.kind}: no array of the train state has an "
             f"axis {devices} devices divide: every device holds all of it (0.0% split)"
         )
-    return model_def, state, tx, schedule, state_layout
+    return model_def, state, tx, schedule, layout
 
 
 def check_same_init(comm: Comm, params: Any, kind: str) -> None:
@@ -587,11 +587,11 @@ def _restored_state(
     console: Console,
     steps: int,
     num_outputs: int | None,
-    state_layout: StateLayout,
+    layout: StateLayout,
 ) -> tuple[TrainState, int]:
     """The state to start from (the newest good checkpoint, a warm start, or ``state``) and its
     step, laid out as ``dist.shard`` says and the same on every process."""
-    state = state_layout.place(state)  # before restoring: orbax reads each device's slice
+    state = layout.place(state)  # before restoring: orbax reads each device's slice
     state, start_step = restore(cfg, ckpts, state, comm, console, steps)
     ema = cfg.train.ema_decay > 0
     if start_step > 0 and (state.ema_params is not None) != ema:
@@ -601,7 +601,7 @@ def _restored_state(
             if ema
             else "jddp: train.ema_decay=0: the checkpoint's EMA of the parameters is dropped"
         )
-        state = state_layout.place(with_ema(state, ema))
+        state = layout.place(with_ema(state, ema))
     if start_step == 0 and cfg.checkpoint.init_from:  # a fresh run; a resume keeps its own
         state = warm_start(
             cfg.checkpoint.init_from,
@@ -612,9 +612,9 @@ def _restored_state(
             num_outputs,
             ema=cfg.checkpoint.init_from_ema,
         )
-        state = state_layout.place(state)
+        state = layout.place(state)
     # the same on every process (under mpi rank 0's, copied whole: laid out again)
-    return state_layout.place(comm.broadcast_state(state, mesh)), start_step
+    return layout.place(comm.broadcast_state(state, mesh)), start_step
 
 
 def _stays_stopped(
