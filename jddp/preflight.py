@@ -1,12 +1,15 @@
 """Checks before the first step, so a mistake costs seconds and one clear line, not a crash
-deep inside a compiled step: the same config on every process, a model output that fits the
-data (image classification), a task whose loss and metrics fit the batches (any task), a
-profile range inside the run, eval keys that the run's evals hold (early stopping, the best
-checkpoints)."""
+deep inside a compiled step: the same config on every process, the same initial parameters
+where each process places its slices of them, a model output that fits the data (image
+classification), a task whose loss and metrics fit the batches (any task), a profile range
+inside the run, eval keys that the run's evals hold (early stopping, the best checkpoints),
+blocks for ``model.remat``; and the warnings a run says once (outputs no label reaches, a
+split layout that splits nothing)."""
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 from typing import Any
 
 import jax
@@ -19,6 +22,7 @@ from jddp.config import Config
 from jddp.data.source import Splits
 from jddp.data.trees import example_spec
 from jddp.errors import ConfigError, JddpError, TaskError
+from jddp.models.units import blocks
 from jddp.state import ModelDef, TrainState
 from jddp.step import task_terms
 from jddp.tasks import Task
@@ -178,3 +182,110 @@ def check_eval_key(key: str, value: str, names: list[str]) -> None:
         f"{key}: {value!r} is not an eval metric of this run (its eval lines hold "
         f"{', '.join(names)}){hint}"
     )
+
+
+def check_same_init(comm: Comm, params: Any, kind: str) -> None:
+    """Refuse (one line) parameters that differ between processes: under a split layout each
+    process places its slices of its own copy, so a model built differently per process (a
+    per-process seed, host randomness) would train a mix of them."""
+    if comm.process_count == 1:
+        return
+    digest = hashlib.blake2b(digest_size=7)
+    for leaf in jax.tree.leaves(params):
+        digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    mine = int.from_bytes(digest.digest(), "little")
+    everyone = comm.allgather_int(mine)
+    if len(set(everyone)) > 1:
+        differ = [p for p, d in enumerate(everyone) if d != everyone[0]]
+        raise ConfigError(
+            f"dist.shard={kind}: the model's initial parameters differ between processes "
+            f"(process 0's are not those of process {', '.join(map(str, differ))}): build it "
+            "identically on every process (the same seed, no per-process randomness), as each "
+            "process places its slices of its own copy"
+        )
+
+
+def check_eval_keys(
+    cfg: Config,
+    early_stop_metrics: list[str],
+    *,
+    task: Any,
+    model_def: ModelDef,
+    state: TrainState,
+    splits: Splits,
+) -> None:
+    """Before anything trains: early stopping's metric (``train.early_stop_metric``, an
+    :class:`EarlyStopping` given to jddp.fit) and the best checkpoints' ``checkpoint.monitor``
+    must be keys of the run's eval lines, and there must be evals before the end for them to
+    decide on (one line naming the key). ``early_stop_metrics``: those of the
+    :class:`~jddp.run.callbacks.EarlyStopping` callbacks given to jddp.fit."""
+    wanted = [("train.early_stop_metric", cfg.train.early_stop_metric)]
+    wanted += [("EarlyStopping(metric=...)", metric) for metric in early_stop_metrics]
+    if cfg.checkpoint.keep_best > 0:
+        wanted.append(("checkpoint.monitor", cfg.checkpoint.monitor))
+    wanted = [(key, value) for key, value in wanted if value is not None]
+    if not wanted:
+        return
+    key, value = wanted[0]
+    if cfg.train.eval_every_steps == 0:
+        raise ConfigError(
+            f"{key}={value} needs evals during the run: set train.eval_every_steps > 0 (with "
+            "train.eval_every_steps=0 the only eval is the final one: it could never stop)"
+        )
+    names = eval_metric_names(
+        task,
+        model_def,
+        state,
+        splits.eval,
+        cfg.data.augment,
+        cfg.log.weight_unit,
+        ema=cfg.train.ema_decay > 0,
+    )
+    for key, value in wanted if names is not None else ():
+        check_eval_key(key, value, names)
+
+
+def check_remat(remat: str, model: Any) -> None:
+    """``model.remat=blocks`` needs blocks to recompute (:func:`jddp.models.units.blocks`):
+    refused in one line for a model that holds no list of modules, not silently ignored."""
+    if remat != "none" and not blocks(model):
+        raise ConfigError(
+            f"model.remat={remat}: {type(model).__name__} holds no list of modules (its "
+            "repeated blocks, e.g. self.blocks = nnx.List([...])) whose activations could be "
+            "recomputed; hold its blocks in a list, or set model.remat=none"
+        )
+
+
+def unused_outputs_warning(
+    cfg: Config, classes: list[str] | None, num_outputs: int | None, given_model: bool
+) -> str | None:
+    """The warning for a classifier with more outputs than the train data names classes
+    (fine-tuning into a larger head is allowed; a forgotten ``model.num_classes`` is said)."""
+    if classes is None or num_outputs is None or num_outputs <= len(classes):
+        return None
+    outputs = (
+        f"the model's {num_outputs} outputs"
+        if given_model
+        else f"model.num_classes={cfg.model.num_classes}"
+    )
+    return (
+        f"jddp: warning: {outputs} but the train data names {len(classes)} classes "
+        f"({_short(classes)}): {num_outputs - len(classes)} outputs will never be a label"
+        + ("" if given_model else f"; set model.num_classes={len(classes)}")
+    )
+
+
+def nothing_split_warning(layout: Any, state: TrainState) -> str | None:
+    """The warning for a split layout under which no array of the state splits (no axis the
+    group's device count divides): every device then holds all of it."""
+    if layout.kind == "none" or layout.split_share(state) > 0:
+        return None
+    return (
+        f"jddp: warning: dist.shard={layout.kind}: no array of the train state has an axis "
+        f"{layout.group_size} devices divide: every device holds all of it (0.0% split)"
+    )
+
+
+def _short(names: list[str], shown: int = 5) -> str:
+    more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

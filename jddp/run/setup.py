@@ -7,12 +7,10 @@ state, the outputs (checkpoints, metrics log) and the loop's hooks.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 import yaml
 from flax import nnx
 from jax.sharding import Mesh
@@ -45,14 +43,16 @@ from jddp.errors import ConfigError
 from jddp.eval_lib import EvalRun, WithEma
 from jddp.mesh import to_host
 from jddp.metrics import Console, MetricsLog, Progress, read_metrics
-from jddp.models.units import blocks
 from jddp.optimizer import make_optimizer
 from jddp.preflight import (
-    check_eval_key,
+    check_eval_keys,
     check_model_output,
     check_profile_steps,
+    check_remat,
+    check_same_init,
     check_task,
-    eval_metric_names,
+    nothing_split_warning,
+    unused_outputs_warning,
 )
 from jddp.proc.signals import StopRequest
 from jddp.proc.watchdog import StallWatchdog
@@ -210,19 +210,11 @@ def build_run(
         state=state,
         mesh=mesh,
     )
-    check_eval_keys(cfg, parts, task=task, model_def=model_def, state=state, splits=splits)
+    stop_metrics = [c.metric for c in parts.callbacks if isinstance(c, EarlyStopping)]
+    check_eval_keys(cfg, stop_metrics, task=task, model_def=model_def, state=state, splits=splits)
     classes = class_names(splits.train, num_outputs)
-    if classes is not None and num_outputs is not None and num_outputs > len(classes):
-        outputs = (
-            f"the model's {num_outputs} outputs"
-            if parts.model is not None
-            else f"model.num_classes={cfg.model.num_classes}"
-        )
-        console.say(  # fine-tuning into a larger head is allowed; a forgotten key is said
-            f"jddp: warning: {outputs} but the train data names {len(classes)} classes "
-            f"({_short(classes)}): {num_outputs - len(classes)} outputs will never be a label"
-            + ("" if parts.model is not None else f"; set model.num_classes={len(classes)}")
-        )
+    if warning := unused_outputs_warning(cfg, classes, num_outputs, parts.model is not None):
+        console.say(warning)
     best = _best(cfg, comm, folder)
     ckpts = _checkpoints(cfg, comm, folder, task, pixel_norm, classes, best)
     state, start_step = _restored_state(
@@ -244,17 +236,10 @@ def build_run(
     callbacks.start(start_step, _history(folder, start_step) if writer else [])
     trackers, log = _outputs(cfg, folder, start_step, writer, callbacks)
 
-    train_step, eval_step = build_steps(
-        cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=layout
-    )
-
-    def step_for(kind: str) -> TrainStep:  # only to name what another layout would need
-        other = make_layout(kind, mesh)
-        return build_steps(
-            cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=other
-        )[0]
-
-    budget = device_budget(cfg.dist.device_memory_bytes, mesh.local_devices[0])
+    train_step, eval_step, step_memory = _steps(
+        cfg, comm, model_def=model_def, tx=tx, mesh=mesh, task=task, schedule=schedule,
+        layout=layout,
+    )  # fmt: skip
     saves = SavePolicy(
         every_steps=cfg.checkpoint.every_steps,
         every_minutes=cfg.checkpoint.every_minutes,
@@ -274,19 +259,7 @@ def build_run(
         log=log,
         ckpts=ckpts,
     )
-    evaluate: Any = EvalRun(
-        eval_step=eval_step,
-        source=splits.eval,
-        global_batch_size=cfg.data.global_batch_size,
-        mesh=mesh,
-        process_rows=process_rows,
-        comm=comm,
-        pipeline=pipeline_options(cfg),
-        weight_unit=cfg.log.weight_unit,
-        on_batch=watchdog.progress,
-    )
-    if cfg.train.ema_decay > 0:
-        evaluate = WithEma(evaluate)
+    evaluate = _evaluation(cfg, comm, eval_step, splits.eval, mesh, process_rows, watchdog)
     reporter.saves = saves
     saver = CheckpointHook(
         checkpoints=ckpts,
@@ -314,7 +287,7 @@ def build_run(
         user_model=parts.model,
         train_step=train_step,
         layout=layout,
-        step_memory=StepMemory(budget, layout, step_for),
+        step_memory=step_memory,
         eval_step=eval_step,
         evaluate=evaluate,
         folder=folder,
@@ -346,6 +319,56 @@ def build_run(
         ],
         watchdog=watchdog,
     )
+
+
+def _steps(
+    cfg: Config,
+    comm: Comm,
+    *,
+    model_def: ModelDef,
+    tx: Any,
+    mesh: Mesh,
+    task: Any,
+    schedule: Any,
+    layout: StateLayout,
+) -> tuple[TrainStep, Any, StepMemory]:
+    """The train and eval steps, and the train step's memory check (as it first compiles)."""
+    train_step, eval_step = build_steps(
+        cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=layout
+    )
+
+    def step_for(kind: str) -> TrainStep:  # only to name what another layout would need
+        other = make_layout(kind, mesh)
+        return build_steps(
+            cfg, model_def, tx, mesh, comm, task=task, schedule=schedule, layout=other
+        )[0]
+
+    budget = device_budget(cfg.dist.device_memory_bytes, mesh.local_devices[0])
+    return train_step, eval_step, StepMemory(budget, layout, step_for)
+
+
+def _evaluation(
+    cfg: Config,
+    comm: Comm,
+    eval_step: Any,
+    source: Any,
+    mesh: Mesh,
+    process_rows: ProcessRows,
+    watchdog: StallWatchdog,
+) -> EvalRun | WithEma:
+    """The eval pass over every eval example (and the EMA's beside it)."""
+    evaluate = EvalRun(
+        eval_step=eval_step,
+        source=source,
+        global_batch_size=cfg.data.global_batch_size,
+        mesh=mesh,
+        process_rows=process_rows,
+        comm=comm,
+        pipeline=pipeline_options(cfg),
+        weight_unit=cfg.log.weight_unit,
+        on_batch=watchdog.progress,
+    )
+    return WithEma(evaluate) if cfg.train.ema_decay > 0 else evaluate
 
 
 def _with_bn_group_size(
@@ -407,12 +430,7 @@ def _model_and_state(
         tx, schedule = parts.optimizer, parts.lr_schedule
     else:
         tx, schedule = make_optimizer(cfg.optim, cfg.data.global_batch_size, steps)
-    if cfg.model.remat != "none" and not blocks(model):
-        raise ConfigError(
-            f"model.remat={cfg.model.remat}: {type(model).__name__} holds no list of modules (its "
-            "repeated blocks, e.g. self.blocks = nnx.List([...])) whose activations could be "
-            "recomputed; hold its blocks in a list, or set model.remat=none"
-        )
+    check_remat(cfg.model.remat, model)
     layout = build_layout(cfg, mesh, comm)
     # Before anything is placed: a state that cannot fit is one line, not an out-of-memory.
     _, params, model_state = split_model(model)
@@ -425,34 +443,9 @@ def _model_and_state(
     del params, model_state
     model_def, state = create_train_state(model, tx, mesh, ema=ema)
     del model
-    if layout.kind != "none" and layout.split_share(state) == 0:
-        devices = comm.num_devices(mesh)
-        console.say(
-            f"jddp: warning: dist.shard={layout.kind}: no array of the train state has an "
-            f"axis {devices} devices divide: every device holds all of it (0.0% split)"
-        )
+    if warning := nothing_split_warning(layout, state):
+        console.say(warning)
     return model_def, state, tx, schedule, layout
-
-
-def check_same_init(comm: Comm, params: Any, kind: str) -> None:
-    """Refuse (one line) parameters that differ between processes: under a split layout each
-    process places its slices of its own copy, so a model built differently per process (a
-    per-process seed, host randomness) would train a mix of them."""
-    if comm.process_count == 1:
-        return
-    digest = hashlib.blake2b(digest_size=7)
-    for leaf in jax.tree.leaves(params):
-        digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
-    mine = int.from_bytes(digest.digest(), "little")
-    everyone = comm.allgather_int(mine)
-    if len(set(everyone)) > 1:
-        differ = [p for p, d in enumerate(everyone) if d != everyone[0]]
-        raise ConfigError(
-            f"dist.shard={kind}: the model's initial parameters differ between processes "
-            f"(process 0's are not those of process {', '.join(map(str, differ))}): build it "
-            "identically on every process (the same seed, no per-process randomness), as each "
-            "process places its slices of its own copy"
-        )
 
 
 def _checked_task(
@@ -479,49 +472,6 @@ def _checked_task(
     return task, pixel_norm, num_outputs
 
 
-def check_eval_keys(
-    cfg: Config,
-    parts: Parts,
-    *,
-    task: Any,
-    model_def: ModelDef,
-    state: TrainState,
-    splits: Splits,
-) -> None:
-    """Before anything trains: early stopping's metric (``train.early_stop_metric``, an
-    :class:`EarlyStopping` given to jddp.fit) and the best checkpoints' ``checkpoint.monitor``
-    must be keys of the run's eval lines, and there must be evals before the end for them to
-    decide on (one line naming the key)."""
-    wanted = [("train.early_stop_metric", cfg.train.early_stop_metric)]
-    wanted += [("EarlyStopping(metric=...)", c.metric) for c in parts.callbacks if _stops(c)]
-    if cfg.checkpoint.keep_best > 0:
-        wanted.append(("checkpoint.monitor", cfg.checkpoint.monitor))
-    wanted = [(key, value) for key, value in wanted if value is not None]
-    if not wanted:
-        return
-    key, value = wanted[0]
-    if cfg.train.eval_every_steps == 0:
-        raise ConfigError(
-            f"{key}={value} needs evals during the run: set train.eval_every_steps > 0 (with "
-            "train.eval_every_steps=0 the only eval is the final one: it could never stop)"
-        )
-    names = eval_metric_names(
-        task,
-        model_def,
-        state,
-        splits.eval,
-        cfg.data.augment,
-        cfg.log.weight_unit,
-        ema=cfg.train.ema_decay > 0,
-    )
-    for key, value in wanted if names is not None else ():
-        check_eval_key(key, value, names)
-
-
-def _stops(callback: Callback) -> bool:
-    return isinstance(callback, EarlyStopping)
-
-
 def class_names(source: Any, num_outputs: int | None) -> list[str] | None:
     """The class names a labelled image source gives (image folders, the Hub's ``ClassLabel``,
     packs), label order; None for a custom task (``num_outputs`` None) or unnamed classes."""
@@ -529,11 +479,6 @@ def class_names(source: Any, num_outputs: int | None) -> list[str] | None:
     if num_outputs is None or not classes:
         return None
     return [str(c) for c in classes]
-
-
-def _short(names: list[str], shown: int = 5) -> str:
-    more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
 
 
 def _checkpoints(
