@@ -245,6 +245,22 @@ class Comm(ABC):
             return [self.gather(x, k) for x, k in zip(slices, axes, strict=True)]
         return _packed_gather(tuple(axes))(list(slices))
 
+    def gather_whole(self, slices: list[jax.Array], axes: list[int | None]) -> list[jax.Array]:
+        """Forward only (no gradient flows back): this device's slices along ``axes[i]`` of
+        arrays split over the group -> the whole arrays (``None``: whole already). Where
+        :attr:`fuse`, one all-gather per dtype of the slices packed into one buffer (gloo pays
+        a few ms per collective, and XLA:CPU gathers each array apart); else one per array."""
+        split = [i for i, k in enumerate(axes) if k is not None]
+        out = list(slices)
+        if not self.fuse:
+            for i in split:
+                out[i] = self.gather(slices[i], axes[i])
+            return out
+        gathered = _packed_gather(tuple(axes[i] for i in split))([slices[i] for i in split])
+        for i, x in zip(split, gathered, strict=True):
+            out[i] = x
+        return out
+
     @abstractmethod
     def device_index(self) -> jax.Array:
         """This device's index among all devices of the job (inside the step)."""

@@ -9,9 +9,8 @@ having every device apply the same update to every parameter, the one jitted ste
 2. updates that slice with its slice of the optimizer state, which lives split the same way
    (``P(..., "shard", ...)``: about 1/G of the optimizer's bytes per device), in a program XLA
    partitions: any optax transformation, its statistics over whole arrays included;
-3. all-gathers the new parameters, which stay whole for the next forward pass (where the
-   backend fuses its collectives, CPUs: one all-gather per dtype of every device's slices
-   packed into one buffer, :meth:`OptimizerSharded.at_rest`; gloo pays a few ms per collective).
+3. all-gathers the new parameters within the group, which stay whole for the next forward
+   pass (:meth:`OptimizerSharded.at_rest`).
 
 Checkpoints hold every array at its full shape (orbax writes each device's slice), so a run
 resumes on another device count, group or layout.
@@ -22,8 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jddp.shard import specs as specs_lib
@@ -61,42 +58,22 @@ class OptimizerSharded(StateLayout):
         return jax.tree.unflatten(treedef, comm.mean_scatter(leaves, axes))
 
     def at_rest(self, state: PyTree, comm: Any) -> PyTree:
-        """The new state laid out as between steps: its parameters gathered whole, in one
-        all-gather per dtype of the slices packed into one buffer where ``comm`` fuses its
-        collectives (XLA gathers each array apart otherwise)."""
-        if not comm.fuse:
-            return super().at_rest(state, comm)
-        rest = self.constrain(
-            state.replace(params=None), self.state_specs(state.replace(params=None))
-        )
-        return rest.replace(params=self._gathered(state.params))
-
-    def _gathered(self, params: PyTree) -> PyTree:
-        """``params`` (split as :meth:`grad_specs` says) whole on every device."""
-        leaves, treedef = jax.tree.flatten(params)
-        specs = jax.tree.leaves(self.grad_specs(params), is_leaf=lambda x: isinstance(x, P))
-        group = self.group_size
-        axes = [specs_lib.split_axis(x.shape, group) for x in leaves]
-        by_dtype: dict[Any, list[int]] = {}
-        for i, k in enumerate(axes):
-            if k is not None:
-                by_dtype.setdefault(jnp.dtype(leaves[i].dtype), []).append(i)
-        out = list(self.constrain(leaves, [P()] * len(leaves)))  # the arrays kept whole
-        for idx in by_dtype.values():
-            size = sum(leaves[i].size // group for i in idx)  # one device's slices, flat
-            buffer_spec = specs_lib.split_spec(np.empty(size * group), self.mesh)
-            packed = jax.shard_map(
-                lambda *xs: jnp.concatenate([jnp.ravel(x) for x in xs]),
-                mesh=self.mesh,
-                in_specs=tuple(specs[i] for i in idx),
-                out_specs=buffer_spec,
-            )(*[leaves[i] for i in idx])
-            rows = self.constrain(packed, P()).reshape(group, size)  # one all-gather
-            offset = 0
-            for i in idx:
-                x, k = leaves[i], axes[i]
-                local = (*x.shape[:k], x.shape[k] // group, *x.shape[k + 1 :])
-                part = rows[:, offset : offset + x.size // group].reshape(group, *local)
-                out[i] = jnp.moveaxis(part, 0, k).reshape(x.shape)  # device blocks along k
-                offset += x.size // group
-        return jax.tree.unflatten(treedef, out)
+        """The new state laid out as between steps: its parameters gathered whole within each
+        group (``comm.gather_whole``: one all-gather per dtype of the packed slices where the
+        backend fuses its collectives). Left to XLA, the partitioner gathered a group's
+        arrays over every device of every group (half again the bytes between machines)."""
+        rest = state.replace(params=None)
+        rest = self.constrain(rest, self.state_specs(rest))
+        leaves, treedef = jax.tree.flatten(state.params)
+        specs = jax.tree.leaves(self.grad_specs(state.params), is_leaf=lambda x: isinstance(x, P))
+        axes = [specs_lib.split_axis(x.shape, self.group_size) for x in leaves]
+        # the same on every device of a group, and in every group: shard_map's types call an
+        # all-gather's result per device, hence check_vma=False
+        whole = jax.shard_map(
+            lambda *slices: comm.gather_whole(list(slices), axes),
+            mesh=self.mesh,
+            in_specs=tuple(specs),
+            out_specs=[P()] * len(leaves),
+            check_vma=False,
+        )(*leaves)
+        return rest.replace(params=jax.tree.unflatten(treedef, whole))
