@@ -8,6 +8,7 @@ one line, exit 2. The rule itself (what a resumed tracker is sent) is checked in
 """
 
 import json
+import math
 import os
 import signal
 import socket
@@ -465,6 +466,36 @@ def test_tensorboard_refills_what_an_older_run_lost(tmp_path):
     trackers.log(6, {"train/loss": 1.0 / 6})
     trackers.finish()
     assert _tensorboard_steps(folder.tensorboard, "train/loss") == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_nan_reaches_tensorboard_without_tensorboardx_warnings(tmp_path, capfd, caplog):
+    """A non-finite step's NaN values are written (TensorBoard shows them), but tensorboardX's
+    "NaN or Inf found in input tensor." (one per value: three lines before jddp's own) is not
+    said; a NaN written by the user's own tensorboardX still is."""
+    from tensorboardX import SummaryWriter
+    from tensorboardX.proto.event_pb2 import Event
+
+    from jddp.run.trackers.tensorboard import _records
+
+    folder = RunFolder(tmp_path)
+    trackers = Trackers.of(["tensorboard"], folder, 0, None, writer=True)
+    trackers.start({})
+    trackers.log(1, {"train/loss": float("nan"), "train/grad_norm": float("inf")})
+    trackers.log(2, {"train/loss": 0.5})
+    trackers.finish()
+    assert "NaN or Inf" not in capfd.readouterr().err
+    assert not [r for r in caplog.records if "NaN or Inf" in r.getMessage()]
+    values = {}
+    for path in folder.tensorboard.glob("events.out.tfevents.*"):
+        for record in _records(path):
+            for value in Event.FromString(record).summary.value:
+                values[(value.tag, Event.FromString(record).step)] = value.simple_value
+    assert math.isnan(values[("train/loss", 1)]) and values[("train/grad_norm", 1)] == math.inf
+    assert values[("train/loss", 2)] == 0.5
+    own = SummaryWriter(str(tmp_path / "own"))
+    own.add_scalar("x", float("nan"), 1)
+    own.close()
+    assert [r for r in caplog.records if "NaN or Inf" in r.getMessage()]
 
 
 def _wandb_records(path: Path):
