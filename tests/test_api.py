@@ -236,6 +236,62 @@ def test_a_fit_runs_config_says_what_came_from_python(tmp_path):
     # with model.name a factory that builds it, the commands build it (tests/test_export.py)
 
 
+REFUSED_FIT = """
+import sys
+import optax
+from flax import nnx
+import jddp
+from jddp.errors import ConfigError
+from tests import user_tasks
+
+how, workdir = sys.argv[1], sys.argv[2]
+loss = {"data": user_tasks.negative_weight_loss}.get(how, user_tasks.loss)
+overrides = {"key": ["optim.lrr=0.1"], "combination": ["train.precision=bfloat16"]}.get(how, [])
+train, evals = user_tasks.data({})
+
+
+def fit():
+    jddp.fit(user_tasks.Linear(nnx.Rngs(0)), optax.sgd(0.05), train, evals, loss=loss,
+             config={"workdir": workdir},
+             overrides=["train.steps=2", "data.global_batch_size=16", *overrides])
+
+
+if how == "caught":
+    overrides = ["optim.lrr=0.1"]
+    try:
+        fit()
+    except ConfigError as e:
+        print(f"caught {type(e).__name__}: {e}")
+else:
+    fit()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "how, code, says",
+    [
+        ("key", 2, "jddp: error: unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
+        ("combination", 2, "jddp: error: train.precision=bfloat16: a model given to jddp.fit "),
+        ("data", 1, "jddp: error: step 1: the loss returned negative weights (weights count "),
+    ],
+)
+def test_a_fit_script_that_does_not_catch_a_refusal_ends_in_one_line_as_the_cli(
+    tmp_path, how, code, says
+):
+    """A setting fit refuses (a bad key, an unsupported combination: exit 2) or a failure it
+    diagnosed (exit 1), left uncaught by the script: one line and the CLI's exit code (it was a
+    traceback and exit 1 for all). A script that catches it gets the exception as raised."""
+    out = run_python("-c", REFUSED_FIT, how, str(tmp_path / "run"), cwd=ROOT, timeout=300)
+    assert out.returncode == code, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(says), out.stderr[-3000:]
+    if how == "key":
+        caught = run_python("-c", REFUSED_FIT, "caught", str(tmp_path / "c"), cwd=ROOT)
+        assert caught.returncode == 0 and caught.stderr == "", caught.stderr[-3000:]
+        assert caught.stdout.startswith("caught ConfigError: unknown config key 'optim.lrr'")
+
+
 def test_sigterm_to_a_fit_script_exits_75_in_one_line_as_the_cli(tmp_path):
     """A scheduler requeues on 75: the script's SIGTERM saved and ended in a Preempted
     traceback and exit 1. Now the trainer's line is the last word and the exit is 75."""

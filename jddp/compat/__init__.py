@@ -35,9 +35,10 @@ The state of the process (no library's internals):
 
 * :mod:`~jddp.compat.collector`: Python's garbage collector collects its youngest generation
   less often: for good in jddp's commands, within the call in ``jddp.fit`` (restored after).
-* :mod:`~jddp.compat.excepthook`: ``sys.excepthook`` chained so that a ``Preempted`` nobody
-  catches ends a ``jddp.fit`` script with exit 75: installed for ``fit``'s call, put back after
-  it unless a ``Preempted`` left it (the hook's one use).
+* :mod:`~jddp.compat.excepthook`: ``sys.excepthook`` chained so that a ``JddpError`` nobody
+  catches ends a ``jddp.fit`` script as the CLI ends: one line and its exit code (75 for a
+  ``Preempted``, 2 for a ``ConfigError``): installed for ``fit``'s call, put back after it
+  unless a ``JddpError`` left it (the hook's one use).
 
 Not here: the version pairs refused at start-up (:mod:`jddp.proc.versions`), and the filters on
 the ``absl`` and ``asyncio`` loggers and the ``sys.unraisablehook`` that keep orbax's reports of
