@@ -204,5 +204,6 @@ def _fit(
     )
     if train_data is not None:
         parts.splits = user_splits(train_data, eval_data, parts.custom)
+    distributed.join_if_launched(cfg.dist)  # or refused: the script built its model first
     with collecting_less_often():  # put back as they were when fit returns
         return train_and_evaluate(cfg, parts)
