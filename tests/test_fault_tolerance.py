@@ -114,6 +114,49 @@ def test_the_launcher_does_not_burn_its_restarts_on_a_failure_that_repeats(tmp_p
     assert sorted(read_losses(wd)) == [1, 2, 3, 4]  # each step once
 
 
+def test_restarts_read_the_workdir_a_config_file_sets(tmp_path):
+    """The run's workdir set in the --config file, not as workdir= on the command line: the
+    launcher reads it as jddp.train resolves it, so its restart line says the step resumed from
+    (it said "starting again from step 0" while the run resumed from step 4), the restart row
+    is written, and the repeat at step 5 is refused (it restarted 3 times)."""
+    wd = tmp_path / "run"
+    config = tmp_path / "poisoned.yaml"
+    sections: dict[str, list[str]] = {}
+    for key, value in (item.split("=", 1) for item in POISONED):
+        section, name = key.split(".")
+        sections.setdefault(section, []).append(f"  {name}: {value}")
+    text = "".join(f"{name}:\n" + "\n".join(keys) + "\n" for name, keys in sections.items())
+    config.write_text(f"workdir: {wd}\n{text}")
+    train = [sys.executable, "-m", "jddp.train", "--config", str(config)]
+    launcher = [sys.executable, "-m", "jddp.launch", "--nproc", "1", "--devices-per-proc", "1"]
+    out = run([*launcher, "--max-restarts", "3", "--restart-delay", "0", "--", *train])
+    assert out.returncode == 1, out.stderr[-3000:]
+    restarts = [line for line in out.stderr.splitlines() if "jddp.launch: restart" in line]
+    assert len(restarts) == 1 and restarts[0].endswith("resuming from step 4"), out.stderr
+    assert [line for line in out.stderr.splitlines() if " again after step " in line]
+    assert [(r["step"], r["restart"]) for r in read_metrics(wd) if "restart" in r] == [(4, 1)]
+
+
+def test_the_workdir_of_a_command_is_read_as_the_command_resolves_it(tmp_path, monkeypatch):
+    """jddp.launch and jddp.ray read a jddp.train command's workdir from its config file and
+    overrides (default runs/<config name>), another command's from its workdir= override;
+    none where the config cannot be read (the command says why itself)."""
+    from jddp.launch.restarts import workdir_of
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("train:\n  steps: 3\n")
+    (tmp_path / "set.yaml").write_text("workdir: elsewhere/run\n")
+    train = ["python", "-m", "jddp.train"]
+    assert workdir_of([*train, "--config", "mine.yaml"]) == Path("runs/mine")
+    assert workdir_of([*train, "--config=set.yaml", "train.steps=2"]) == Path("elsewhere/run")
+    assert workdir_of([*train, "--config", "set.yaml", "workdir=/x"]) == Path("/x")
+    assert workdir_of([*train, "train.steps=2"]) == Path("runs/default")
+    assert workdir_of([*train, "--config", "missing.yaml"]) is None
+    assert workdir_of([*train, "--config", "mine.yaml", "optim.lrr=1"]) is None
+    assert workdir_of(["python", "script.py", "workdir=out"]) == Path("out")
+    assert workdir_of(["python", "script.py"]) is None
+
+
 def test_a_restart_budget_names_its_end_and_tells_a_loop_from_progress(tmp_path):
     """Restarts: refused for exits a restart cannot help (0, 2, 75, 130, a stop signal); used up
     with a line naming the last failure; a loop only when the same code comes back at the same

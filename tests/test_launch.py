@@ -218,6 +218,55 @@ def test_a_killed_rank_is_named_before_the_peer_it_took_down() -> None:
     assert failure_report([(2, 3), (0, 4)], alive=2).startswith("rank 0 exited with code 4 (then")
 
 
+def stall_line(rank: int, waited: str) -> str:
+    """A rank's watchdog line (jddp.proc.watchdog), as the launcher reads it."""
+    return (
+        f"jddp: error: step 9 stalled: no progress for 6 s (dist.step_timeout_s=6); process "
+        f"{rank} was waiting for {waited}; stopping without saving (exit 124); a rerun resumes "
+        "from the newest checkpoint\n"
+    )
+
+
+def test_a_stall_names_the_rank_that_stalled_not_the_first_to_exit() -> None:
+    """Every rank's watchdog fires when one rank stalls, its peers' too (they wait in the
+    all-reduce), and each exits 124: the launcher names the rank that stalled, from what the
+    ranks said (its own input pipeline or host callback; else the first watchdog to speak) or
+    a rank found stopped (SIGSTOP: it says nothing), not the first seen exiting (under Ray:
+    rank 0, sorted first; the leader's collective fails as its peer exits)."""
+    from jddp.launch.supervise import Stalls, failure_report, first_cause
+    from jddp.proc.watchdog import WAITING
+
+    results, batch = WAITING["step"], WAITING["input"]
+    stalls = Stalls()
+    stalls.see(0, stall_line(0, results))
+    stalls.see(1, stall_line(1, batch))
+    stalls.see(1, "an unrelated line\n")
+    assert stalls.culprit() == (1, f", waiting for {batch}")
+    assert failure_report([(0, 124), (1, 124)], 0, stalls.culprit()) == (
+        f"rank 1 stalled, waiting for {batch} (rank 0 exited with code 124) (then rank 1 exited "
+        "with code 124); no other process is left"
+    )
+    assert first_cause([(1, 124)], stalls.culprit()) == (
+        f"rank 1 stalled, waiting for {batch} (exited with code 124)"
+    )
+    held = f"{WAITING['callback']}: _maybe_block (tests/user_tasks.py:250)"
+    callback = Stalls()
+    for rank, waited in ((0, results), (1, held)):
+        callback.see(rank, stall_line(rank, waited))
+    assert callback.culprit() == (1, f", waiting for {held}")
+    first = Stalls()  # nothing tells them apart: the first watchdog to speak
+    for rank in (1, 0):
+        first.see(rank, stall_line(rank, results))
+    assert first.culprit() == (1, f", waiting for {results}")
+    first.stopped(0)
+    assert first_cause([(1, 124)], first.culprit()) == (
+        "rank 0 stalled: its process is stopped (SIGSTOP or a debugger) (rank 1 exited with "
+        "code 124)"
+    )
+    assert Stalls().culprit() is None
+    assert first_cause([(1, 137)], (0, ", waiting")) == "rank 1 exited with code 137"
+
+
 def test_signal_death_is_reported(tmp_path: Path) -> None:
     body = """
     if RANK == 0:

@@ -242,8 +242,8 @@ def launch(
     Handlers for the stop signals (SIGINT, SIGTERM, SIGUSR1, SIGHUP) are installed for the
     duration of the call when it runs on the main thread (and restored afterwards).
     """
-    workdir = workdir_of(command)
-    restarts = Restarts(max_restarts, workdir)
+    # (the config is read only for restarts: a rank may be the one meant to read it first)
+    restarts = Restarts(max_restarts, workdir_of(command) if max_restarts else None)
     with _SignalsBetweenStarts() as between:
         while True:
             if between.received is not None:  # before any rank started, or between restarts
@@ -296,8 +296,7 @@ def _start_group(
     """One start of the group; its exit code, or None when it is to be started again."""
     launcher = _Launcher(list(command), nproc, kill_timeout)
     code = _launch_once(launcher, command, nproc, devices_per_proc, port)
-    rank, returncode = launcher.first_failure or (0, code)
-    cause = f"rank {rank} {describe_exit(returncode)}"
+    cause = launcher.cause or f"rank 0 {describe_exit(code)}"
     refusal = restarts.refusal(code, launcher.signal_received, cause)
     if refusal is not None:
         if refusal:

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jddp.errors import PREEMPTED
+from jddp.errors import PREEMPTED, STALLED
 from jddp.launch.supervise import (
     HELD_SIGNALS,
     PROG,
@@ -21,9 +21,12 @@ from jddp.launch.supervise import (
     STARTUP_GRACE_S,
     STOP_GRACE_S,
     Output,
+    Stalls,
     catches,
     exit_code_for,
     failure_report,
+    first_cause,
+    is_stopped,
     proc_group_has_live_member,
     pump,
     signal_name,
@@ -37,6 +40,7 @@ class Launcher:
     """State for one launch: the children, their reader threads and the stop logic."""
 
     first_failure: tuple[int, int] | None = None  # (rank, returncode) of the cause, if any
+    cause: str | None = None  # the first failure as said (rank 1 killed by signal SIGKILL)
 
     def __init__(self, command: list[str], nproc: int, kill_timeout: float) -> None:
         self.command = command
@@ -54,6 +58,7 @@ class Launcher:
         self.returncodes: dict[int, int] = {}  # rank -> Popen.returncode, filled by wait()
         self.started_at: dict[int, float] = {}  # pgid -> when its leader was started
         self.held: dict[int, int] = {}  # pgid -> a signal held until the leader catches it
+        self.stalls = Stalls()  # which rank stalled, from the ranks' stall lines
 
     # -- signalling -------------------------------------------------------------------------
     def signal_groups(self, sig: int) -> None:
@@ -170,11 +175,15 @@ class Launcher:
         finally:
             for rank, proc in enumerate(self.procs):
                 prefix = f"[rank {rank}] "
-                for pipe, out in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
+                stderr_watch = functools.partial(self.stalls.see, rank)
+                for pipe, out, watch in (
+                    (proc.stdout, self.stdout, None),
+                    (proc.stderr, self.stderr, stderr_watch),
+                ):
                     assert pipe is not None
                     t = threading.Thread(
                         target=pump,
-                        args=(pipe, prefix, out),
+                        args=(pipe, prefix, out, watch),
                         name=f"{PROG}-rank{rank}",
                         daemon=True,
                     )
@@ -210,7 +219,9 @@ class Launcher:
             # A failure while stopping (a signal forwarded, or after the first failure) was
             # expected: only the first one is reported, naming its cause.
             if failed and failure is None and self.signal_received is None:
-                cause = failure_report(failed, self._alive_count())
+                stall = self._stall(failed)
+                cause = failure_report(failed, self._alive_count(), stall)
+                self.cause = first_cause(failed, stall)
                 self.first_failure = min(failed, key=lambda f: (f[1] >= 0, f[0]))
                 failure = exit_code_for(self.first_failure[1])
                 self.stderr.write(f"{PROG}: {cause}\n")
@@ -241,6 +252,16 @@ class Launcher:
                 return PREEMPTED
             return 128 + self.signal_received
         return 0
+
+    def _stall(self, failed: list[tuple[int, int]]) -> tuple[int, str] | None:
+        """The rank that stalled when a rank exited 124 (:class:`Stalls`): a rank still alive
+        but stopped (SIGSTOP: it cannot say so), else the one the ranks' lines name."""
+        if all(exit_code_for(rc) != STALLED for _, rc in failed):
+            return None
+        for rank, proc in enumerate(self.procs):
+            if rank not in self.returncodes and is_stopped(proc.pid):
+                self.stalls.stopped(rank)
+        return self.stalls.culprit()
 
     def _cleanup_groups(self) -> None:
         """Terminate grandchildren left in the children's process groups."""

@@ -400,7 +400,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     ray = import_ray()
     connect(ray, args.address)
     out = Output("stderr")
-    workdir = workdir_of(command)
+    workdir = workdir_of(command) if args.max_restarts else None  # (only restarts read it)
     devices_per_worker = args.devices_per_proc or max(1, int(args.gpus_per_worker))
     restarts = Restarts(args.max_restarts, workdir)
     group = job = None

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jddp.errors import BAD_INPUT, FAILURE, PREEMPTED
-from jddp.launch.supervise import STOP_GRACE_S, Output, exit_code_for, failure_report
+from jddp.errors import BAD_INPUT, FAILURE, PREEMPTED, STALLED
+from jddp.launch.supervise import STOP_GRACE_S, Output, Stalls, exit_code_for, failure_report
 
 PROG = "jddp.ray"
 _POLL_INTERVAL = 0.1
@@ -101,6 +101,7 @@ class RayJob:
         self.stop_deadline: float | None = None
         self.killed_at: float | None = None
         self.failure: str | None = None  # the first failure, as said (a restart's cause)
+        self.stalls = Stalls()  # which rank stalled, from the ranks' stall lines
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -230,6 +231,8 @@ class RayJob:
             for stream, text in lines:
                 out = self.stdout if stream == "stdout" else self.stderr
                 out.write(f"[rank {index}] {text}")
+                if stream == "stderr":
+                    self.stalls.see(index, text)
             if returncode is not None and rank.returncode is None:
                 rank.returncode = returncode
                 ended.append(index)
@@ -247,9 +250,13 @@ class RayJob:
             )
             return f"{text}{others} (rank {i}: node {self.ranks[i].where})"
         failed = [(i, self.ranks[i].returncode) for i in ended if self.ranks[i].returncode]
-        first = min(failed, key=lambda f: (f[1] >= 0, f[0]))[0]
+        first, code = min(failed, key=lambda f: (f[1] >= 0, f[0]))
+        stall = self.stalls.culprit()
+        if stall is not None and exit_code_for(code) == STALLED:
+            first = stall[0]  # the rank that stalled, where it ran
         rank = self.ranks[first]
-        return f"{failure_report(failed, alive)} (rank {first}: node {rank.where}, pid {rank.pid})"
+        report = failure_report(failed, alive, stall)
+        return f"{report} (rank {first}: node {rank.where}, pid {rank.pid})"
 
     def wait(self) -> int:
         """Supervise the ranks until all have finished; return the driver's exit code."""

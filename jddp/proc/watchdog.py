@@ -58,7 +58,23 @@ WAITING = {
     "step": "the step's results (its computation, or its all-reduce with the other processes)",
     "checkpoint": "a checkpoint to be written",
     "eval": "an eval batch",
+    # the step's results while one of this process's own host callbacks still runs: this
+    # process is the one that stalled (its peers wait in the all-reduce)
+    "callback": "the step's results, held by a host callback of its own",
 }
+OWN_WAITS = ("input", "callback")  # what only this process can be stuck on (the launcher asks)
+
+
+def waiting_for(what: str) -> str:
+    """What the stall line says this process waited for: :data:`WAITING`'s text for ``what``;
+    for a step whose own host callback still runs, that callback (``name (file:line)``)."""
+    if what == "step":
+        from jddp.compat.jax_backend import running_host_callback
+
+        callback = running_host_callback()
+        if callback is not None:
+            return f"{WAITING['callback']}: {callback}"
+    return WAITING.get(what, what)
 
 
 class StallWatchdog:
@@ -140,7 +156,7 @@ class StallWatchdog:
         line = (
             f"jddp: error: step {self.step} stalled: no progress for {stalled_s:.0f} s "
             f"({key}={limit:g}); process {self.process_index} was waiting for "
-            f"{WAITING.get(self.what, self.what)}; {after}\n"
+            f"{waiting_for(self.what)}; {after}\n"
         )
         _FIRED_EXIT[0] = code
         FIRED.set()
