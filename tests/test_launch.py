@@ -443,6 +443,58 @@ def test_a_preemption_signal_waits_for_a_rank_that_is_still_starting(tmp_path: P
     assert "[rank 0] got SIGUSR1" in out and "[rank 1] got SIGUSR1" in out
 
 
+def test_a_second_ctrl_c_after_the_ranks_saved_and_exited_is_one_line_and_75(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C, the ranks save and exit 75, and a second Ctrl-C as the launcher ends: it met
+    Python's handler once the launcher's were put back (a KeyboardInterrupt traceback) or the
+    interpreter's teardown, which restores the signal's default (killed: no line, exit -2; 4
+    times in 8). Now, whenever it comes, the launcher's exit code, 75, and one line if it came
+    before the launcher ended. Three times, the second Ctrl-C sent as soon as the launcher has
+    reaped both ranks."""
+    body = """
+    def saved(signum, frame):
+        time.sleep(0.3)  # the save
+        sys.exit(75)
+    signal.signal(signal.SIGINT, saved)
+    mark(f"ready{RANK}")
+    time.sleep(600)
+    """
+    for attempt in range(3):
+        folder = tmp_path / str(attempt)
+        folder.mkdir()
+        launcher = _start_and_wait_ready(folder, body, nproc=2)
+        ranks = read_pids(folder, ["pid0", "pid1"])
+        launcher.send_signal(signal.SIGINT)
+        seen = read_stderr_until(launcher, "jddp.launch: received SIGINT; forwarding")
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() for pid in ranks):  # until reaped
+            assert time.monotonic() < deadline, "the ranks were not reaped"
+            time.sleep(0.001)
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=30)
+        err = seen + err
+        assert launcher.returncode == 75, err
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        assert err.splitlines()[-1] in (
+            "jddp.launch: received SIGINT again; killing all",  # while it still reaped them
+            "jddp.launch: received SIGINT after every process ended; exiting with code 75",
+            "jddp.launch: received SIGINT; forwarding to 2 processes",  # it had ended already
+        ), err
+
+
+def test_a_stop_signal_once_the_group_ended_is_said_with_the_exit_code(capfd) -> None:
+    """What the launcher's handler says for a stop signal after its ranks ended (the command's
+    process then ends at once with that code; in-process, as here, it only says it)."""
+    with launch._SignalsBetweenStarts() as between:
+        between.ended(75)
+        signal.raise_signal(signal.SIGINT)
+    assert capfd.readouterr().err == (
+        "jddp.launch: received SIGINT after every process ended; exiting with code 75\n"
+    )
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
 def test_second_signal_escalates_to_sigkill(tmp_path: Path) -> None:
     body = """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
