@@ -29,12 +29,23 @@ from tests.helpers import (
     read_metrics,
     run,
     start,
+    start_training,
     steps_saved,
     train_cmd,
     with_overrides,
 )
 from tests.user_models import TinyMLP
 
+ROOT = Path(__file__).resolve().parents[1]
+LINEAR = [  # the tests' linear regression, a line every step
+    "model.name=tests.user_tasks:linear",
+    "data.name=tests.user_tasks:data",
+    "train.loss=tests.user_tasks:loss",
+    "data.global_batch_size=16",
+    "train.steps=100000",
+    "log.every_steps=1",
+    "log.progress=off",
+]
 PACE_S = 0.1  # each train step sleeps this long on the host
 HOLD = "TRACKERS_TEST_HOLD"  # a file: while it exists, train steps wait
 
@@ -283,6 +294,31 @@ def test_unreachable_mlflow_is_one_warning_and_costs_nothing(tmp_path):
     # Bounded: the failure surfaces in seconds (MLflow's import, ~3 s of retries), which a run
     # shorter than that waits for at its end; unbounded, MLflow retries for minutes.
     assert down_s < plain_s + 30
+
+
+@pytest.mark.slow
+def test_a_preemption_waiting_for_a_slow_tracker_is_no_stall(tmp_path):
+    """SIGTERM, the checkpoint saved, then the bounded wait for an MLflow server that takes
+    connections and never answers: longer than dist.step_timeout_s, and the watchdog said
+    "stalled ... waiting for a checkpoint to be written; stopping without saving" before the
+    line saying the checkpoint was saved. Now the preemption's line alone, exit 75."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections wait in its backlog: requests are sent, never answered
+    workdir = tmp_path / "run"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{silent.getsockname()[1]}"}
+    cmd = train_cmd(workdir, "log.trackers=[mlflow]", "dist.step_timeout_s=2", base=LINEAR)
+    try:
+        job = start_training(cmd, workdir, steps=2, env=env, cwd=ROOT)
+        job.send_signal(signal.SIGTERM)
+        out, err = job.communicate(timeout=120)
+    finally:
+        silent.close()
+    assert job.returncode == 75, err[-3000:]
+    assert "stalled" not in err, err[-3000:]
+    assert "jddp: warning: log.trackers: mlflow: still sending at the end of the run" in err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("jddp: preempted at step ") and " saved; rerun the same" in last
 
 
 def _wait(job, predicate, what: str, timeout_s: float = 300) -> None:
