@@ -29,6 +29,7 @@ from tests.helpers import (
 )
 
 pytestmark = [pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
 
 cmd_train, cmd_launch = train_cmd, launch_cmd
 
@@ -135,6 +136,38 @@ def test_restarts_read_the_workdir_a_config_file_sets(tmp_path):
     assert len(restarts) == 1 and restarts[0].endswith("resuming from step 4"), out.stderr
     assert [line for line in out.stderr.splitlines() if " again after step " in line]
     assert [(r["step"], r["restart"]) for r in read_metrics(wd) if "restart" in r] == [(4, 1)]
+
+
+def test_a_workdir_deleted_mid_run_is_not_restarted_and_its_aftermath_is_one_line(tmp_path):
+    """The workdir removed under a 2-process job with --max-restarts: process 0 stops in one
+    line (its metrics or its lock are gone); process 1, whose coordination service was on
+    process 0, printed a page of JAX's errors about it (now one line of the launcher's, when
+    it had any); and the group was restarted into a new workdir from step 0 (now: not
+    restarting, said in the launcher's line)."""
+    wd = tmp_path / "run"
+    linear = [x for x in POISONED if not x.startswith(("data.name", "train.steps"))]
+    # No save in flight as the folder goes (orbax then hangs in its commit: the watchdog's)
+    args = cmd_launch(2, 1, wd, "data.name=tests.user_tasks:data", "train.steps=100000",
+                      "checkpoint.every_steps=100000", base=linear)  # fmt: skip
+    args[args.index("--") : args.index("--")] = ["--max-restarts", "2", "--restart-delay", "0"]
+    job = start_training(args, wd, steps=3, cwd=ROOT)
+    try:
+        assert wait_for(lambda: shutil.rmtree(wd, ignore_errors=True) or not wd.exists(), 30)
+        _, err = job.communicate(timeout=120)  # (it restarted into a new workdir, on and on)
+    finally:
+        if job.poll() is None:
+            job.kill()  # its ranks die with it
+            job.communicate()
+    assert job.returncode == 1, err[-3000:]
+    lines = err.splitlines()
+    assert not [x for x in lines if "coordination_service" in x or "Terminating process" in x]
+    (refused,) = [x for x in lines if "was deleted while it ran" in x]
+    assert refused.startswith("jddp.launch: rank ") and refused.endswith(
+        f"; the run's workdir {wd} was deleted while it ran: not restarting"
+    ), refused
+    assert not [x for x in lines if "jddp.launch: restart" in x] and not wd.exists()
+    shown = [x for x in lines if x.startswith("[rank 1] ")]
+    assert len(shown) <= 1, err[-3000:]  # its all-reduce's failure, or nothing
 
 
 def test_the_workdir_of_a_command_is_read_as_the_command_resolves_it(tmp_path, monkeypatch):

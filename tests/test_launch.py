@@ -267,6 +267,30 @@ def test_a_stall_names_the_rank_that_stalled_not_the_first_to_exit() -> None:
     assert first_cause([(1, 137)], (0, ", waiting")) == "rank 1 exited with code 137"
 
 
+def test_a_ranks_errors_about_its_lost_coordination_service_are_one_line() -> None:
+    """Process 0 ended (its one line said why): a peer still alive prints JAX's page about the
+    coordination service process 0 hosted; from its first line on the rank's lines are counted,
+    and one line of the launcher's stands for them."""
+    from jddp.launch.supervise import Aftermath
+
+    lines = [
+        "step 3 done\n",
+        "E1129 01:53:52.430971 15447 coordination_service_agent.cc:289] Polled an error from "
+        "coordination service (this can be an error from this or another task).\n",
+        "F1129 01:53:52.431025 15447 client.h:80] Terminating process because the JAX "
+        "distributed service detected fatal errors. ...\n",
+        ':UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}\n',
+        "jddp: error: ValueError: UNKNOWN: Gloo all-reduce failed: ... Connection closed by peer\n",
+    ]
+    quiet = Aftermath()
+    assert [line for line in lines if quiet.show(line)] == ["step 3 done\n"]
+    assert quiet.summary(1) == (
+        "jddp.launch: rank 1: 4 lines of JAX's errors about its lost coordination service not "
+        "shown (the job's process 0 had ended: its own lines say why)\n"
+    )
+    assert Aftermath().summary(0) is None
+
+
 def test_signal_death_is_reported(tmp_path: Path) -> None:
     body = """
     if RANK == 0:

@@ -45,7 +45,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from jddp.errors import INTERRUPTED, PREEMPTED, STOP_SIGNALS
@@ -339,7 +339,7 @@ def _start_group(
 ) -> int | None:
     """One start of the group; its exit code, or None when it is to be started again."""
     launcher = _Launcher(list(command), nproc, kill_timeout)
-    code = _launch_once(launcher, command, nproc, devices_per_proc, port)
+    code = _launch_once(launcher, command, nproc, devices_per_proc, port, restarts.watch)
     cause = launcher.cause or f"rank 0 {describe_exit(code)}"
     refusal = restarts.refusal(code, launcher.signal_received, cause)
     if refusal is not None:
@@ -356,8 +356,10 @@ def _launch_once(
     nproc: int,
     devices_per_proc: int | None,
     port: int | None,
+    on_poll: Callable[[], None] = lambda: None,
 ) -> int:
-    """One start of the group under ``launcher``; its exit code."""
+    """One start of the group under ``launcher``; its exit code (``on_poll``: called as the
+    launcher polls its ranks)."""
     if port is None:
         port = find_free_port()
     envs = [
@@ -375,7 +377,7 @@ def _launch_once(
             launcher.stderr.write(f"{PROG}: cannot start {command[0]!r}: {e}\n")
             launcher.abort()
             return 127 if isinstance(e, FileNotFoundError) else 126
-        return launcher.wait()
+        return launcher.wait(on_poll)
     except BaseException:
         launcher.abort()
         raise

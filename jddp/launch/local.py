@@ -20,6 +20,7 @@ from jddp.launch.supervise import (
     REAP_TIMEOUT,
     STARTUP_GRACE_S,
     STOP_GRACE_S,
+    Aftermath,
     Output,
     Stalls,
     catches,
@@ -176,14 +177,14 @@ class Launcher:
             for rank, proc in enumerate(self.procs):
                 prefix = f"[rank {rank}] "
                 stderr_watch = functools.partial(self.stalls.see, rank)
-                for pipe, out, watch in (
-                    (proc.stdout, self.stdout, None),
-                    (proc.stderr, self.stderr, stderr_watch),
+                for pipe, out, watch, aftermath in (
+                    (proc.stdout, self.stdout, None, None),
+                    (proc.stderr, self.stderr, stderr_watch, (Aftermath(), rank)),
                 ):
                     assert pipe is not None
                     t = threading.Thread(
                         target=pump,
-                        args=(pipe, prefix, out, watch),
+                        args=(pipe, prefix, out, watch, aftermath),
                         name=f"{PROG}-rank{rank}",
                         daemon=True,
                     )
@@ -204,10 +205,12 @@ class Launcher:
             preexec_fn=die_with_launcher,
         )
 
-    def wait(self) -> int:
-        """Supervise the children until all have exited; return the launcher's exit code."""
+    def wait(self, on_poll: Callable[[], None] = lambda: None) -> int:
+        """Supervise the children until all have exited; return the launcher's exit code.
+        ``on_poll`` is called at every poll (the restarts watch the run's workdir)."""
         failure: int | None = None  # exit code of the first failed rank
         while len(self.returncodes) < len(self.procs):
+            on_poll()
             self.send_held()
             exited = []
             for rank, proc in enumerate(self.procs):

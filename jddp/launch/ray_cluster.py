@@ -422,7 +422,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             for sig in STOP_SIGNALS:
                 signal.signal(sig, job.on_signal)
             job.start()
-            code = job.wait()
+            code = job.wait(restarts.watch)
             cause = job.failure or f"the job exited {code}"
             # a stop signal that came as the job ended is still a stop: not restarted
             stopped = job.signal_received or (job.signals[0] if job.signals else None)

@@ -12,7 +12,8 @@ Not restarted: a preemption (every rank exited 75: the scheduler's business, as 
 flag), a stop signal to the launcher, bad input (exit 2: the same command would fail the same
 way) and Ctrl-C (130); nor a crash loop: the same exit code again, at the same step (within
 :data:`SAME_STEP`: process 0 logs a step one step late) with no checkpoint written since the last
-restart — a deterministic failure, on which restarts would only be burnt (:class:`Restarts`).
+restart — a deterministic failure, on which restarts would only be burnt (:class:`Restarts`);
+nor a run whose workdir was deleted while it ran (a restart would begin a new run at step 0).
 When the restarts run out, the last failure is named once more with the exit.
 """
 
@@ -114,6 +115,13 @@ class Restarts:
         self.limit, self.workdir = limit, workdir
         self.count = 0
         self._previous: tuple[int, int | None, int | None] | None = None  # code, step, ckpt
+        self._workdir_seen = False  # the workdir existed while the job ran (see: watch)
+
+    def watch(self) -> None:
+        """Called by a launcher as it supervises the job: note that the workdir exists, so that
+        its deletion is told from a run that never made one (a stat at most)."""
+        if not self._workdir_seen and self.workdir is not None and self.limit:
+            self._workdir_seen = self.workdir.is_dir()
 
     def refusal(
         self, code: int, signal_received: int | None, cause: str, may_loop: bool = True
@@ -126,6 +134,11 @@ class Restarts:
         if self.limit == 0 or not should_restart(code, signal_received):
             return ""
         step, checkpoint = last_logged_step(self.workdir), newest_checkpoint(self.workdir)
+        if self._workdir_seen and self.workdir is not None and not self.workdir.is_dir():
+            return (  # a restart would begin a new run at step 0 where the old one was
+                f"{cause}; the run's workdir {self.workdir} was deleted while it ran: not "
+                "restarting"
+            )
         if self.count >= self.limit:
             return f"no restart left (--max-restarts {self.limit}); the last failure: {cause}"
         previous, self._previous = self._previous, (code, step, checkpoint)

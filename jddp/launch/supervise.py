@@ -90,6 +90,42 @@ class Stalls:
         return None
 
 
+class Aftermath:
+    """One rank's stderr once JAX's coordination service is gone: process 0 hosts it, so when
+    process 0 ends (its own one line said why), a peer still alive prints JAX's errors about
+    the lost service — ``Polled an error from coordination service``, ``Terminating process
+    because the JAX distributed service detected fatal errors``, gRPC's details, a stack dump
+    as it aborts, its failed all-reduce — a page that says only that another process ended,
+    which the launcher says itself. From the first of those lines on, the rank's lines are
+    counted, not shown (:meth:`show`), and said in one line at its end (:meth:`summary`)."""
+
+    START = (
+        "Polled an error from coordination service",
+        "Terminating process because the JAX distributed service detected fatal errors",
+        "Failed to retrieve preemption notice from coordination service",
+    )
+
+    def __init__(self) -> None:
+        self.hidden = 0
+
+    def show(self, line: str) -> bool:
+        """Whether to forward ``line`` (False once the rank's aftermath began)."""
+        if not self.hidden and not any(start in line for start in self.START):
+            return True
+        self.hidden += 1
+        return False
+
+    def summary(self, rank: int) -> str | None:
+        """The line that stands for the hidden ones, if any."""
+        if not self.hidden:
+            return None
+        return (
+            f"{PROG}: rank {rank}: {self.hidden} line{'s' if self.hidden > 1 else ''} of JAX's "
+            "errors about its lost coordination service not shown (the job's process 0 had "
+            "ended: its own lines say why)\n"
+        )
+
+
 def first_cause(failed: list[tuple[int, int]], stall: tuple[int, str] | None = None) -> str:
     """The cause among ``failed`` (``(rank, returncode)`` seen exiting together): a rank killed
     by a signal (the OOM killer, a node's kill -9) takes its peers' collectives down with it,
@@ -208,9 +244,14 @@ class Output:
 
 
 def pump(
-    pipe: IO[bytes], prefix: str, out: Output, watch: Callable[[str], None] | None = None
+    pipe: IO[bytes],
+    prefix: str,
+    out: Output,
+    watch: Callable[[str], None] | None = None,
+    aftermath: tuple[Aftermath, int] | None = None,
 ) -> None:
-    """Forward ``pipe`` to ``out`` line by line, each line prefixed (and shown to ``watch``);
+    """Forward ``pipe`` to ``out`` line by line, each line prefixed (and shown to ``watch``),
+    but a rank's :class:`Aftermath` (``(its filter, the rank)``), said in one line at EOF;
     close the pipe at EOF."""
     try:
         while True:
@@ -220,9 +261,13 @@ def pump(
             text = chunk.decode("utf-8", errors="replace")
             if not text.endswith("\n"):
                 text += "\n"
-            out.write(prefix + text)
             if watch is not None:
                 watch(text)
+            if aftermath is None or aftermath[0].show(text):
+                out.write(prefix + text)
+        summary = aftermath[0].summary(aftermath[1]) if aftermath is not None else None
+        if summary:
+            out.write(summary)
     except (OSError, ValueError):
         pass
     finally:
