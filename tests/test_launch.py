@@ -291,6 +291,118 @@ def test_a_ranks_errors_about_its_lost_coordination_service_are_one_line() -> No
     assert Aftermath().summary(0) is None
 
 
+def test_the_oom_kill_count_is_read_from_the_processs_memory_cgroup(tmp_path: Path) -> None:
+    """cgroup v1 (the hierarchy with the memory controller: memory.oom_control), v2 (the 0::
+    line: memory.events, also under unified/ on a hybrid), none to read: None."""
+    from jddp.launch.oom import oom_kills
+
+    root, cgroup = tmp_path / "sys", tmp_path / "cgroup"
+    v1 = root / "memory" / "process_api" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    cgroup.write_text("9:name=systemd:/\n4:memory:/process_api/job\n1:cpu:/\n0::/\n")
+    assert oom_kills(root, cgroup) == 3
+    v2 = root / "user.slice" / "run"
+    v2.mkdir(parents=True)
+    (v2 / "memory.events").write_text("low 0\nhigh 0\nmax 2\noom 1\noom_kill 1\n")
+    cgroup.write_text("0::/user.slice/run\n")
+    assert oom_kills(root, cgroup) == 1
+    hybrid = root / "unified" / "session"
+    hybrid.mkdir(parents=True)
+    (hybrid / "memory.events").write_text("oom_kill 7\n")
+    cgroup.write_text("0::/session\n")
+    assert oom_kills(root, cgroup) == 7
+    cgroup.write_text("4:memory:/elsewhere\n")
+    assert oom_kills(root, cgroup) is None
+    assert oom_kills(root, tmp_path / "missing") is None
+
+
+def test_what_the_launcher_says_of_an_oom_kill_names_the_steps_bytes(tmp_path: Path) -> None:
+    from jddp.launch.oom import oom_cause
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text(
+        '{"step": 1, "train/compile_s": 2.0, "mem/step_bytes_per_device": 12582912}\n'
+        '{"step": 1, "train/loss": 2.3}\n'
+    )
+    assert oom_cause(1, ["python", "train.py", f"workdir={workdir}"]) == (
+        "rank 1 was killed by the kernel's out-of-memory killer (SIGKILL); the step needs 12.0 "
+        "MiB per device (mem/step_bytes_per_device); what needs less memory: dist.shard=full, "
+        "model.remat=blocks, a smaller per-device batch (data.global_batch_size, "
+        "train.grad_accum_steps)"
+    )
+    assert "; the step needs" not in oom_cause(0, ["python", "train.py"])
+
+
+@pytest.fixture
+def memory_cgroup(tmp_path: Path):
+    """A child of this process's cgroup v1 memory cgroup, limited to 256 MiB (its processes
+    get the kernel's OOM killer past it), removed after; skipped where none can be made."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        pytest.skip("no /proc/self/cgroup: not Linux")
+    fields = [line.split(":", 2) for line in lines]
+    mine = [path for _, controllers, path in fields if "memory" in controllers.split(",")]
+    parent = Path("/sys/fs/cgroup/memory") / (mine[0].lstrip("/") if mine else "")
+    if not mine or not (parent / "memory.oom_control").exists():
+        pytest.skip("no cgroup v1 memory hierarchy here (the test makes a v1 memory cgroup)")
+    group = parent / f"jddp-oom-test-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(256 * 2**20))
+    except OSError as e:
+        if group.exists():
+            group.rmdir()
+        pytest.skip(f"cannot make a memory cgroup under {parent} ({e.strerror}): needs root")
+    try:
+        yield group
+    finally:
+        deadline = time.monotonic() + 30
+        while True:  # empty once its processes are reaped
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def test_a_rank_killed_by_the_oom_killer_is_named_so(tmp_path: Path, memory_cgroup: Path) -> None:
+    """A rank that allocates past its memory cgroup's limit is killed by the kernel's OOM
+    killer (SIGKILL): the launcher said "killed by signal SIGKILL", as for a kill -9; it reads
+    the cgroup's OOM-kill count and says which it was, with the step's bytes from the run's
+    metrics.jsonl and what needs less. The launcher is put in the cgroup, its ranks with it."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text('{"step": 1, "mem/step_bytes_per_device": 12582912}\n')
+    body = """
+    if RANK == 1:
+        import numpy as np
+        wait_for(["pid0"])
+        hog = np.ones(2**26)  # 512 MiB, past the cgroup's 256
+    mark(f"ready{RANK}")
+    time.sleep(600)
+    """
+    command = [
+        *launcher_argv("--nproc", "2", "--"),
+        *child_cmd(tmp_path, body),
+        f"workdir={workdir}",
+    ]
+    shell = f'echo $$ > {memory_cgroup}/cgroup.procs && exec "$@"'
+    proc = run(["sh", "-c", shell, "sh", *command], timeout=120)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
+    assert (
+        "jddp.launch: rank 1 was killed by the kernel's out-of-memory killer (SIGKILL); the step "
+        "needs 12.0 MiB per device (mem/step_bytes_per_device); what needs less memory: "
+        "dist.shard=full, model.remat=blocks, a smaller per-device batch (data.global_batch_size, "
+        "train.grad_accum_steps); stopping the other 1 process"
+    ) in proc.stderr.splitlines(), proc.stderr
+    assert int((memory_cgroup / "memory.oom_control").read_text().split()[-1]) >= 1
+
+
 def test_signal_death_is_reported(tmp_path: Path) -> None:
     body = """
     if RANK == 0:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from jddp.errors import PREEMPTED, STALLED
+from jddp.launch.oom import oom_cause, oom_kills
 from jddp.launch.supervise import (
     HELD_SIGNALS,
     PROG,
@@ -60,6 +61,7 @@ class Launcher:
         self.started_at: dict[int, float] = {}  # pgid -> when its leader was started
         self.held: dict[int, int] = {}  # pgid -> a signal held until the leader catches it
         self.stalls = Stalls()  # which rank stalled, from the ranks' stall lines
+        self.oom_kills = oom_kills()  # the memory cgroup's OOM kills before the ranks start
 
     # -- signalling -------------------------------------------------------------------------
     def signal_groups(self, sig: int) -> None:
@@ -223,8 +225,8 @@ class Launcher:
             # expected: only the first one is reported, naming its cause.
             if failed and failure is None and self.signal_received is None:
                 stall = self._stall(failed)
-                cause = failure_report(failed, self._alive_count(), stall)
-                self.cause = first_cause(failed, stall)
+                self.cause = self._out_of_memory(failed) or first_cause(failed, stall)
+                cause = failure_report(failed, self._alive_count(), stall, self.cause)
                 self.first_failure = min(failed, key=lambda f: (f[1] >= 0, f[0]))
                 failure = exit_code_for(self.first_failure[1])
                 self.stderr.write(f"{PROG}: {cause}\n")
@@ -255,6 +257,17 @@ class Launcher:
                 return PREEMPTED
             return 128 + self.signal_received
         return 0
+
+    def _out_of_memory(self, failed: list[tuple[int, int]]) -> str | None:
+        """The cause's words when the rank killed by SIGKILL was the OOM killer's: the memory
+        cgroup's count of OOM kills grew since the ranks started (:mod:`.oom`)."""
+        killed = [rank for rank, rc in sorted(failed) if rc == -signal.SIGKILL]
+        if not killed or self.oom_kills is None:
+            return None
+        now = oom_kills()
+        if now is None or now <= self.oom_kills:
+            return None
+        return oom_cause(killed[0], self.command)
 
     def _stall(self, failed: list[tuple[int, int]]) -> tuple[int, str] | None:
         """The rank that stalled when a rank exited 124 (:class:`Stalls`): a rank still alive

@@ -142,15 +142,18 @@ def first_cause(failed: list[tuple[int, int]], stall: tuple[int, str] | None = N
 
 
 def failure_report(
-    failed: list[tuple[int, int]], alive: int, stall: tuple[int, str] | None = None
+    failed: list[tuple[int, int]],
+    alive: int,
+    stall: tuple[int, str] | None = None,
+    cause: str | None = None,
 ) -> str:
     """What the launcher says when ranks fail: ``failed`` holds ``(rank, returncode)`` of the
     failed ranks seen exiting together (one poll), ``alive`` how many ranks still run; the
-    cause first (:func:`first_cause`), the others in brackets."""
+    cause first (``cause``, else :func:`first_cause`), the others in brackets."""
     ordered = sorted(failed, key=lambda f: (f[1] >= 0, f[0]))  # killed first, then by rank
     (rank, rc), *others = ordered
     also = "; ".join(f"rank {r} {describe_exit(c)}" for r, c in others)
-    text = first_cause(failed, stall) + (f" (then {also})" if also else "")
+    text = (cause or first_cause(failed, stall)) + (f" (then {also})" if also else "")
     if alive:
         return f"{text}; stopping the other {alive} process{'es' if alive > 1 else ''}"
     return f"{text}; no other process is left"
