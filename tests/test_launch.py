@@ -285,8 +285,8 @@ def test_a_ranks_errors_about_its_lost_coordination_service_are_one_line() -> No
     quiet = Aftermath()
     assert [line for line in lines if quiet.show(line)] == ["step 3 done\n"]
     assert quiet.summary(1) == (
-        "jddp.launch: rank 1: 4 lines of JAX's errors about its lost coordination service not "
-        "shown (the job's process 0 had ended: its own lines say why)\n"
+        "jddp.launch: rank 1: 4 lines of JAX's errors about the job's coordination service not "
+        "shown: another process had ended (its own lines say why)\n"
     )
     assert Aftermath().summary(0) is None
 

@@ -91,13 +91,14 @@ class Stalls:
 
 
 class Aftermath:
-    """One rank's stderr once JAX's coordination service is gone: process 0 hosts it, so when
-    process 0 ends (its own one line said why), a peer still alive prints JAX's errors about
-    the lost service — ``Polled an error from coordination service``, ``Terminating process
-    because the JAX distributed service detected fatal errors``, gRPC's details, a stack dump
-    as it aborts, its failed all-reduce — a page that says only that another process ended,
-    which the launcher says itself. From the first of those lines on, the rank's lines are
-    counted, not shown (:meth:`show`), and said in one line at its end (:meth:`summary`)."""
+    """One rank's stderr once JAX's coordination service reports another process gone:
+    process 0 hosts it, so when process 0 ends (its own one line said why), a peer still alive
+    prints JAX's errors about the lost service (and process 0 likewise when a peer dies) —
+    ``Polled an error from coordination service``, ``Terminating process because the JAX
+    distributed service detected fatal errors``, gRPC's details, a stack dump as it aborts, its
+    failed all-reduce — a page that says only that another process ended, which the launcher
+    says itself. From the first of those lines on, the rank's lines are counted, not shown
+    (:meth:`show`), and said in one line at its end (:meth:`summary`)."""
 
     START = (
         "Polled an error from coordination service",
@@ -121,8 +122,8 @@ class Aftermath:
             return None
         return (
             f"{PROG}: rank {rank}: {self.hidden} line{'s' if self.hidden > 1 else ''} of JAX's "
-            "errors about its lost coordination service not shown (the job's process 0 had "
-            "ended: its own lines say why)\n"
+            "errors about the job's coordination service not shown: another process had ended "
+            "(its own lines say why)\n"
         )
 
 
