@@ -19,7 +19,7 @@ from jddp import config as config_lib
 from jddp import distributed
 from jddp.build import Parts, user_splits
 from jddp.compat.collector import collecting_less_often
-from jddp.compat.excepthook import exiting_75_on_uncaught_preemption
+from jddp.compat.excepthook import exiting_on_uncaught_jddp_error
 from jddp.config import Config, FitConfig
 from jddp.data.source import as_source  # noqa: F401 - jddp.as_source
 from jddp.errors import ConfigError
@@ -121,36 +121,61 @@ def fit(
 
     A stop signal (SIGTERM, SIGUSR1, SIGHUP, Ctrl-C) saves a checkpoint and raises
     :class:`~jddp.errors.Preempted`; left uncaught, the script exits 75 after the one line
-    ``jddp: preempted at step N ...``, as the CLI does, with no traceback
-    (:func:`~jddp.compat.excepthook.exit_75_on_uncaught_preemption`).
+    ``jddp: preempted at step N ...``, as the CLI does, with no traceback. So does every other
+    :class:`~jddp.errors.JddpError` ``fit`` raises: left uncaught, it ends the script with one
+    line, ``jddp: error: <the message>``, and its exit code (2 for a
+    :class:`~jddp.errors.ConfigError`: a bad config key or value, an unsupported combination;
+    1 for the others), as the CLI does
+    (:func:`~jddp.compat.excepthook.exit_code_on_uncaught_jddp_error`); caught, it is the
+    exception as raised.
 
     What ``fit`` changes in your process (:mod:`jddp.compat` lists why, and what lets each go).
     Put back when it returns or raises: Python's garbage collector thresholds (its youngest
-    generation is collected every 50,000 allocations while ``fit`` runs; tracing's garbage),
-    the handlers of the stop signals and the signal wakeup fd, and ``sys.excepthook``, except
-    when a ``Preempted`` leaves ``fit``: then the hook stays chained to yours, so that the
-    exception, uncaught, ends the script with exit 75 (it acts on nothing else; catch the
-    exception and it never runs). Left for the rest of the process: JAX's persistent
-    compilation cache (``jax_compilation_cache_dir`` is ``train.compilation_cache_dir`` unless
-    you set one; programs compiling in 0.5 s or more are kept unless JAX's own variables say);
-    jddp's replacements of private functions of JAX (a CPU program's cache key without device
-    ids, cache entries written whole) and orbax (replicas' shares of CPU arrays cut with
-    NumPy); filters on the ``absl`` and ``asyncio`` loggers and a ``sys.unraisablehook`` that
-    drop orbax's reports of failures jddp reports itself (:mod:`jddp.checkpoint.orbax_quiet`);
-    with an MLflow tracker, MLflow's HTTP retry and timeout variables in ``os.environ`` where
-    you set none.
+    generation is collected every 50,000 allocations while ``fit`` runs; tracing's garbage), the
+    handlers of the stop signals and the signal wakeup fd, and ``sys.excepthook``, except when a
+    ``JddpError`` (a ``Preempted`` too) leaves ``fit``: then the hook stays chained to yours, so
+    that the exception, uncaught, ends the script with its line and exit code (it acts on
+    nothing else; catch the exception and it never runs). Left for the rest of the process:
+    JAX's persistent compilation cache (``jax_compilation_cache_dir`` is
+    ``train.compilation_cache_dir`` unless you set one; programs compiling in 0.5 s or more are
+    kept unless JAX's own variables say); jddp's replacements of private functions of JAX (a CPU
+    program's cache key without device ids, cache entries written whole) and orbax (replicas'
+    shares of CPU arrays cut with NumPy); filters on the ``absl`` and ``asyncio`` loggers and a
+    ``sys.unraisablehook`` that drop orbax's reports of failures jddp reports itself
+    (:mod:`jddp.checkpoint.orbax_quiet`); with an MLflow tracker, MLflow's HTTP retry and
+    timeout variables in ``os.environ`` where you set none.
     """
-    cfg = load_config(config, overrides)
-    parts = Parts(
-        model=model,
-        optimizer=optimizer,
-        loss=loss,
-        metrics=metrics,
-        loss_fn=loss_fn,
-        metrics_fn=metrics_fn,
-        lr_schedule=lr_schedule,
-        callbacks=list(callbacks),
-    )
+    # The hook stays after a JddpError: left uncaught, it is one line and its exit code.
+    with exiting_on_uncaught_jddp_error():
+        return _fit(
+            model,
+            optimizer,
+            train_data,
+            eval_data,
+            Parts(
+                model=model,
+                optimizer=optimizer,
+                loss=loss,
+                metrics=metrics,
+                loss_fn=loss_fn,
+                metrics_fn=metrics_fn,
+                lr_schedule=lr_schedule,
+                callbacks=list(callbacks),
+            ),
+            load_config(config, overrides),
+        )
+
+
+def _fit(
+    model: nnx.Module,
+    optimizer: optax.GradientTransformation | None,
+    train_data: Any,
+    eval_data: Any,
+    parts: Parts,
+    cfg: Config,
+) -> RunResult:
+    """:func:`fit`'s work, its arguments gathered in ``parts`` and ``cfg``."""
+    loss, metrics, loss_fn, metrics_fn = parts.loss, parts.metrics, parts.loss_fn, parts.metrics_fn
     if loss is None and metrics is not None:
         raise TypeError(
             "fit: metrics= (metrics(model, batch)) belongs to a custom task: pass loss= too, or "
@@ -179,6 +204,6 @@ def fit(
     )
     if train_data is not None:
         parts.splits = user_splits(train_data, eval_data, parts.custom)
-    # Both put back as they were when fit returns (the hook stays after a Preempted: see above).
-    with exiting_75_on_uncaught_preemption(), collecting_less_often():
+    distributed.join_if_launched(cfg.dist)  # or refused: the script built its model first
+    with collecting_less_often():  # put back as they were when fit returns
         return train_and_evaluate(cfg, parts)

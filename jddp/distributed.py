@@ -376,6 +376,44 @@ def initialize(cfg: DistConfig) -> Job:
     return Job(launch, jax.process_index(), jax.process_count())
 
 
+LAUNCHERS = {  # Launch.kind -> who said this process is one of several
+    "explicit": "dist.num_processes, JDDP_NUM_PROCESSES (python -m jddp.launch, jddp.ray) or "
+    "JAX_NUM_PROCESSES",
+    "torchrun": "torchrun's WORLD_SIZE",
+    "skypilot": "SkyPilot's SKYPILOT_NUM_NODES",
+    "slurm": "SLURM's job step",
+    "ompi": "Open MPI's mpirun",
+    "mpich": "MPICH's mpirun",
+}
+
+
+def join_if_launched(cfg: DistConfig, caller: str = "jddp.fit") -> None:
+    """For a library call that trains (``caller``) in a script: when a launcher started this
+    process as one of several and the script has not joined the job (:func:`initialize`, which
+    ``jddp.initialize()`` calls), join it now if JAX's backend has not started yet; if it has,
+    JAX runs as a single process and cannot join any more (each rank would train alone, and the
+    second would stop on the workdir lock): a :class:`~jddp.errors.ConfigError` saying what to
+    call first. Nothing under ``dist.backend=mpi`` or for a single process."""
+    from jddp.compat.jax_backend import backend_started
+
+    if cfg.backend == "mpi" or jax.distributed.is_initialized():
+        return
+    launch = detect_launch(cfg)
+    if launch.kind == "single":
+        return
+    if not backend_started():
+        initialize(cfg)
+        return
+    size = f"{launch.num_processes} processes" if launch.num_processes else "several processes"
+    said = LAUNCHERS.get(launch.kind, launch.kind)
+    raise ConfigError(
+        f"{caller}: this process is one of a job of {size} ({said}), "
+        "but JAX started as a single process before the job was joined: call "
+        "jddp.initialize() first in the script, before building the model or touching any "
+        "JAX array (jax.devices() too)"
+    )
+
+
 def abort_job(job: Job, exit_code: int) -> None:
     """Under the MPI backend, take every rank down with this one (a lone failure would leave
     the others blocked in their next collective). Elsewhere a no-op: ``jax.distributed``'s

@@ -56,7 +56,7 @@ from jddp.preflight import check_same_config, output_shape
 from jddp.proc.watchdog import StallWatchdog
 from jddp.proc.xla import enable_compilation_cache
 from jddp.state import TrainState, create_train_state
-from jddp.step import NEGATIVE_WEIGHT_KEY, make_eval_step
+from jddp.step import NEGATIVE_WEIGHT_KEY, make_eval_step, pop_negative_weights
 from jddp.tasks import Task
 from jddp.tasks.classification import PixelNorm
 from jddp.workdir import RunFolder
@@ -96,22 +96,32 @@ class EvalRun:
             pipeline=self.pipeline or PipelineOptions(),
         )
         for batch in batches:
-            sums = {k: np.float64(v) for k, v in to_host(self.eval_step(state, batch)).items()}
+            sums = {
+                k: weighted.host_term(v) for k, v in to_host(self.eval_step(state, batch)).items()
+            }
             totals = weighted.combine(totals, sums, np) if totals else sums
             if self.on_batch is not None:
                 self.on_batch()
         totals = self.comm.sum_across_processes(totals)
         count = totals.pop("count", 0.0)
         with np.errstate(invalid="ignore", divide="ignore"):  # weights summing to 0: NaN
-            means, weights = weighted.divide({k: np.float64(v) for k, v in totals.items()}, np)
+            means, weights = weighted.divide(
+                {k: weighted.host_term(v) for k, v in totals.items()}, np
+            )
         if means.pop(NEGATIVE_WEIGHT_KEY, 0.0) > 0:  # as training refuses them
             raise DataError(
                 "the loss returned negative weights on the eval data (weights count what each "
                 "example's loss stands for, e.g. its tokens: they must be >= 0); not a result"
             )
+        metric = pop_negative_weights(means)
+        if metric is not None:
+            raise DataError(
+                f"metric {metric!r} returned negative weights on the eval data (weights count "
+                "what each example stands for: they must be >= 0); not a result"
+            )
         # The loss first, then the task's metrics by name (the step's sums come back sorted).
         out = {"eval/loss": float(means.pop("loss"))}
-        out.update({f"eval/{k}": float(v) for k, v in sorted(means.items())})
+        out.update({f"eval/{k}": weighted.host_number(v) for k, v in sorted(means.items())})
         out["eval/count"] = int(count)
         if self.weight_unit is not None:
             out[f"eval/{self.weight_unit}"] = float(weights["loss"])

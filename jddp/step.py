@@ -58,6 +58,34 @@ LOSS_WEIGHT_KEY = "sys/loss_weight"
 NEGATIVE_WEIGHT_KEY = "sys/negative_weight"
 
 
+def negative_weight_key(name: str) -> str:
+    """The flag of a weighted metric ``name``: whether any of its weights was negative."""
+    return f"{NEGATIVE_WEIGHT_KEY}/{name}"
+
+
+def negative_weight_flags(named: weighted.Named, mask: Any = None) -> dict[str, jax.Array]:
+    """Per weighted metric of the task (the loss aside: :data:`NEGATIVE_WEIGHT_KEY`), 1 when a
+    (real, ``mask``) row's weight was negative: refused as the loss's are, whatever the
+    reduction (a weight counts what its example stands for)."""
+    flags = {}
+    for name, metric in named.items():
+        if name != "loss" and metric.weights is not None:
+            negative = metric.weights < 0
+            if mask is not None:
+                negative = negative & (mask > 0)
+            flags[negative_weight_key(name)] = jnp.any(negative).astype(jnp.float32)
+    return flags
+
+
+def pop_negative_weights(values: dict[str, Any]) -> str | None:
+    """Pop the flags of :func:`negative_weight_flags` from a step's or an eval's host values;
+    the first metric (by name) whose weights were negative, or None."""
+    prefix = negative_weight_key("")
+    flagged = sorted(k for k in values if k.startswith(prefix))
+    negative = [k[len(prefix) :] for k in flagged if values.pop(k) > 0]
+    return negative[0] if negative else None
+
+
 def batch_data(batch: Batch) -> Any:
     """The task's part of a step's batch (see the module docstring)."""
     if not isinstance(batch, dict) or DATA_KEY not in batch:
@@ -321,6 +349,7 @@ def _local_grads_fn(
             weight_B = named["loss"].weights
             if weight_B is not None:
                 terms[NEGATIVE_WEIGHT_KEY] = jnp.any(weight_B < 0).astype(jnp.float32)
+            terms.update(negative_weight_flags(named))
             return terms["train/loss"], (nnx.state(model, MODEL_STATE), terms)
 
         grads, (new_stats, terms) = layout.gradients(objective, params, shapes, comm)
@@ -472,6 +501,8 @@ def make_eval_step(
         if loss_weight is not None:  # 1 where a real row's weight is negative (refused)
             negative = jnp.any((mask > 0) & (loss_weight < 0)).astype(jnp.float32)
             sums[weighted.term_key(NEGATIVE_WEIGHT_KEY, "max")] = negative
+        for key, flag in negative_weight_flags(named, mask).items():  # the metrics' alike
+            sums[weighted.term_key(key, "max")] = flag
         groups = weighted.split(sums)
         for kind, group in groups.items():  # sums add over devices, extremes stay extremes
             groups[kind] = weighted.COLLECTIVE.get(kind, jax.lax.psum)(group, DATA_AXES)

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 # The collective over the mesh's ``data`` axis of each kind but the means (averaged in a train
@@ -38,9 +39,11 @@ TERM_MARK = "~"  # what no metric name may contain: it separates a term's name a
 class Metric:
     """One metric's per-example values, with optional weights and how they combine over the
     global batch (and over every eval example): ``mean`` (``Σ w·x / Σ w``, the default),
-    ``sum`` (``Σ w·x``: a count is a sum of ones), ``max`` or ``min`` (over the rows whose weight
-    is not 0: a weight masks; over no rows at all NaN, as a mean whose weights sum to 0, and
-    so is a max of ``-inf`` values or a min of ``inf`` ones).
+    ``sum`` (``Σ w·x``: a count is a sum of ones; integer or boolean values with integer or no
+    weights add as integers, int32 on the devices and int64 on the host), ``max`` or ``min``
+    (over the rows whose weight is not 0: a weight masks; over no rows at all NaN, as a mean
+    whose weights sum to 0, and so is a max of ``-inf`` values or a min of ``inf`` ones).
+    Weights are never negative (one is refused as a negative loss weight is).
 
     A task's ``metrics`` returns ``{name: values_B | (values_B, weights_B) | jddp.Metric(...)}``,
     e.g. ``{"max_error": jddp.Metric(abs_error_B, reduce="max")}``.
@@ -86,6 +89,29 @@ def _real(x: Any) -> Any:
     return x.astype(jnp.float32)
 
 
+def _integral(x: Any) -> bool:
+    """Whether ``x`` (None: no weights) holds integers or booleans."""
+    return x is None or jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_
+
+
+def _count(x: Any) -> Any:
+    """Integers or booleans as int32 (int64 stays int64 under ``jax_enable_x64``)."""
+    return x.astype(jnp.int64 if x.dtype == jnp.int64 else jnp.int32)
+
+
+def _sum(values: Any, weights: Any, mask: Any = None) -> Any:
+    """``Σ w·x`` over the rows (``mask``: those where it is not 0). Integer or boolean values
+    with integer, boolean or no weights add as integers (int32 on the devices): a count past
+    float32's 2^24 keeps its digits. Else in floats of at least float32."""
+    if _integral(values) and _integral(weights):
+        terms = _count(values) if weights is None else _count(values) * _count(weights)
+        if mask is not None:
+            terms = jnp.where(mask != 0, terms, jnp.zeros((), terms.dtype))
+        return terms.sum(dtype=terms.dtype)
+    terms = _real(values) if weights is None else _real(weights) * _real(values)
+    return (terms if mask is None else mask * terms).sum()
+
+
 def _extreme(reduce: str, value: Any, counts: Any) -> Any:
     """The max (min) of ``value`` over the rows where ``counts`` (None: all rows)."""
     identity = _IDENTITY[reduce]
@@ -107,7 +133,7 @@ def means(named: Named) -> dict[str, Any]:
         if reduce in ("max", "min"):
             out[key] = _extreme(reduce, value, None if weight is None else weight != 0)
         elif reduce == "sum":
-            out[key] = (value if weight is None else weight * value).sum()
+            out[key] = _sum(metric.values, metric.weights)
         elif weight is None:
             out[key] = value.mean()
         else:
@@ -127,9 +153,10 @@ def masked_sums(named: Named, mask: Any) -> dict[str, Any]:
         key = term_key(name, reduce)
         if reduce in ("max", "min"):
             out[key] = _extreme(reduce, value, w != 0)
-            continue
-        out[key] = (w * value).sum()
-        if reduce == "mean":
+        elif reduce == "sum":
+            out[key] = _sum(metric.values, metric.weights, mask)
+        else:
+            out[key] = (w * value).sum()
             out[weight_key(name)] = w.sum()
     return out
 
@@ -180,6 +207,18 @@ def divide(terms: dict[str, Any], xp: Any = jnp) -> tuple[dict[str, Any], dict[s
 
 
 _IDENTITY = {"max": -jnp.inf, "min": jnp.inf}  # what a max or min over no rows stays
+
+
+def host_term(value: Any) -> Any:
+    """A step's term on the host, for adding over batches and processes: an integer sum as
+    ``numpy.int64`` (past 2^31 over an eval's batches), anything else as ``numpy.float64``."""
+    value = np.asarray(value)
+    return np.int64(value) if np.issubdtype(value.dtype, np.integer) else np.float64(value)
+
+
+def host_number(value: Any) -> int | float:
+    """A host term as a Python ``int`` (an integer sum) or ``float``."""
+    return int(value) if np.issubdtype(np.asarray(value).dtype, np.integer) else float(value)
 
 
 def identity(kind: str) -> float:

@@ -236,6 +236,113 @@ def test_a_fit_runs_config_says_what_came_from_python(tmp_path):
     # with model.name a factory that builds it, the commands build it (tests/test_export.py)
 
 
+REFUSED_FIT = """
+import sys
+import optax
+from flax import nnx
+import jddp
+from jddp.errors import ConfigError
+from tests import user_tasks
+
+how, workdir = sys.argv[1], sys.argv[2]
+loss = {"data": user_tasks.negative_weight_loss}.get(how, user_tasks.loss)
+overrides = {"key": ["optim.lrr=0.1"], "combination": ["train.precision=bfloat16"]}.get(how, [])
+train, evals = user_tasks.data({})
+
+
+def fit():
+    jddp.fit(user_tasks.Linear(nnx.Rngs(0)), optax.sgd(0.05), train, evals, loss=loss,
+             config={"workdir": workdir},
+             overrides=["train.steps=2", "data.global_batch_size=16", *overrides])
+
+
+if how == "caught":
+    overrides = ["optim.lrr=0.1"]
+    try:
+        fit()
+    except ConfigError as e:
+        print(f"caught {type(e).__name__}: {e}")
+else:
+    fit()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "how, code, says",
+    [
+        ("key", 2, "jddp: error: unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
+        ("combination", 2, "jddp: error: train.precision=bfloat16: a model given to jddp.fit "),
+        ("data", 1, "jddp: error: step 1: the loss returned negative weights (weights count "),
+    ],
+)
+def test_a_fit_script_that_does_not_catch_a_refusal_ends_in_one_line_as_the_cli(
+    tmp_path, how, code, says
+):
+    """A setting fit refuses (a bad key, an unsupported combination: exit 2) or a failure it
+    diagnosed (exit 1), left uncaught by the script: one line and the CLI's exit code (it was a
+    traceback and exit 1 for all). A script that catches it gets the exception as raised."""
+    out = run_python("-c", REFUSED_FIT, how, str(tmp_path / "run"), cwd=ROOT, timeout=300)
+    assert out.returncode == code, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(says), out.stderr[-3000:]
+    if how == "key":
+        caught = run_python("-c", REFUSED_FIT, "caught", str(tmp_path / "c"), cwd=ROOT)
+        assert caught.returncode == 0 and caught.stderr == "", caught.stderr[-3000:]
+        assert caught.stdout.startswith("caught ConfigError: unknown config key 'optim.lrr'")
+
+
+LAUNCHED_FIT = """
+import sys
+import jax
+
+import jddp
+import jddp.config
+from jddp import distributed
+
+if sys.argv[1] == "join":  # nothing of JAX started yet: the library joins the job itself
+    distributed.join_if_launched(jddp.config.load(None).dist)
+    print(f"joined: process {jax.process_index()} of {jax.process_count()}")
+    sys.exit(0)
+import optax
+from flax import nnx
+from tests import user_tasks
+
+model = user_tasks.Linear(nnx.Rngs(0))  # JAX's backend starts here, as one process
+train, evals = user_tasks.data({})
+jddp.fit(model, optax.sgd(0.05), train, evals, loss=user_tasks.loss,
+         config={"workdir": sys.argv[2]}, overrides=["train.steps=2", "data.global_batch_size=16"])
+"""
+
+
+@pytest.mark.slow
+def test_a_launched_fit_script_that_built_its_model_first_is_told_what_to_call(tmp_path):
+    """Under jddp.launch --nproc 2, a script that builds its model (JAX starts, as a single
+    process) before jddp.initialize(), or never calls it: each rank trained alone and rank 1
+    died on the workdir lock ("another run holds it"). Now each rank says in one line what to
+    call first, exit 2, nothing written; and where JAX has not started, the job is joined."""
+    launch = [sys.executable, "-m", "jddp.launch", "--nproc", "2", "--devices-per-proc", "1", "--"]
+    wd = tmp_path / "run"
+    out = run([*launch, sys.executable, "-c", LAUNCHED_FIT, "fit", str(wd)], cwd=ROOT, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    for rank in (0, 1):
+        (line,) = [x for x in out.stderr.splitlines() if x.startswith(f"[rank {rank}] ")]
+        assert line == (
+            f"[rank {rank}] jddp: error: jddp.fit: this process is one of a job of 2 processes "
+            "(dist.num_processes, JDDP_NUM_PROCESSES (python -m jddp.launch, jddp.ray) or "
+            "JAX_NUM_PROCESSES), but JAX started as a single process before the job was joined: "
+            "call jddp.initialize() first in the script, before building the model or touching "
+            "any JAX array (jax.devices() too)"
+        ), out.stderr[-3000:]
+    assert not wd.exists()
+    joined = run([*launch, sys.executable, "-c", LAUNCHED_FIT, "join"], cwd=ROOT, timeout=300)
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    assert sorted(x for x in joined.stdout.splitlines() if "joined" in x) == [
+        "[rank 0] joined: process 0 of 2",
+        "[rank 1] joined: process 1 of 2",
+    ]
+
+
 def test_sigterm_to_a_fit_script_exits_75_in_one_line_as_the_cli(tmp_path):
     """A scheduler requeues on 75: the script's SIGTERM saved and ended in a Preempted
     traceback and exit 1. Now the trainer's line is the last word and the exit is 75."""

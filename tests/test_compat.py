@@ -201,6 +201,18 @@ def test_the_exit_75_hook_outlives_its_block_only_after_a_preemption(monkeypatch
     assert sys.excepthook is theirs
 
 
+def test_whether_jaxs_backend_started_is_read_where_jax_distributed_reads_it():
+    """``jax.distributed.initialize`` refuses once ``backends_are_initialized()``: jddp.fit
+    reads the same function to join a launched job or say what to call first."""
+    from jax._src import distributed, xla_bridge
+
+    from jddp.compat.jax_backend import backend_started
+
+    assert "backends_are_initialized()" in inspect.getsource(distributed.initialize)
+    jnp.zeros(1).block_until_ready()
+    assert xla_bridge.backends_are_initialized() and backend_started()
+
+
 # Flax's internals that jddp.models.units is built on (it stays there: it is the mechanism)
 
 

@@ -74,6 +74,22 @@ def test_bad_values_name_the_key(override, words):
     assert "\n" not in str(e.value)
 
 
+def test_a_yaml_boolean_for_a_word_is_named_as_yaml_read_it(tmp_path):
+    """``dist.shard=off``: YAML 1.1 reads off/no/false as a bool; the error says so and points to
+    the word the key takes instead of naming a ``False`` nobody wrote."""
+    for given in (["dist.shard=off"], ["dist.shard=no"]):
+        with pytest.raises(ConfigError) as e:
+            config_lib.load(None, given)
+        assert str(e.value) == (
+            "dist.shard: YAML reads off, no or false as the boolean false, which is not allowed; "
+            "choose one of none, optimizer, full (did you mean 'none'?)"
+        )
+    said = r"data.augment: YAML reads on, yes or true as the boolean true, which is not allowed"
+    with pytest.raises(ConfigError, match=said + "; choose one of none, cifar, imagenet$"):
+        config_lib.load(write(tmp_path, "data:\n  augment: yes\n"))
+    assert config_lib.load(None, ["log.progress=off"]).log.progress == "off"  # on/off keys
+
+
 def test_unknown_key_in_file(tmp_path):
     with pytest.raises(ConfigError, match="model.widht.*model.width"):
         config_lib.load(write(tmp_path, "model:\n  widht: 8\n"))

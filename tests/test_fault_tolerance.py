@@ -29,6 +29,7 @@ from tests.helpers import (
 )
 
 pytestmark = [pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
 
 cmd_train, cmd_launch = train_cmd, launch_cmd
 
@@ -112,6 +113,81 @@ def test_the_launcher_does_not_burn_its_restarts_on_a_failure_that_repeats(tmp_p
     assert loop.startswith("jddp.launch: rank 0 exited with code 1 again after step 4, with no "
                            "checkpoint since the last restart: not restarting"), loop  # fmt: skip
     assert sorted(read_losses(wd)) == [1, 2, 3, 4]  # each step once
+
+
+def test_restarts_read_the_workdir_a_config_file_sets(tmp_path):
+    """The run's workdir set in the --config file, not as workdir= on the command line: the
+    launcher reads it as jddp.train resolves it, so its restart line says the step resumed from
+    (it said "starting again from step 0" while the run resumed from step 4), the restart row
+    is written, and the repeat at step 5 is refused (it restarted 3 times)."""
+    wd = tmp_path / "run"
+    config = tmp_path / "poisoned.yaml"
+    sections: dict[str, list[str]] = {}
+    for key, value in (item.split("=", 1) for item in POISONED):
+        section, name = key.split(".")
+        sections.setdefault(section, []).append(f"  {name}: {value}")
+    text = "".join(f"{name}:\n" + "\n".join(keys) + "\n" for name, keys in sections.items())
+    config.write_text(f"workdir: {wd}\n{text}")
+    train = [sys.executable, "-m", "jddp.train", "--config", str(config)]
+    launcher = [sys.executable, "-m", "jddp.launch", "--nproc", "1", "--devices-per-proc", "1"]
+    out = run([*launcher, "--max-restarts", "3", "--restart-delay", "0", "--", *train])
+    assert out.returncode == 1, out.stderr[-3000:]
+    restarts = [line for line in out.stderr.splitlines() if "jddp.launch: restart" in line]
+    assert len(restarts) == 1 and restarts[0].endswith("resuming from step 4"), out.stderr
+    assert [line for line in out.stderr.splitlines() if " again after step " in line]
+    assert [(r["step"], r["restart"]) for r in read_metrics(wd) if "restart" in r] == [(4, 1)]
+
+
+def test_a_workdir_deleted_mid_run_is_not_restarted_and_its_aftermath_is_one_line(tmp_path):
+    """The workdir removed under a 2-process job with --max-restarts: process 0 stops in one
+    line (its metrics or its lock are gone); process 1, whose coordination service was on
+    process 0, printed a page of JAX's errors about it (now one line of the launcher's, when
+    it had any); and the group was restarted into a new workdir from step 0 (now: not
+    restarting, said in the launcher's line)."""
+    wd = tmp_path / "run"
+    linear = [x for x in POISONED if not x.startswith(("data.name", "train.steps"))]
+    # No save in flight as the folder goes (orbax then hangs in its commit: the watchdog's)
+    args = cmd_launch(2, 1, wd, "data.name=tests.user_tasks:data", "train.steps=100000",
+                      "checkpoint.every_steps=100000", base=linear)  # fmt: skip
+    args[args.index("--") : args.index("--")] = ["--max-restarts", "2", "--restart-delay", "0"]
+    job = start_training(args, wd, steps=3, cwd=ROOT)
+    try:
+        assert wait_for(lambda: shutil.rmtree(wd, ignore_errors=True) or not wd.exists(), 30)
+        _, err = job.communicate(timeout=120)  # (it restarted into a new workdir, on and on)
+    finally:
+        if job.poll() is None:
+            job.kill()  # its ranks die with it
+            job.communicate()
+    assert job.returncode == 1, err[-3000:]
+    lines = err.splitlines()
+    assert not [x for x in lines if "coordination_service" in x or "Terminating process" in x]
+    (refused,) = [x for x in lines if "was deleted while it ran" in x]
+    assert refused.startswith("jddp.launch: rank ") and refused.endswith(
+        f"; the run's workdir {wd} was deleted while it ran: not restarting"
+    ), refused
+    assert not [x for x in lines if "jddp.launch: restart" in x] and not wd.exists()
+    shown = [x for x in lines if x.startswith("[rank 1] ")]
+    assert len(shown) <= 1, err[-3000:]  # its all-reduce's failure, or nothing
+
+
+def test_the_workdir_of_a_command_is_read_as_the_command_resolves_it(tmp_path, monkeypatch):
+    """jddp.launch and jddp.ray read a jddp.train command's workdir from its config file and
+    overrides (default runs/<config name>), another command's from its workdir= override;
+    none where the config cannot be read (the command says why itself)."""
+    from jddp.launch.restarts import workdir_of
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("train:\n  steps: 3\n")
+    (tmp_path / "set.yaml").write_text("workdir: elsewhere/run\n")
+    train = ["python", "-m", "jddp.train"]
+    assert workdir_of([*train, "--config", "mine.yaml"]) == Path("runs/mine")
+    assert workdir_of([*train, "--config=set.yaml", "train.steps=2"]) == Path("elsewhere/run")
+    assert workdir_of([*train, "--config", "set.yaml", "workdir=/x"]) == Path("/x")
+    assert workdir_of([*train, "train.steps=2"]) == Path("runs/default")
+    assert workdir_of([*train, "--config", "missing.yaml"]) is None
+    assert workdir_of([*train, "--config", "mine.yaml", "optim.lrr=1"]) is None
+    assert workdir_of(["python", "script.py", "workdir=out"]) == Path("out")
+    assert workdir_of(["python", "script.py"]) is None
 
 
 def test_a_restart_budget_names_its_end_and_tells_a_loop_from_progress(tmp_path):

@@ -218,6 +218,191 @@ def test_a_killed_rank_is_named_before_the_peer_it_took_down() -> None:
     assert failure_report([(2, 3), (0, 4)], alive=2).startswith("rank 0 exited with code 4 (then")
 
 
+def stall_line(rank: int, waited: str) -> str:
+    """A rank's watchdog line (jddp.proc.watchdog), as the launcher reads it."""
+    return (
+        f"jddp: error: step 9 stalled: no progress for 6 s (dist.step_timeout_s=6); process "
+        f"{rank} was waiting for {waited}; stopping without saving (exit 124); a rerun resumes "
+        "from the newest checkpoint\n"
+    )
+
+
+def test_a_stall_names_the_rank_that_stalled_not_the_first_to_exit() -> None:
+    """Every rank's watchdog fires when one rank stalls, its peers' too (they wait in the
+    all-reduce), and each exits 124: the launcher names the rank that stalled, from what the
+    ranks said (its own input pipeline or host callback; else the first watchdog to speak) or
+    a rank found stopped (SIGSTOP: it says nothing), not the first seen exiting (under Ray:
+    rank 0, sorted first; the leader's collective fails as its peer exits)."""
+    from jddp.launch.supervise import Stalls, failure_report, first_cause
+    from jddp.proc.watchdog import WAITING
+
+    results, batch = WAITING["step"], WAITING["input"]
+    stalls = Stalls()
+    stalls.see(0, stall_line(0, results))
+    stalls.see(1, stall_line(1, batch))
+    stalls.see(1, "an unrelated line\n")
+    assert stalls.culprit() == (1, f", waiting for {batch}")
+    assert failure_report([(0, 124), (1, 124)], 0, stalls.culprit()) == (
+        f"rank 1 stalled, waiting for {batch} (rank 0 exited with code 124) (then rank 1 exited "
+        "with code 124); no other process is left"
+    )
+    assert first_cause([(1, 124)], stalls.culprit()) == (
+        f"rank 1 stalled, waiting for {batch} (exited with code 124)"
+    )
+    held = f"{WAITING['callback']}: _maybe_block (tests/user_tasks.py:250)"
+    callback = Stalls()
+    for rank, waited in ((0, results), (1, held)):
+        callback.see(rank, stall_line(rank, waited))
+    assert callback.culprit() == (1, f", waiting for {held}")
+    first = Stalls()  # nothing tells them apart: the first watchdog to speak
+    for rank in (1, 0):
+        first.see(rank, stall_line(rank, results))
+    assert first.culprit() == (1, f", waiting for {results}")
+    first.stopped(0)
+    assert first_cause([(1, 124)], first.culprit()) == (
+        "rank 0 stalled: its process is stopped (SIGSTOP or a debugger) (rank 1 exited with "
+        "code 124)"
+    )
+    assert Stalls().culprit() is None
+    assert first_cause([(1, 137)], (0, ", waiting")) == "rank 1 exited with code 137"
+
+
+def test_a_ranks_errors_about_its_lost_coordination_service_are_one_line() -> None:
+    """Process 0 ended (its one line said why): a peer still alive prints JAX's page about the
+    coordination service process 0 hosted; from its first line on the rank's lines are counted,
+    and one line of the launcher's stands for them."""
+    from jddp.launch.supervise import Aftermath
+
+    lines = [
+        "step 3 done\n",
+        "E1129 01:53:52.430971 15447 coordination_service_agent.cc:289] Polled an error from "
+        "coordination service (this can be an error from this or another task).\n",
+        "F1129 01:53:52.431025 15447 client.h:80] Terminating process because the JAX "
+        "distributed service detected fatal errors. ...\n",
+        ':UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}\n',
+        "jddp: error: ValueError: UNKNOWN: Gloo all-reduce failed: ... Connection closed by peer\n",
+    ]
+    quiet = Aftermath()
+    assert [line for line in lines if quiet.show(line)] == ["step 3 done\n"]
+    assert quiet.summary(1) == (
+        "jddp.launch: rank 1: 4 lines of JAX's errors about the job's coordination service not "
+        "shown: another process had ended (its own lines say why)\n"
+    )
+    assert Aftermath().summary(0) is None
+
+
+def test_the_oom_kill_count_is_read_from_the_processs_memory_cgroup(tmp_path: Path) -> None:
+    """cgroup v1 (the hierarchy with the memory controller: memory.oom_control), v2 (the 0::
+    line: memory.events, also under unified/ on a hybrid), none to read: None."""
+    from jddp.launch.oom import oom_kills
+
+    root, cgroup = tmp_path / "sys", tmp_path / "cgroup"
+    v1 = root / "memory" / "process_api" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    cgroup.write_text("9:name=systemd:/\n4:memory:/process_api/job\n1:cpu:/\n0::/\n")
+    assert oom_kills(root, cgroup) == 3
+    v2 = root / "user.slice" / "run"
+    v2.mkdir(parents=True)
+    (v2 / "memory.events").write_text("low 0\nhigh 0\nmax 2\noom 1\noom_kill 1\n")
+    cgroup.write_text("0::/user.slice/run\n")
+    assert oom_kills(root, cgroup) == 1
+    hybrid = root / "unified" / "session"
+    hybrid.mkdir(parents=True)
+    (hybrid / "memory.events").write_text("oom_kill 7\n")
+    cgroup.write_text("0::/session\n")
+    assert oom_kills(root, cgroup) == 7
+    cgroup.write_text("4:memory:/elsewhere\n")
+    assert oom_kills(root, cgroup) is None
+    assert oom_kills(root, tmp_path / "missing") is None
+
+
+def test_what_the_launcher_says_of_an_oom_kill_names_the_steps_bytes(tmp_path: Path) -> None:
+    from jddp.launch.oom import oom_cause
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text(
+        '{"step": 1, "train/compile_s": 2.0, "mem/step_bytes_per_device": 12582912}\n'
+        '{"step": 1, "train/loss": 2.3}\n'
+    )
+    assert oom_cause(1, ["python", "train.py", f"workdir={workdir}"]) == (
+        "rank 1 was killed by the kernel's out-of-memory killer (SIGKILL); the step needs 12.0 "
+        "MiB per device (mem/step_bytes_per_device); what needs less memory: dist.shard=full, "
+        "model.remat=blocks, a smaller per-device batch (data.global_batch_size, "
+        "train.grad_accum_steps)"
+    )
+    assert "; the step needs" not in oom_cause(0, ["python", "train.py"])
+
+
+@pytest.fixture
+def memory_cgroup(tmp_path: Path):
+    """A child of this process's cgroup v1 memory cgroup, limited to 256 MiB (its processes
+    get the kernel's OOM killer past it), removed after; skipped where none can be made."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        pytest.skip("no /proc/self/cgroup: not Linux")
+    fields = [line.split(":", 2) for line in lines]
+    mine = [path for _, controllers, path in fields if "memory" in controllers.split(",")]
+    parent = Path("/sys/fs/cgroup/memory") / (mine[0].lstrip("/") if mine else "")
+    if not mine or not (parent / "memory.oom_control").exists():
+        pytest.skip("no cgroup v1 memory hierarchy here (the test makes a v1 memory cgroup)")
+    group = parent / f"jddp-oom-test-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(256 * 2**20))
+    except OSError as e:
+        if group.exists():
+            group.rmdir()
+        pytest.skip(f"cannot make a memory cgroup under {parent} ({e.strerror}): needs root")
+    try:
+        yield group
+    finally:
+        deadline = time.monotonic() + 30
+        while True:  # empty once its processes are reaped
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def test_a_rank_killed_by_the_oom_killer_is_named_so(tmp_path: Path, memory_cgroup: Path) -> None:
+    """A rank that allocates past its memory cgroup's limit is killed by the kernel's OOM
+    killer (SIGKILL): the launcher said "killed by signal SIGKILL", as for a kill -9; it reads
+    the cgroup's OOM-kill count and says which it was, with the step's bytes from the run's
+    metrics.jsonl and what needs less. The launcher is put in the cgroup, its ranks with it."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text('{"step": 1, "mem/step_bytes_per_device": 12582912}\n')
+    body = """
+    if RANK == 1:
+        import numpy as np
+        wait_for(["pid0"])
+        hog = np.ones(2**26)  # 512 MiB, past the cgroup's 256
+    mark(f"ready{RANK}")
+    time.sleep(600)
+    """
+    command = [
+        *launcher_argv("--nproc", "2", "--"),
+        *child_cmd(tmp_path, body),
+        f"workdir={workdir}",
+    ]
+    shell = f'echo $$ > {memory_cgroup}/cgroup.procs && exec "$@"'
+    proc = run(["sh", "-c", shell, "sh", *command], timeout=120)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
+    assert (
+        "jddp.launch: rank 1 was killed by the kernel's out-of-memory killer (SIGKILL); the step "
+        "needs 12.0 MiB per device (mem/step_bytes_per_device); what needs less memory: "
+        "dist.shard=full, model.remat=blocks, a smaller per-device batch (data.global_batch_size, "
+        "train.grad_accum_steps); stopping the other 1 process"
+    ) in proc.stderr.splitlines(), proc.stderr
+    assert int((memory_cgroup / "memory.oom_control").read_text().split()[-1]) >= 1
+
+
 def test_signal_death_is_reported(tmp_path: Path) -> None:
     body = """
     if RANK == 0:
@@ -392,6 +577,58 @@ def test_a_preemption_signal_waits_for_a_rank_that_is_still_starting(tmp_path: P
     err = seen + err
     assert launcher.returncode == 75, err
     assert "[rank 0] got SIGUSR1" in out and "[rank 1] got SIGUSR1" in out
+
+
+def test_a_second_ctrl_c_after_the_ranks_saved_and_exited_is_one_line_and_75(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C, the ranks save and exit 75, and a second Ctrl-C as the launcher ends: it met
+    Python's handler once the launcher's were put back (a KeyboardInterrupt traceback) or the
+    interpreter's teardown, which restores the signal's default (killed: no line, exit -2; 4
+    times in 8). Now, whenever it comes, the launcher's exit code, 75, and one line if it came
+    before the launcher ended. Three times, the second Ctrl-C sent as soon as the launcher has
+    reaped both ranks."""
+    body = """
+    def saved(signum, frame):
+        time.sleep(0.3)  # the save
+        sys.exit(75)
+    signal.signal(signal.SIGINT, saved)
+    mark(f"ready{RANK}")
+    time.sleep(600)
+    """
+    for attempt in range(3):
+        folder = tmp_path / str(attempt)
+        folder.mkdir()
+        launcher = _start_and_wait_ready(folder, body, nproc=2)
+        ranks = read_pids(folder, ["pid0", "pid1"])
+        launcher.send_signal(signal.SIGINT)
+        seen = read_stderr_until(launcher, "jddp.launch: received SIGINT; forwarding")
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() for pid in ranks):  # until reaped
+            assert time.monotonic() < deadline, "the ranks were not reaped"
+            time.sleep(0.001)
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=30)
+        err = seen + err
+        assert launcher.returncode == 75, err
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        assert err.splitlines()[-1] in (
+            "jddp.launch: received SIGINT again; killing all",  # while it still reaped them
+            "jddp.launch: received SIGINT after every process ended; exiting with code 75",
+            "jddp.launch: received SIGINT; forwarding to 2 processes",  # it had ended already
+        ), err
+
+
+def test_a_stop_signal_once_the_group_ended_is_said_with_the_exit_code(capfd) -> None:
+    """What the launcher's handler says for a stop signal after its ranks ended (the command's
+    process then ends at once with that code; in-process, as here, it only says it)."""
+    with launch._SignalsBetweenStarts() as between:
+        between.ended(75)
+        signal.raise_signal(signal.SIGINT)
+    assert capfd.readouterr().err == (
+        "jddp.launch: received SIGINT after every process ended; exiting with code 75\n"
+    )
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 
 
 def test_second_signal_escalates_to_sigkill(tmp_path: Path) -> None:

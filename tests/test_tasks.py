@@ -110,6 +110,33 @@ def test_sums_and_extremes_combine_by_their_own_operation():
     assert float(values["m"]) == pytest.approx(x.mean(), rel=1e-6)
 
 
+def test_integer_sums_add_as_integers():
+    """A count (integer or boolean values, integer or no weights) adds in int32 on the devices
+    and int64 on the host: float32 lost the digits past 2^24 (16 x (2^26 + 1) came out
+    1073741824, not 1073741840), and an eval's total past 2^31 fits the host's int64."""
+    big = jnp.full(16, user_tasks.BIG, jnp.int32)
+    twos = jnp.full(16, 2, jnp.int32)
+    terms = weighted.means(
+        {
+            "n": weighted.Metric(big, reduce="sum"),
+            "nw": weighted.Metric(big // 2, twos, reduce="sum"),
+            "flags": weighted.Metric(big > 0, reduce="sum"),
+            "real": weighted.Metric(big, jnp.ones(16), reduce="sum"),  # float weights: floats
+        }
+    )
+    assert terms["n~sum"].dtype == jnp.int32 and int(terms["n~sum"]) == 16 * user_tasks.BIG
+    assert int(terms["nw~sum"]) == 16 * 2 * (user_tasks.BIG // 2)
+    assert terms["flags~sum"].dtype == jnp.int32 and int(terms["flags~sum"]) == 16
+    assert terms["real~sum"].dtype == jnp.float32
+    mask = jnp.asarray(np.arange(16) < 10, jnp.float32)  # a padded eval batch: 10 real rows
+    sums = weighted.masked_sums({"n": weighted.Metric(big, reduce="sum")}, mask)
+    assert int(sums["n~sum"]) == 10 * user_tasks.BIG
+    batches = [{"n~sum": weighted.host_term(np.asarray(terms["n~sum"]))} for _ in range(3)]
+    total = weighted.combine(weighted.combine(*batches[:2], np), batches[2], np)
+    values, _ = weighted.divide(total, np)
+    assert weighted.host_number(values["n"]) == 48 * user_tasks.BIG  # past 2^31, every digit
+
+
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
     """``jddp.fit`` of the tests' linear regression with a weighted loss and two metrics."""
@@ -177,6 +204,16 @@ def test_evaluate_and_predict_a_custom_task(fitted):
     negative = {**evals, "w": np.where(np.arange(user_tasks.EVAL) == 37, -1.0, evals["w"])}
     with pytest.raises(DataError, match="negative weights on the eval data .* must be >= 0"):
         jddp.evaluate(model, negative, loss=user_tasks.weighted_loss, batch_size=16)
+    # A metric's negative weights, a sum's as a mean's: refused as the loss's are
+    with pytest.raises(DataError, match="metric 'wsse' returned negative weights on the eval"):
+        jddp.evaluate(model, evals, loss=user_tasks.loss,
+                      metrics=user_tasks.negative_sum_weight_metrics, batch_size=16)  # fmt: skip
+    # An integer sum over every eval example: exact, an int past 2^31 (float32 lost digits)
+    counted = jddp.evaluate(
+        model, evals, loss=user_tasks.loss, metrics=user_tasks.big_count_metrics, batch_size=16
+    )
+    assert counted["eval/big"] == user_tasks.EVAL * user_tasks.BIG
+    assert isinstance(counted["eval/big"], int)
     # A custom task's data without its loss: one line saying what to pass.
     with pytest.raises(TypeError, match="custom task's batch: give its loss \\(jddp.fit\\(loss="):
         jddp.evaluate(model, evals)
@@ -282,11 +319,14 @@ def test_bad_task_is_one_line_naming_it_before_anything_runs(
         ("zero_weight_loss", DataError, ["step 1", "sum to 0", "16 examples"]),
         ("nan_weight_loss", DataError, ["step 1", "non-finite weights", "NaN or Inf weight"]),
         ("nan_loss", NonFiniteLoss, ["non-finite loss", "step 1"]),
+        ("negative_sum_weight_metrics", DataError, ["step 1: metric 'wsse'", "negative weights"]),
     ],
 )
 def test_bad_weights_or_values_stop_the_run_naming_the_step(tmp_path, loss, error, words):
+    loss, metrics = (user_tasks.loss, loss) if loss.endswith("_metrics") else (loss, None)
     with pytest.raises(error) as raised:
-        fit(tmp_path / "run", getattr(user_tasks, loss), steps=3)
+        fit(tmp_path / "run", getattr(user_tasks, loss) if isinstance(loss, str) else loss,
+            getattr(user_tasks, metrics) if metrics else None, steps=3)  # fmt: skip
     for word in words:
         assert word in str(raised.value), (word, str(raised.value))
 

@@ -8,6 +8,7 @@ one line, exit 2. The rule itself (what a resumed tracker is sent) is checked in
 """
 
 import json
+import math
 import os
 import signal
 import socket
@@ -28,12 +29,23 @@ from tests.helpers import (
     read_metrics,
     run,
     start,
+    start_training,
     steps_saved,
     train_cmd,
     with_overrides,
 )
 from tests.user_models import TinyMLP
 
+ROOT = Path(__file__).resolve().parents[1]
+LINEAR = [  # the tests' linear regression, a line every step
+    "model.name=tests.user_tasks:linear",
+    "data.name=tests.user_tasks:data",
+    "train.loss=tests.user_tasks:loss",
+    "data.global_batch_size=16",
+    "train.steps=100000",
+    "log.every_steps=1",
+    "log.progress=off",
+]
 PACE_S = 0.1  # each train step sleeps this long on the host
 HOLD = "TRACKERS_TEST_HOLD"  # a file: while it exists, train steps wait
 
@@ -284,6 +296,31 @@ def test_unreachable_mlflow_is_one_warning_and_costs_nothing(tmp_path):
     assert down_s < plain_s + 30
 
 
+@pytest.mark.slow
+def test_a_preemption_waiting_for_a_slow_tracker_is_no_stall(tmp_path):
+    """SIGTERM, the checkpoint saved, then the bounded wait for an MLflow server that takes
+    connections and never answers: longer than dist.step_timeout_s, and the watchdog said
+    "stalled ... waiting for a checkpoint to be written; stopping without saving" before the
+    line saying the checkpoint was saved. Now the preemption's line alone, exit 75."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections wait in its backlog: requests are sent, never answered
+    workdir = tmp_path / "run"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{silent.getsockname()[1]}"}
+    cmd = train_cmd(workdir, "log.trackers=[mlflow]", "dist.step_timeout_s=2", base=LINEAR)
+    try:
+        job = start_training(cmd, workdir, steps=2, env=env, cwd=ROOT)
+        job.send_signal(signal.SIGTERM)
+        out, err = job.communicate(timeout=120)
+    finally:
+        silent.close()
+    assert job.returncode == 75, err[-3000:]
+    assert "stalled" not in err, err[-3000:]
+    assert "jddp: warning: log.trackers: mlflow: still sending at the end of the run" in err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("jddp: preempted at step ") and " saved; rerun the same" in last
+
+
 def _wait(job, predicate, what: str, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -465,6 +502,36 @@ def test_tensorboard_refills_what_an_older_run_lost(tmp_path):
     trackers.log(6, {"train/loss": 1.0 / 6})
     trackers.finish()
     assert _tensorboard_steps(folder.tensorboard, "train/loss") == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_nan_reaches_tensorboard_without_tensorboardx_warnings(tmp_path, capfd, caplog):
+    """A non-finite step's NaN values are written (TensorBoard shows them), but tensorboardX's
+    "NaN or Inf found in input tensor." (one per value: three lines before jddp's own) is not
+    said; a NaN written by the user's own tensorboardX still is."""
+    from tensorboardX import SummaryWriter
+    from tensorboardX.proto.event_pb2 import Event
+
+    from jddp.run.trackers.tensorboard import _records
+
+    folder = RunFolder(tmp_path)
+    trackers = Trackers.of(["tensorboard"], folder, 0, None, writer=True)
+    trackers.start({})
+    trackers.log(1, {"train/loss": float("nan"), "train/grad_norm": float("inf")})
+    trackers.log(2, {"train/loss": 0.5})
+    trackers.finish()
+    assert "NaN or Inf" not in capfd.readouterr().err
+    assert not [r for r in caplog.records if "NaN or Inf" in r.getMessage()]
+    values = {}
+    for path in folder.tensorboard.glob("events.out.tfevents.*"):
+        for record in _records(path):
+            for value in Event.FromString(record).summary.value:
+                values[(value.tag, Event.FromString(record).step)] = value.simple_value
+    assert math.isnan(values[("train/loss", 1)]) and values[("train/grad_norm", 1)] == math.inf
+    assert values[("train/loss", 2)] == 0.5
+    own = SummaryWriter(str(tmp_path / "own"))
+    own.add_scalar("x", float("nan"), 1)
+    own.close()
+    assert [r for r in caplog.records if "NaN or Inf" in r.getMessage()]
 
 
 def _wandb_records(path: Path):

@@ -5,6 +5,8 @@ import importlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -35,6 +37,7 @@ from tests.helpers import (
     read_metrics,
     run,
     run_python,
+    start,
     start_training,
     steps_saved,
     traced_steps,
@@ -43,6 +46,8 @@ from tests.helpers import (
     wait_for,
 )
 from tests.user_models import NanModel, TinyMLP
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def fit(workdir, *overrides, model=None, seed=0):
@@ -230,6 +235,72 @@ def test_a_second_ctrl_c_inside_a_step_ends_the_process_in_one_line():
     assert out.returncode == 130, out.stderr[-2000:]
     assert out.stderr.strip() == f"jddp: interrupted{SECOND_CTRL_C}", out.stderr[-2000:]
     assert "not reached" not in out.stdout
+
+
+TWO_CTRL_C_IN_A_CALLBACK = """
+import sys, time
+from pathlib import Path
+import jax, optax
+from flax import nnx
+import jddp
+from tests import user_tasks
+
+folder = Path(sys.argv[1])
+calls = [0]
+
+
+def host_code(x):  # on one of XLA's threads (2 devices); the main thread waits in JAX
+    calls[0] += 1
+    if calls[0] == 5:  # step 3: in a long host callback until the test lets it go
+        (folder / "in-callback").write_text("")
+        while not (folder / "release").exists():
+            time.sleep(0.05)
+
+
+def loss(model, batch):
+    jax.debug.callback(host_code, batch["x"][0, 0])
+    return user_tasks.loss(model, batch)
+
+
+train, evals = user_tasks.data({})
+jddp.fit(user_tasks.Linear(nnx.Rngs(0)), optax.sgd(0.05), train, evals, loss=loss,
+         config={"workdir": str(folder / "run"), "train": {"steps": 6}},
+         overrides=["data.global_batch_size=16", "log.progress=off"])
+print("not reached")
+"""
+
+
+def pending(pid: int, sig: int) -> bool:
+    """Whether ``sig`` sent to process ``pid`` still waits to be delivered (``ShdPnd``)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:"))
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.slow
+def test_two_ctrl_c_inside_a_long_host_callback_end_the_run_at_once(tmp_path):
+    """Two Ctrl-C while the step waits in a host callback on another thread: Python runs the
+    handler once for both when the main thread is back (the second was lost: the run saved and
+    exited 75 once the callback returned). Both are on the wakeup pipe, which the watchdog's
+    thread reads every poll: one line, exit 130, while the callback still runs."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    job = start([sys.executable, "-c", TWO_CTRL_C_IN_A_CALLBACK, str(tmp_path)], env=env, cwd=ROOT)
+    try:
+        assert wait_for(lambda: (tmp_path / "in-callback").exists() or job.poll() is not None, 300)
+        job.send_signal(signal.SIGINT)
+        # The second once the first is taken (two pending SIGINTs are one, in the kernel)
+        assert wait_for(lambda: not pending(job.pid, signal.SIGINT), 30)
+        job.send_signal(signal.SIGINT)
+        try:
+            out, err = job.communicate(timeout=60)  # the callback still waits for "release"
+        except subprocess.TimeoutExpired:
+            (tmp_path / "release").write_text("")
+            out, err = job.communicate(timeout=60)
+    finally:
+        (tmp_path / "release").write_text("")
+    assert job.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"jddp: interrupted{SECOND_CTRL_C}", err[-3000:]
+    assert "not reached" not in out
 
 
 @pytest.fixture

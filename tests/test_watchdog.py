@@ -70,7 +70,8 @@ def assert_nothing_left(workdir):
     "where, waited_for",
     [
         ("input", "the next batch from the input pipeline"),
-        ("model", "the step's results"),
+        # its own host callback, named (the peer waits in the all-reduce)
+        ("model", "the step's results, held by a host callback of its own: _maybe_block ("),
     ],
 )
 def test_a_hung_rank_ends_the_job_in_one_line_per_rank(tmp_path, where, waited_for):
@@ -83,8 +84,11 @@ def test_a_hung_rank_ends_the_job_in_one_line_per_rank(tmp_path, where, waited_f
     lines = stalled_lines(out.stderr)
     assert sorted(lines) == [0, 1], out.stderr[-3000:]
     assert f"dist.step_timeout_s={TIMEOUT_S}" in lines[0] and "exit 124" in lines[0]
-    assert "process 0 was waiting for the step's results" in lines[0]  # the all-reduce
+    assert "process 0 was waiting for the step's results (its" in lines[0]  # the all-reduce
     assert f"process 1 was waiting for {waited_for}" in lines[1]
+    # The launcher names the rank that stalled (every rank's watchdog fired and exited 124)
+    (named,) = [x for x in out.stderr.splitlines() if x.startswith("jddp.launch: rank")]
+    assert named.startswith(f"jddp.launch: rank 1 stalled, waiting for {waited_for}"), named
     assert_nothing_left(workdir)
     if where == "input":  # the rerun, no longer hanging, resumes from the newest checkpoint
         newest = steps_saved(workdir)[-1]
@@ -110,7 +114,10 @@ def test_the_launcher_restarts_a_job_whose_rank_stalled(tmp_path):
               cwd=ROOT, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     (restart,) = [line for line in out.stderr.splitlines() if "jddp.launch: restart" in line]
-    assert "restart 1/1: rank " in restart and "code 124; resuming from step " in restart
+    assert restart.startswith(
+        "jddp.launch: restart 1/1: rank 1 stalled, waiting for the next batch from the input "
+        "pipeline (exited with code 124); resuming from step "
+    ), restart
     assert len(stalled_lines(out.stderr)) == 2  # the stall, said by each rank once
     assert sorted(read_losses(workdir)) == list(range(1, 15))  # each step once
     assert run(launch(straight, 14), cwd=ROOT, timeout=300).returncode == 0
@@ -131,11 +138,36 @@ def test_a_stopped_rank_ends_the_job(tmp_path):
     assert job.returncode == 124, err[-3000:]
     lines = stalled_lines(err)
     assert list(lines) == [0], err[-3000:]
+    assert (  # the stopped rank is the cause, though it cannot say so
+        "jddp.launch: rank 1 stalled: its process is stopped (SIGSTOP or a debugger) (rank 0 "
+        "exited with code 124); stopping the other 1 process"
+    ) in err.splitlines(), err[-3000:]
     # Where the stop caught it: the step's all-reduce, or a checkpoint's barrier.
     assert "waiting for the step's results" in lines[0] or (
         "waiting for a checkpoint to be written" in lines[0]
     ), lines[0]
     assert_nothing_left(workdir)
+
+
+def test_a_host_callback_still_running_is_named_as_its_own():
+    """What a stalled rank's line says it waited for: the step's results, and when a host
+    callback of its own still runs (the rank that stalled, not a peer waiting in the
+    all-reduce), that callback by name and line."""
+    import jax
+    import jax.numpy as jnp
+
+    from jddp.proc.watchdog import WAITING, waiting_for
+
+    said = []
+
+    def stuck_here(x):
+        said.append(waiting_for("step"))
+
+    jax.jit(lambda x: jax.debug.callback(stuck_here, x) or x)(jnp.float32(1)).block_until_ready()
+    line = stuck_here.__code__.co_firstlineno + 1
+    assert len(said) == 1 and said[0].startswith(f"{WAITING['callback']}: stuck_here ("), said
+    assert said[0].endswith(f"test_watchdog.py:{line})"), said
+    assert waiting_for("step") == WAITING["step"] and waiting_for("input") == WAITING["input"]
 
 
 SLOW_BUT_MOVING = """

@@ -119,6 +119,22 @@ def nan_loss(model, batch):
     return loss(model, batch) * jnp.nan
 
 
+def negative_sum_weight_metrics(model, batch):
+    """A sum whose weights go negative on rows of weight 1 (refused as a loss's)."""
+    error = model(batch["x"]) - batch["y"]
+    return {"wsse": jddp.Metric(error**2, batch["w"] - 1.5, reduce="sum")}
+
+
+BIG = 2**26 + 1  # 16 of them fit int32 (a batch's sum); float32 keeps 24 bits, 40 need 32
+
+
+def big_count_metrics(model, batch):
+    """An integer sum whose total over the 40 eval rows passes 2^31 and whose every batch's sum
+    (16 rows) passes float32's 2^24 by digits it cannot hold."""
+    rows = batch["y"].shape[0]
+    return {"big": jddp.Metric(jnp.full(rows, BIG, jnp.int32), reduce="sum")}
+
+
 def clashing_metrics(model, batch):
     return {"loss": loss(model, batch)}
 

@@ -206,7 +206,9 @@ class MpiComm(Comm):
         """Totals over all ranks (mpi4py, on the host)."""
         ops = {"max": self._MPI.MAX, "min": self._MPI.MIN}
         return {
-            k: self.world.allreduce(float(v), op=ops.get(weighted.reduction_of(k), self._MPI.SUM))
+            k: self.world.allreduce(
+                weighted.host_number(v), op=ops.get(weighted.reduction_of(k), self._MPI.SUM)
+            )
             for k, v in values.items()
         }
 

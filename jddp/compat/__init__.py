@@ -26,6 +26,10 @@ Private names read, nothing replaced:
 * :func:`~jddp.compat.orbax_writes.wait_for_failed_writes` finds orbax's commit threads by
   their class, ``orbax.checkpoint._src.futures.future._SignalingThread``, to wait for a failed
   save's other writes before its folder is removed. Goes when orbax waits for them itself.
+* :func:`~jddp.compat.jax_backend.backend_started` reads
+  ``jax._src.xla_bridge.backends_are_initialized``: whether ``jddp.fit`` can still join the
+  job a launcher describes (the script built its model before ``jddp.initialize()``, or never
+  called it). Goes when JAX says it publicly without starting its backends.
 * :mod:`jddp.models.units` (the mechanism itself, so it stays there): flax's
   ``nnx.graphlib.is_graph_node``, a class's ``_pytree__is_pytree``, and a subclass made as
   ``type(cls)(name, bases, namespace, pytree=...)``. Goes when flax offers a public way to
@@ -35,9 +39,10 @@ The state of the process (no library's internals):
 
 * :mod:`~jddp.compat.collector`: Python's garbage collector collects its youngest generation
   less often: for good in jddp's commands, within the call in ``jddp.fit`` (restored after).
-* :mod:`~jddp.compat.excepthook`: ``sys.excepthook`` chained so that a ``Preempted`` nobody
-  catches ends a ``jddp.fit`` script with exit 75: installed for ``fit``'s call, put back after
-  it unless a ``Preempted`` left it (the hook's one use).
+* :mod:`~jddp.compat.excepthook`: ``sys.excepthook`` chained so that a ``JddpError`` nobody
+  catches ends a ``jddp.fit`` script as the CLI ends: one line and its exit code (75 for a
+  ``Preempted``, 2 for a ``ConfigError``): installed for ``fit``'s call, put back after it
+  unless a ``JddpError`` left it (the hook's one use).
 
 Not here: the version pairs refused at start-up (:mod:`jddp.proc.versions`), and the filters on
 the ``absl`` and ``asyncio`` loggers and the ``sys.unraisablehook`` that keep orbax's reports of

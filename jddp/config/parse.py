@@ -113,6 +113,14 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             choices = ", ".join(map(str, allowed))
+            if isinstance(value, bool):  # not the user's word: YAML's reading of it
+                written = "on, yes or true" if value else "off, no or false"
+                word = "none" if not value and "none" in allowed else None
+                hint = f" (did you mean {word!r}?)" if word else ""
+                raise ConfigError(
+                    f"{key}: YAML reads {written} as the boolean {str(value).lower()}, which is "
+                    f"not allowed; choose one of {choices}{hint}"
+                )
             raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {choices}{hint}")
         return value
     if tp is bool:

@@ -45,7 +45,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from jddp.errors import INTERRUPTED, PREEMPTED, STOP_SIGNALS
@@ -242,9 +242,9 @@ def launch(
     Handlers for the stop signals (SIGINT, SIGTERM, SIGUSR1, SIGHUP) are installed for the
     duration of the call when it runs on the main thread (and restored afterwards).
     """
-    workdir = workdir_of(command)
-    restarts = Restarts(max_restarts, workdir)
-    with _SignalsBetweenStarts() as between:
+    # (the config is read only for restarts: a rank may be the one meant to read it first)
+    restarts = Restarts(max_restarts, workdir_of(command) if max_restarts else None)
+    with _SignalsBetweenStarts(keep=_keep_handlers) as between:
         while True:
             if between.received is not None:  # before any rank started, or between restarts
                 name = signal_name(between.received)
@@ -252,17 +252,25 @@ def launch(
                 return INTERRUPTED if between.received == signal.SIGINT else PREEMPTED
             code = _start_group(command, nproc, kill_timeout, devices_per_proc, port, restarts)
             if code is not None:
+                between.ended(code)
                 return code
             between.wait(restart_delay)
 
 
 class _SignalsBetweenStarts:
-    """The launcher's stop signals recorded while no rank runs (its own start, a restart's
-    delay): a SIGTERM then ends the launcher in one line (exit 75, 130 for Ctrl-C), not by
-    the signal's default (killed, no line)."""
+    """The launcher's stop signals while no rank runs (its own start, a restart's delay, and
+    once the ranks are gone): a SIGTERM then ends the launcher in one line (exit 75, 130 for
+    Ctrl-C), not by the signal's default (killed, no line). Once the group has ended
+    (:meth:`ended`), a stop signal is one line and the launcher's exit code at once
+    (``keep``: the command's process; its handlers then stay until the process ends,
+    :func:`exit_now`: a second Ctrl-C after the ranks had saved and exited 75 met Python's
+    default handler, a ``KeyboardInterrupt`` traceback, or the interpreter's teardown, which
+    puts the signal's default back: killed, no line, exit -2)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = False) -> None:
         self.received: int | None = None
+        self.keep = keep
+        self._code: int | None = None
         self._previous: dict[int, Any] = {}
         self._arrived = threading.Event()
 
@@ -273,16 +281,52 @@ class _SignalsBetweenStarts:
         return self
 
     def _record(self, signum: int, frame: object) -> None:
+        if self._code is not None:
+            self._after_the_end(signum)
         self.received = self.received or signum
         self._arrived.set()
+
+    def ended(self, code: int) -> None:
+        """The group has ended with the launcher's exit ``code``: what a stop signal says from
+        now on (one that came since the ranks ended is said now)."""
+        self._code = code
+        if self.received is not None:
+            self._after_the_end(self.received)
+
+    def _after_the_end(self, signum: int) -> None:
+        os.write(
+            2,
+            f"{PROG}: received {signal_name(signum)} after every process ended; exiting with "
+            f"code {self._code}\n".encode(),
+        )
+        if self.keep:
+            exit_now(self._code or 0)
 
     def wait(self, seconds: float) -> None:
         """Sleep ``seconds``, or until a stop signal arrives."""
         self._arrived.wait(seconds)
 
     def __exit__(self, *exc: object) -> None:
+        if self.keep and exc[0] is None:
+            return  # until the process ends (exit_now)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+_keep_handlers = False  # python -m jddp.launch: the stop signals' handlers stay to the end
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the launcher's process with ``code`` now: its output flushed, without the
+    interpreter's teardown (which puts every signal's default back, so a Ctrl-C during it
+    killed the launcher: no line, exit -2; the launcher has nothing else to tear down)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _start_group(
@@ -295,9 +339,8 @@ def _start_group(
 ) -> int | None:
     """One start of the group; its exit code, or None when it is to be started again."""
     launcher = _Launcher(list(command), nproc, kill_timeout)
-    code = _launch_once(launcher, command, nproc, devices_per_proc, port)
-    rank, returncode = launcher.first_failure or (0, code)
-    cause = f"rank {rank} {describe_exit(returncode)}"
+    code = _launch_once(launcher, command, nproc, devices_per_proc, port, restarts.watch)
+    cause = launcher.cause or f"rank 0 {describe_exit(code)}"
     refusal = restarts.refusal(code, launcher.signal_received, cause)
     if refusal is not None:
         if refusal:
@@ -313,8 +356,10 @@ def _launch_once(
     nproc: int,
     devices_per_proc: int | None,
     port: int | None,
+    on_poll: Callable[[], None] = lambda: None,
 ) -> int:
-    """One start of the group under ``launcher``; its exit code."""
+    """One start of the group under ``launcher``; its exit code (``on_poll``: called as the
+    launcher polls its ranks)."""
     if port is None:
         port = find_free_port()
     envs = [
@@ -332,13 +377,22 @@ def _launch_once(
             launcher.stderr.write(f"{PROG}: cannot start {command[0]!r}: {e}\n")
             launcher.abort()
             return 127 if isinstance(e, FileNotFoundError) else 126
-        return launcher.wait()
+        return launcher.wait(on_poll)
     except BaseException:
         launcher.abort()
         raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def command() -> NoReturn:
+    """``python -m jddp.launch``: :func:`main`, its stop signals' handlers kept until the
+    process ends (:func:`exit_now`), so that a stop signal after the ranks ended is one line
+    and the launcher's exit code."""
+    global _keep_handlers
+    _keep_handlers = True
+    exit_now(main())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,6 @@
-"""``python -m jddp.launch``: the launcher's command line (:func:`jddp.launch.main`)."""
+"""``python -m jddp.launch``: the launcher's command line (:func:`jddp.launch.main`), its
+process ended by :func:`jddp.launch.command`."""
 
-import sys
+from jddp.launch import command
 
-from jddp.launch import main
-
-sys.exit(main())
+command()

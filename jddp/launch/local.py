@@ -12,18 +12,23 @@ import threading
 import time
 from collections.abc import Callable
 
-from jddp.errors import PREEMPTED
+from jddp.errors import PREEMPTED, STALLED
+from jddp.launch.oom import oom_cause, oom_kills
 from jddp.launch.supervise import (
     PROG,
     READER_JOIN_TIMEOUT,
     REAP_TIMEOUT,
     STARTUP_GRACE_S,
     STOP_GRACE_S,
+    Aftermath,
     Output,
+    Stalls,
     catches,
     exit_code_for,
     failure_report,
+    first_cause,
     held_signals,
+    is_stopped,
     proc_group_has_live_member,
     pump,
     signal_name,
@@ -37,6 +42,7 @@ class Launcher:
     """State for one launch: the children, their reader threads and the stop logic."""
 
     first_failure: tuple[int, int] | None = None  # (rank, returncode) of the cause, if any
+    cause: str | None = None  # the first failure as said (rank 1 killed by signal SIGKILL)
 
     def __init__(self, command: list[str], nproc: int, kill_timeout: float) -> None:
         self.command = command
@@ -55,6 +61,8 @@ class Launcher:
         self.returncodes: dict[int, int] = {}  # rank -> Popen.returncode, filled by wait()
         self.started_at: dict[int, float] = {}  # pgid -> when its leader was started
         self.held: dict[int, int] = {}  # pgid -> a signal held until the leader catches it
+        self.stalls = Stalls()  # which rank stalled, from the ranks' stall lines
+        self.oom_kills = oom_kills()  # the memory cgroup's OOM kills before the ranks start
 
     # -- signalling -------------------------------------------------------------------------
     def signal_groups(self, sig: int) -> None:
@@ -171,11 +179,15 @@ class Launcher:
         finally:
             for rank, proc in enumerate(self.procs):
                 prefix = f"[rank {rank}] "
-                for pipe, out in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
+                stderr_watch = functools.partial(self.stalls.see, rank)
+                for pipe, out, watch, aftermath in (
+                    (proc.stdout, self.stdout, None, None),
+                    (proc.stderr, self.stderr, stderr_watch, (Aftermath(), rank)),
+                ):
                     assert pipe is not None
                     t = threading.Thread(
                         target=pump,
-                        args=(pipe, prefix, out),
+                        args=(pipe, prefix, out, watch, aftermath),
                         name=f"{PROG}-rank{rank}",
                         daemon=True,
                     )
@@ -196,10 +208,12 @@ class Launcher:
             preexec_fn=die_with_launcher,
         )
 
-    def wait(self) -> int:
-        """Supervise the children until all have exited; return the launcher's exit code."""
+    def wait(self, on_poll: Callable[[], None] = lambda: None) -> int:
+        """Supervise the children until all have exited; return the launcher's exit code.
+        ``on_poll`` is called at every poll (the restarts watch the run's workdir)."""
         failure: int | None = None  # exit code of the first failed rank
         while len(self.returncodes) < len(self.procs):
+            on_poll()
             self.send_held()
             exited = []
             for rank, proc in enumerate(self.procs):
@@ -211,7 +225,9 @@ class Launcher:
             # A failure while stopping (a signal forwarded, or after the first failure) was
             # expected: only the first one is reported, naming its cause.
             if failed and failure is None and self.signal_received is None:
-                cause = failure_report(failed, self._alive_count())
+                stall = self._stall(failed)
+                self.cause = self._out_of_memory(failed) or first_cause(failed, stall)
+                cause = failure_report(failed, self._alive_count(), stall, self.cause)
                 self.first_failure = min(failed, key=lambda f: (f[1] >= 0, f[0]))
                 failure = exit_code_for(self.first_failure[1])
                 self.stderr.write(f"{PROG}: {cause}\n")
@@ -242,6 +258,27 @@ class Launcher:
                 return PREEMPTED
             return 128 + self.signal_received
         return 0
+
+    def _out_of_memory(self, failed: list[tuple[int, int]]) -> str | None:
+        """The cause's words when the rank killed by SIGKILL was the OOM killer's: the memory
+        cgroup's count of OOM kills grew since the ranks started (:mod:`.oom`)."""
+        killed = [rank for rank, rc in sorted(failed) if rc == -signal.SIGKILL]
+        if not killed or self.oom_kills is None:
+            return None
+        now = oom_kills()
+        if now is None or now <= self.oom_kills:
+            return None
+        return oom_cause(killed[0], self.command)
+
+    def _stall(self, failed: list[tuple[int, int]]) -> tuple[int, str] | None:
+        """The rank that stalled when a rank exited 124 (:class:`Stalls`): a rank still alive
+        but stopped (SIGSTOP: it cannot say so), else the one the ranks' lines name."""
+        if all(exit_code_for(rc) != STALLED for _, rc in failed):
+            return None
+        for rank, proc in enumerate(self.procs):
+            if rank not in self.returncodes and is_stopped(proc.pid):
+                self.stalls.stopped(rank)
+        return self.stalls.culprit()
 
     def _cleanup_groups(self) -> None:
         """Terminate grandchildren left in the children's process groups."""

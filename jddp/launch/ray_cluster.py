@@ -400,7 +400,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     ray = import_ray()
     connect(ray, args.address)
     out = Output("stderr")
-    workdir = workdir_of(command)
+    workdir = workdir_of(command) if args.max_restarts else None  # (only restarts read it)
     devices_per_worker = args.devices_per_proc or max(1, int(args.gpus_per_worker))
     restarts = Restarts(args.max_restarts, workdir)
     group = job = None
@@ -422,7 +422,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             for sig in STOP_SIGNALS:
                 signal.signal(sig, job.on_signal)
             job.start()
-            code = job.wait()
+            code = job.wait(restarts.watch)
             cause = job.failure or f"the job exited {code}"
             # a stop signal that came as the job ended is still a stop: not restarted
             stopped = job.signal_received or (job.signals[0] if job.signals else None)

@@ -8,12 +8,19 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jddp.errors import BAD_INPUT, FAILURE, PREEMPTED
-from jddp.launch.supervise import STOP_GRACE_S, Output, exit_code_for, failure_report
+from jddp.errors import BAD_INPUT, FAILURE, PREEMPTED, STALLED
+from jddp.launch.supervise import (
+    STOP_GRACE_S,
+    Aftermath,
+    Output,
+    Stalls,
+    exit_code_for,
+    failure_report,
+)
 
 PROG = "jddp.ray"
 _POLL_INTERVAL = 0.1
@@ -101,6 +108,8 @@ class RayJob:
         self.stop_deadline: float | None = None
         self.killed_at: float | None = None
         self.failure: str | None = None  # the first failure, as said (a restart's cause)
+        self.stalls = Stalls()  # which rank stalled, from the ranks' stall lines
+        self.aftermath: dict[int, Aftermath] = {}  # per rank: JAX's lines once process 0 ended
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -227,9 +236,16 @@ class RayJob:
                 rank.lost = first_line(e)
                 ended.append(index)
                 continue
+            aftermath = self.aftermath.setdefault(index, Aftermath())
             for stream, text in lines:
                 out = self.stdout if stream == "stdout" else self.stderr
-                out.write(f"[rank {index}] {text}")
+                if stream == "stderr":
+                    self.stalls.see(index, text)
+                if stream == "stdout" or aftermath.show(text):
+                    out.write(f"[rank {index}] {text}")
+            if rank.drained and aftermath.hidden:
+                self.stderr.write(aftermath.summary(index) or "")
+                aftermath.hidden = 0  # said once
             if returncode is not None and rank.returncode is None:
                 rank.returncode = returncode
                 ended.append(index)
@@ -247,16 +263,22 @@ class RayJob:
             )
             return f"{text}{others} (rank {i}: node {self.ranks[i].where})"
         failed = [(i, self.ranks[i].returncode) for i in ended if self.ranks[i].returncode]
-        first = min(failed, key=lambda f: (f[1] >= 0, f[0]))[0]
+        first, code = min(failed, key=lambda f: (f[1] >= 0, f[0]))
+        stall = self.stalls.culprit()
+        if stall is not None and exit_code_for(code) == STALLED:
+            first = stall[0]  # the rank that stalled, where it ran
         rank = self.ranks[first]
-        return f"{failure_report(failed, alive)} (rank {first}: node {rank.where}, pid {rank.pid})"
+        report = failure_report(failed, alive, stall)
+        return f"{report} (rank {first}: node {rank.where}, pid {rank.pid})"
 
-    def wait(self) -> int:
-        """Supervise the ranks until all have finished; return the driver's exit code."""
+    def wait(self, on_poll: Callable[[], None] = lambda: None) -> int:
+        """Supervise the ranks until all have finished; return the driver's exit code
+        (``on_poll``: called at every poll; the restarts watch the run's workdir)."""
         failure: int | None = None
         bad: list[int] = []  # failed ranks seen while no stop was under way, not yet named
         settled_at: float | None = None  # when the first of them is named
         while self._live():
+            on_poll()
             ended = self._poll()
             stopping = failure is not None or self.signal_received is not None
             if not stopping:

@@ -5,13 +5,15 @@ launcher stops the group as always; with restarts left it waits ``--restart-dela
 starts the same command again, which resumes from the newest checkpoint (a rerun of jddp's
 commands resumes; every step is logged once, and the losses are the uninterrupted run's
 bitwise on the same topology). Each restart is one line on stderr and a ``restart`` row in the
-run's ``metrics.jsonl`` when the command names its ``workdir=``.
+run's ``metrics.jsonl``: the run's workdir is read from the command (:func:`workdir_of`: its
+config file and overrides, as ``jddp.train`` resolves them).
 
 Not restarted: a preemption (every rank exited 75: the scheduler's business, as without the
 flag), a stop signal to the launcher, bad input (exit 2: the same command would fail the same
 way) and Ctrl-C (130); nor a crash loop: the same exit code again, at the same step (within
 :data:`SAME_STEP`: process 0 logs a step one step late) with no checkpoint written since the last
-restart — a deterministic failure, on which restarts would only be burnt (:class:`Restarts`).
+restart — a deterministic failure, on which restarts would only be burnt (:class:`Restarts`);
+nor a run whose workdir was deleted while it ran (a restart would begin a new run at step 0).
 When the restarts run out, the last failure is named once more with the exit.
 """
 
@@ -29,11 +31,33 @@ SAME_STEP = 2  # logged steps this close are "the same step" (lines are read one
 
 
 def workdir_of(command: Sequence[str]) -> Path | None:
-    """The ``workdir=...`` override of a jddp command, if it has one."""
+    """The workdir of a jddp command, as the command resolves it: ``python -m jddp.train``'s
+    ``--config FILE`` and overrides, read with jddp's own config loader (no JAX, nothing of the
+    config imported), ``workdir`` defaulting to ``runs/<config name>``; another command's
+    ``workdir=...`` override. None when there is none, or the config cannot be read (the
+    command says why itself, exit 2)."""
+    command = list(command)
+    if "jddp.train" in command:
+        return _train_workdir(command[command.index("jddp.train") + 1 :])
     for arg in command:
         if arg.startswith("workdir="):
             return Path(arg.split("=", 1)[1]).expanduser()
     return None
+
+
+def _train_workdir(args: list[str]) -> Path | None:
+    """The workdir of ``python -m jddp.train ARGS``."""
+    if "-h" in args or "--help" in args:
+        return None
+    from jddp import config as config_lib
+    from jddp.errors import JddpError
+    from jddp.train import parse_args
+
+    try:
+        parsed = parse_args(args)
+        return Path(config_lib.load(parsed.config, list(parsed.overrides)).workdir)
+    except (JddpError, OSError, SystemExit):
+        return None
 
 
 def newest_checkpoint(workdir: Path | None) -> int | None:
@@ -91,6 +115,13 @@ class Restarts:
         self.limit, self.workdir = limit, workdir
         self.count = 0
         self._previous: tuple[int, int | None, int | None] | None = None  # code, step, ckpt
+        self._workdir_seen = False  # the workdir existed while the job ran (see: watch)
+
+    def watch(self) -> None:
+        """Called by a launcher as it supervises the job: note that the workdir exists, so that
+        its deletion is told from a run that never made one (a stat at most)."""
+        if not self._workdir_seen and self.workdir is not None and self.limit:
+            self._workdir_seen = self.workdir.is_dir()
 
     def refusal(
         self, code: int, signal_received: int | None, cause: str, may_loop: bool = True
@@ -98,11 +129,16 @@ class Restarts:
         """None to restart after a failure (``code``, said as ``cause``); else why not: ""
         when there is nothing to add (no restarts asked for, or nothing to restart), else the
         line that says it (restarts used up, a crash loop). The crash-loop check needs the
-        command's ``workdir=`` (its steps and checkpoints) and ``may_loop`` (False for a lost
-        machine or Ray actor: no bug of the run's)."""
+        command's workdir (its steps and checkpoints: :func:`workdir_of`) and ``may_loop``
+        (False for a lost machine or Ray actor: no bug of the run's)."""
         if self.limit == 0 or not should_restart(code, signal_received):
             return ""
         step, checkpoint = last_logged_step(self.workdir), newest_checkpoint(self.workdir)
+        if self._workdir_seen and self.workdir is not None and not self.workdir.is_dir():
+            return (  # a restart would begin a new run at step 0 where the old one was
+                f"{cause}; the run's workdir {self.workdir} was deleted while it ran: not "
+                "restarting"
+            )
         if self.count >= self.limit:
             return f"no restart left (--max-restarts {self.limit}); the last failure: {cause}"
         previous, self._previous = self._previous, (code, step, checkpoint)

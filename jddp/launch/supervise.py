@@ -6,11 +6,14 @@ signals are held for a rank still starting, and whether a process group still ha
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
+
+from jddp.errors import STALLED
 
 PROG = "jddp.launch"
 READER_JOIN_TIMEOUT = 5.0  # after all children are reaped, how long to wait for EOF on pipes
@@ -47,18 +50,122 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def failure_report(failed: list[tuple[int, int]], alive: int) -> str:
-    """What the launcher says when ranks fail: ``failed`` holds ``(rank, returncode)`` of the
-    failed ranks seen exiting together (one poll), ``alive`` how many ranks still run.
+class Stalls:
+    """Which rank stalled, from what the ranks say and are: every rank's watchdog prints one
+    line when the job makes no progress (``jddp: error: step N stalled: ... process P was
+    waiting for W; stopping ...``, :mod:`jddp.proc.watchdog`) and exits 124, the rank that
+    stalled and the peers waiting for it in the all-reduce alike, and the leader exits last.
+    Fed each rank's stderr lines (:meth:`see`) and the ranks found stopped (SIGSTOP; they print
+    nothing); :meth:`culprit` names the rank to blame. Thread-safe (the pumps feed it)."""
 
-    The cause comes first: a rank killed by a signal (the OOM killer, a node's kill -9) takes
-    its peers' collectives down with it, so when both are seen at once the killed one is named,
-    not the survivor whose all-reduce then failed ("Connection closed by peer", exit 1); the
-    others follow in brackets."""
+    LINE = re.compile(
+        r"jddp: error: step \d+ stalled: .*?; process (\d+) was waiting for (.+?); stop"
+    )
+
+    def __init__(self) -> None:
+        self._lines: list[tuple[int, str]] = []  # (rank, what it waited for), as they came
+        self._stopped: list[int] = []
+        self._lock = threading.Lock()
+
+    def see(self, rank: int, line: str) -> None:
+        """A line rank ``rank`` wrote on stderr."""
+        if "stalled" in line:
+            match = self.LINE.search(line)
+            if match:
+                with self._lock:
+                    self._lines.append((rank, match[2]))
+
+    def stopped(self, rank: int) -> None:
+        """Rank ``rank``'s process is stopped (SIGSTOP, a debugger): it cannot progress."""
+        with self._lock:
+            if rank not in self._stopped:
+                self._stopped.append(rank)
+
+    def culprit(self) -> tuple[int, str] | None:
+        """``(rank, how it stalled)``: a stopped rank; else the first whose line says it waited
+        for its own work (its input pipeline, a host callback of its own), which its peers
+        then waited for in the all-reduce; else the rank whose watchdog spoke first. None
+        when no rank said it stalled."""
+        from jddp.proc.watchdog import OWN_WAITS, WAITING
+
+        with self._lock:
+            if self._stopped:
+                return self._stopped[0], ": its process is stopped (SIGSTOP or a debugger)"
+            own = [WAITING[what] for what in OWN_WAITS]
+            for rank, waited in self._lines:
+                if any(waited.startswith(text) for text in own):
+                    return rank, f", waiting for {waited}"
+            if self._lines:
+                rank, waited = self._lines[0]
+                return rank, f", waiting for {waited}"
+        return None
+
+
+class Aftermath:
+    """One rank's stderr once JAX's coordination service reports another process gone:
+    process 0 hosts it, so when process 0 ends (its own one line said why), a peer still alive
+    prints JAX's errors about the lost service (and process 0 likewise when a peer dies) —
+    ``Polled an error from coordination service``, ``Terminating process because the JAX
+    distributed service detected fatal errors``, gRPC's details, a stack dump as it aborts, its
+    failed all-reduce — a page that says only that another process ended, which the launcher
+    says itself. From the first of those lines on, the rank's lines are counted, not shown
+    (:meth:`show`), and said in one line at its end (:meth:`summary`)."""
+
+    START = (
+        "Polled an error from coordination service",
+        "Terminating process because the JAX distributed service detected fatal errors",
+        "Failed to retrieve preemption notice from coordination service",
+    )
+
+    def __init__(self) -> None:
+        self.hidden = 0
+
+    def show(self, line: str) -> bool:
+        """Whether to forward ``line`` (False once the rank's aftermath began)."""
+        if not self.hidden and not any(start in line for start in self.START):
+            return True
+        self.hidden += 1
+        return False
+
+    def summary(self, rank: int) -> str | None:
+        """The line that stands for the hidden ones, if any."""
+        if not self.hidden:
+            return None
+        return (
+            f"{PROG}: rank {rank}: {self.hidden} line{'s' if self.hidden > 1 else ''} of JAX's "
+            "errors about the job's coordination service not shown: another process had ended "
+            "(its own lines say why)\n"
+        )
+
+
+def first_cause(failed: list[tuple[int, int]], stall: tuple[int, str] | None = None) -> str:
+    """The cause among ``failed`` (``(rank, returncode)`` seen exiting together): a rank killed
+    by a signal (the OOM killer, a node's kill -9) takes its peers' collectives down with it,
+    so it is named, not the survivor whose all-reduce then failed ("Connection closed by peer",
+    exit 1). A stall (exit 124) names the rank that stalled (``stall``, :meth:`Stalls.culprit`),
+    not the first to exit: every rank's watchdog fires, the waiting peers' too."""
+    rank, rc = min(failed, key=lambda f: (f[1] >= 0, f[0]))  # killed first, then by rank
+    text = f"rank {rank} {describe_exit(rc)}"
+    if stall is None or exit_code_for(rc) != STALLED:
+        return text
+    stalled, how = stall
+    exited = describe_exit(rc) if stalled == rank else text
+    return f"rank {stalled} stalled{how} ({exited})"
+
+
+def failure_report(
+    failed: list[tuple[int, int]],
+    alive: int,
+    stall: tuple[int, str] | None = None,
+    cause: str | None = None,
+) -> str:
+    """What the launcher says when ranks fail: ``failed`` holds ``(rank, returncode)`` of the
+    failed ranks seen exiting together (one poll), ``alive`` how many ranks still run; the
+    cause first (``cause``, else :func:`first_cause`), the others in brackets."""
     ordered = sorted(failed, key=lambda f: (f[1] >= 0, f[0]))  # killed first, then by rank
     (rank, rc), *others = ordered
     also = "; ".join(f"rank {r} {describe_exit(c)}" for r, c in others)
-    text = f"rank {rank} {describe_exit(rc)}" + (f" (then {also})" if also else "")
+    text = (cause or first_cause(failed, stall)) + (f" (then {also})" if also else "")
     if alive:
         return f"{text}; stopping the other {alive} process{'es' if alive > 1 else ''}"
     return f"{text}; no other process is left"
@@ -80,6 +187,17 @@ def catches(pid: int, sig: int) -> bool:
     except (OSError, ValueError):
         pass
     return True
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state ``T``/``t`` in ``/proc/PID/stat``: SIGSTOP, a
+    debugger); False where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :][:1] in (b"T", b"t")
 
 
 def signal_name(signum: int) -> str:
@@ -140,8 +258,16 @@ class Output:
                 pass
 
 
-def pump(pipe: IO[bytes], prefix: str, out: Output) -> None:
-    """Forward ``pipe`` to ``out`` line by line, each line prefixed; close the pipe at EOF."""
+def pump(
+    pipe: IO[bytes],
+    prefix: str,
+    out: Output,
+    watch: Callable[[str], None] | None = None,
+    aftermath: tuple[Aftermath, int] | None = None,
+) -> None:
+    """Forward ``pipe`` to ``out`` line by line, each line prefixed (and shown to ``watch``),
+    but a rank's :class:`Aftermath` (``(its filter, the rank)``), said in one line at EOF;
+    close the pipe at EOF."""
     try:
         while True:
             chunk = pipe.readline(_READ_LIMIT)
@@ -150,7 +276,13 @@ def pump(pipe: IO[bytes], prefix: str, out: Output) -> None:
             text = chunk.decode("utf-8", errors="replace")
             if not text.endswith("\n"):
                 text += "\n"
-            out.write(prefix + text)
+            if watch is not None:
+                watch(text)
+            if aftermath is None or aftermath[0].show(text):
+                out.write(prefix + text)
+        summary = aftermath[0].summary(aftermath[1]) if aftermath is not None else None
+        if summary:
+            out.write(summary)
     except (OSError, ValueError):
         pass
     finally:

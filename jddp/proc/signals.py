@@ -44,8 +44,9 @@ class StopRequest:
         self._previous: dict[int, Any] = {}
         self._finishing: str | None = None  # what the run does after its last step
         self._wakeup: tuple[int, int] | None = None  # (read, write) ends of a wakeup-fd pipe
-        self._wakeup_lock = threading.Lock()
+        self._wakeup_lock = threading.RLock()  # (the handler reads too, maybe inside __exit__)
         self._arrived: str | None = None  # seen on the pipe, before the handler ran
+        self._ctrl_cs = 0  # SIGINTs seen on the pipe (two while blocked: one handler call)
 
     def __enter__(self) -> StopRequest:
         self.install()
@@ -86,22 +87,27 @@ class StopRequest:
     def arrived(self) -> str | None:
         """The stop signal this process has received, if any — from any thread, even while the
         main thread is blocked and its handler has not run yet (then read from the wakeup
-        pipe; the handler still runs when the main thread is back)."""
-        if self.signal_name is not None:
-            return self.signal_name
-        with self._wakeup_lock:
-            if self._wakeup is not None and self._arrived is None:
+        pipe; the handler still runs when the main thread is back). A second Ctrl-C seen there
+        ends the process at once, as the handler would (the stall watchdog asks every poll:
+        Python runs the handler once for two SIGINTs that came while the main thread waited in
+        a JAX call, and only once it is back)."""
+        with self._wakeup_lock:  # read every time: a second Ctrl-C is counted here
+            if self._wakeup is not None:
                 try:
                     numbers = os.read(self._wakeup[0], 512)
                 except OSError:  # nothing written (EAGAIN)
                     numbers = b""
                 stops = [n for n in numbers if n in _STOP_NUMBERS]
-                if stops:
+                if stops and self._arrived is None:
                     self._arrived = signal.Signals(stops[0]).name
-        return self._arrived
+                self._ctrl_cs += stops.count(signal.SIGINT)
+                if self._ctrl_cs >= 2:  # Python runs the handler once for both while blocked
+                    exit_interrupted(signal.SIGINT, None, SECOND_CTRL_C)
+        return self.signal_name or self._arrived
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        self.arrived()  # (two Ctrl-C while the main thread was blocked: one call, two bytes)
         if signum == signal.SIGINT and self.signal_name == name:  # the second Ctrl-C: now
             exit_interrupted(signum, frame, SECOND_CTRL_C)
         self.signal_name = name

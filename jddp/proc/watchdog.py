@@ -58,7 +58,23 @@ WAITING = {
     "step": "the step's results (its computation, or its all-reduce with the other processes)",
     "checkpoint": "a checkpoint to be written",
     "eval": "an eval batch",
+    # the step's results while one of this process's own host callbacks still runs: this
+    # process is the one that stalled (its peers wait in the all-reduce)
+    "callback": "the step's results, held by a host callback of its own",
 }
+OWN_WAITS = ("input", "callback")  # what only this process can be stuck on (the launcher asks)
+
+
+def waiting_for(what: str) -> str:
+    """What the stall line says this process waited for: :data:`WAITING`'s text for ``what``;
+    for a step whose own host callback still runs, that callback (``name (file:line)``)."""
+    if what == "step":
+        from jddp.compat.jax_backend import running_host_callback
+
+        callback = running_host_callback()
+        if callback is not None:
+            return f"{WAITING['callback']}: {callback}"
+    return WAITING.get(what, what)
 
 
 class StallWatchdog:
@@ -68,7 +84,9 @@ class StallWatchdog:
     :meth:`progress` when something finished, :meth:`finished` when the run's work is done (a
     tracker's bounded wait at the end is no stall); use as a context manager around the run.
     ``stop_signal()`` names the stop signal the run has received, if any (then a stall exits
-    :data:`~jddp.errors.PREEMPTED`, not :data:`~jddp.errors.STALLED`)."""
+    :data:`~jddp.errors.PREEMPTED`, not :data:`~jddp.errors.STALLED`); given, it is asked
+    every poll (:meth:`jddp.proc.signals.StopRequest.arrived`, where a second Ctrl-C that came
+    while the main thread is blocked ends the process), with or without a time limit."""
 
     def __init__(
         self,
@@ -78,10 +96,11 @@ class StallWatchdog:
         poll_s: float = 0.5,
         after: str = "stopping without saving (exit 124); a rerun resumes from the newest "
         "checkpoint",
-        stop_signal: Callable[[], str | None] = lambda: None,
+        stop_signal: Callable[[], str | None] | None = None,
     ):
         self.after = after  # what the stall line says happens now
-        self.stop_signal = stop_signal
+        self._asks = stop_signal is not None  # asked every poll, even without a time limit
+        self.stop_signal = stop_signal or (lambda: None)
         self.timeout_s = timeout_s
         self.first_timeout_s = first_timeout_s
         self.process_index = process_index
@@ -109,7 +128,7 @@ class StallWatchdog:
         self._stop.set()
 
     def __enter__(self) -> StallWatchdog:
-        if self.timeout_s is not None or self.first_timeout_s is not None:
+        if self.timeout_s is not None or self.first_timeout_s is not None or self._asks:
             self.last_s = time.monotonic()
             self._thread = threading.Thread(target=self._watch, name="jddp-watchdog", daemon=True)
             self._thread.start()
@@ -127,6 +146,8 @@ class StallWatchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
+            if self._asks:
+                self.stop_signal()  # (a second Ctrl-C ends the process there, at once)
             due = self.overdue()
             if due is not None:
                 self._fire(*due)
@@ -140,7 +161,7 @@ class StallWatchdog:
         line = (
             f"jddp: error: step {self.step} stalled: no progress for {stalled_s:.0f} s "
             f"({key}={limit:g}); process {self.process_index} was waiting for "
-            f"{WAITING.get(self.what, self.what)}; {after}\n"
+            f"{waiting_for(self.what)}; {after}\n"
         )
         _FIRED_EXIT[0] = code
         FIRED.set()

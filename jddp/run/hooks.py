@@ -28,7 +28,13 @@ from jddp.mesh import to_host
 from jddp.metrics import Console, InputWait, MetricsLog
 from jddp.proc.signals import FINISH_KEY, STOP_KEY
 from jddp.state import TrainState
-from jddp.step import CLIPPED_KEY, LOSS_WEIGHT_KEY, NEGATIVE_WEIGHT_KEY, NONFINITE_KEY
+from jddp.step import (
+    CLIPPED_KEY,
+    LOSS_WEIGHT_KEY,
+    NEGATIVE_WEIGHT_KEY,
+    NONFINITE_KEY,
+    pop_negative_weights,
+)
 
 Metrics = dict[str, jax.Array]
 
@@ -209,6 +215,13 @@ class StepReporter:
     def _check_weights(self, step: int, host: dict[str, float]) -> None:
         """Pop the loss-weight flags of a weighted loss: refuse negative weights or a zero
         total; count the weights (``train/<weight_unit>``)."""
+        metric = pop_negative_weights(host)  # a metric's weights: refused as the loss's
+        if metric is not None:
+            raise DataError(
+                f"step {step}: metric {metric!r} returned negative weights (weights count what "
+                "each example stands for: they must be >= 0); the run stops, its last "
+                "checkpoint is kept"
+            )
         negative = host.pop(NEGATIVE_WEIGHT_KEY, 0.0)
         mean_weight = host.pop(LOSS_WEIGHT_KEY, None)
         if mean_weight is None:

@@ -144,6 +144,7 @@ def train_and_evaluate(
             try:
                 return _finish(run, comm, wall_start, lock)
             except BaseException:
+                run.watchdog.finished()  # failed already: the trackers' wait is no stall
                 run.trackers.finish(status="failed")  # a no-op after a preemption's
                 raise
     finally:
@@ -184,6 +185,9 @@ def _finish(run: Run, comm: Comm, wall_start: float, lock: WorkdirLock) -> RunRe
             run.saver.save(step, state)
             ckpts.close()
             comm.barrier()
+            # Saved on every process: the trackers' bounded wait is no stall (a slow one said
+            # "stalled ... stopping without saving" before the line saying it was saved).
+            run.watchdog.finished()
             if comm.is_writer:
                 run.folder.mark_preempted(step, run.config_dict)
             run.log.close()

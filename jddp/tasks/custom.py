@@ -49,7 +49,8 @@ def _shape(value: Any) -> str:
 def per_example(value: Any, rows: int, what: str, floating: bool) -> jax.Array:
     """``value`` as one number per example (``[rows]``), else a :class:`TaskError` saying what
     ``what`` returned and what is expected. ``floating``: only floating dtypes (losses); else
-    integers and booleans are taken too (counts, correct predictions) as float32."""
+    integers and booleans are taken too (counts, correct predictions), as they are: a mean, max
+    or min computes in floats, a sum of them adds as integers (:mod:`jddp.weighted`)."""
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
         raise TaskError(
             f"{what}: got a {type(value).__name__}; expected an array of shape [{rows}] (one "
@@ -73,7 +74,7 @@ def per_example(value: Any, rows: int, what: str, floating: bool) -> jax.Array:
     ):
         kinds = "a floating dtype" if floating else "a number per example (float, int or bool)"
         raise TaskError(f"{what}: got dtype {value.dtype}; expected {kinds}")
-    return value.astype(jnp.float32)
+    return value
 
 
 def value_and_weight(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +48,28 @@ def tensorboard_points(folder: Path) -> dict[str, set[int]]:
     return points
 
 
+# tensorboardX warns "NaN or Inf found in input tensor." for every non-finite value it writes
+# (three lines before jddp's own one about a non-finite step: the loss and two norms); the value
+# is still written, and jddp says it itself (train.on_nonfinite).
+_X2NUM = logging.getLogger("tensorboardX.x2num")
+
+
+class _NoNanWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("NaN or Inf found")
+
+
+@contextlib.contextmanager
+def _quiet_nan() -> Iterator[None]:
+    """tensorboardX's NaN warning off for jddp's own writes (a user's keep it)."""
+    quiet = _NoNanWarning()
+    _X2NUM.addFilter(quiet)
+    try:
+        yield
+    finally:
+        _X2NUM.removeFilter(quiet)
+
+
 class TensorBoardTracker:
     """Event files in ``workdir/tensorboard`` (tensorboardX), on disk within a second of each
     log line (its writer thread flushes every second, not every 120 s). On resume, events of
@@ -73,7 +98,11 @@ class TensorBoardTracker:
         for key, value in scalars.items():
             if step <= self.resume_step and step in self._shown.get(key, ()):
                 continue  # a refilled step the files already show
-            self._writer.add_scalar(key, value, step)
+            if math.isfinite(value):
+                self._writer.add_scalar(key, value, step)
+            else:  # shown in TensorBoard as NaN or Inf; said once by jddp, not per value
+                with _quiet_nan():
+                    self._writer.add_scalar(key, value, step)
 
     def flush(self) -> None:
         self._writer.flush()
