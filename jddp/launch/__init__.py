@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import socket
 import sys
@@ -272,7 +273,11 @@ class _SignalsBetweenStarts:
         self.keep = keep
         self._code: int | None = None
         self._previous: dict[int, Any] = {}
-        self._arrived = threading.Event()
+        # A pipe, not a threading.Event: the handler runs on the main thread, which may be
+        # inside Event.wait holding the event's lock (the handler's set() then deadlocked:
+        # a SIGTERM at the start of a restart's delay hung the launcher for good).
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
 
     def __enter__(self) -> _SignalsBetweenStarts:
         if threading.current_thread() is threading.main_thread():
@@ -284,7 +289,10 @@ class _SignalsBetweenStarts:
         if self._code is not None:
             self._after_the_end(signum)
         self.received = self.received or signum
-        self._arrived.set()
+        try:
+            os.write(self._wake_write, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is already waiting) or closed
 
     def ended(self, code: int) -> None:
         """The group has ended with the launcher's exit ``code``: what a stop signal says from
@@ -303,14 +311,18 @@ class _SignalsBetweenStarts:
             exit_now(self._code or 0)
 
     def wait(self, seconds: float) -> None:
-        """Sleep ``seconds``, or until a stop signal arrives."""
-        self._arrived.wait(seconds)
+        """Sleep ``seconds``, or until a stop signal arrives (one that came before returns at
+        once)."""
+        if self.received is None:
+            select.select([self._wake_read], [], [], seconds)
 
     def __exit__(self, *exc: object) -> None:
         if self.keep and exc[0] is None:
             return  # until the process ends (exit_now)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
 
 
 _keep_handlers = False  # python -m jddp.launch: the stop signals' handlers stay to the end
