@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -629,6 +630,37 @@ def test_a_stop_signal_once_the_group_ended_is_said_with_the_exit_code(capfd) ->
         "jddp.launch: received SIGINT after every process ended; exiting with code 75\n"
     )
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
+def test_a_stop_signal_another_thread_received_ends_the_delay_before_a_restart() -> None:
+    """The kernel gives a process's signal to any of its threads; Python runs the handler on the
+    main thread only once that thread is back from C. One a reader thread received while the
+    main thread slept a restart's delay left the delay to run out (600 s in CI: the launcher
+    looked hung); the delay now wakes on the signals' wakeup fd. Here the signal goes to a
+    thread of this process once the main thread is inside the delay's wait."""
+    main = threading.main_thread().ident
+
+    def signal_this_thread_once_main_waits() -> None:
+        while True:  # (what the main thread is doing, not a moment guessed)
+            frame = sys._current_frames().get(main)
+            while (
+                frame is not None and frame.f_code is not launch._SignalsBetweenStarts.wait.__code__
+            ):
+                frame = frame.f_back
+            if frame is not None:
+                break
+            time.sleep(0.001)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    with launch._SignalsBetweenStarts() as between:
+        sender = threading.Thread(target=signal_this_thread_once_main_waits, daemon=True)
+        sender.start()
+        t0 = time.monotonic()
+        woken = between.wait(600)
+        waited_s = time.monotonic() - t0
+        sender.join()
+    assert woken and between.received == signal.SIGTERM
+    assert waited_s < 300  # woken by the signal, not by the delay's end (which passes too)
 
 
 def test_second_signal_escalates_to_sigkill(tmp_path: Path) -> None:

@@ -273,10 +273,12 @@ class _SignalsBetweenStarts:
         self.keep = keep
         self._code: int | None = None
         self._previous: dict[int, Any] = {}
-        # A pipe, not a threading.Event: the handler runs on the main thread, which may be
-        # inside Event.wait holding the event's lock (the handler's set() then deadlocked:
-        # a SIGTERM at the start of a restart's delay hung the launcher for good).
+        # The delay waits on the signals' wakeup fd, written by the C-level handler in whatever
+        # thread the kernel chose: a Python handler runs on the main thread only, and only once
+        # that thread is back from C; a SIGTERM the kernel gave another thread (a reader not
+        # yet ended) left a restart's delay to sleep its 600 s out (the launcher looked hung).
         self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
 
     def __enter__(self) -> _SignalsBetweenStarts:
@@ -289,10 +291,6 @@ class _SignalsBetweenStarts:
         if self._code is not None:
             self._after_the_end(signum)
         self.received = self.received or signum
-        try:
-            os.write(self._wake_write, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wake-up is already waiting) or closed
 
     def ended(self, code: int) -> None:
         """The group has ended with the launcher's exit ``code``: what a stop signal says from
@@ -310,11 +308,24 @@ class _SignalsBetweenStarts:
         if self.keep:
             exit_now(self._code or 0)
 
-    def wait(self, seconds: float) -> None:
+    def wait(self, seconds: float) -> bool:
         """Sleep ``seconds``, or until a stop signal arrives (one that came before returns at
-        once)."""
-        if self.received is None:
-            select.select([self._wake_read], [], [], seconds)
+        once); whether one did."""
+        on_main = threading.current_thread() is threading.main_thread()
+        previous = (
+            signal.set_wakeup_fd(self._wake_write, warn_on_full_buffer=False) if on_main else -1
+        )
+        try:
+            if self.received is None:  # (one that came before the fd was set was recorded)
+                ready, _, _ = select.select([self._wake_read], [], [], seconds)
+                numbers = os.read(self._wake_read, 512) if ready else b""
+                stops = [n for n in numbers if n in STOP_SIGNALS]
+                if stops and self.received is None:  # before its Python handler has run
+                    self.received = stops[0]
+        finally:
+            if on_main:
+                signal.set_wakeup_fd(previous)
+        return self.received is not None
 
     def __exit__(self, *exc: object) -> None:
         if self.keep and exc[0] is None:
