@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import signal
 import socket
 import sys
@@ -55,7 +54,14 @@ from jddp.launch.restarts import (
     Restarts,
     workdir_of,
 )
-from jddp.launch.supervise import PROG, STOP_GRACE_S, describe_exit, exit_code_for, signal_name
+from jddp.launch.supervise import (
+    PROG,
+    STOP_GRACE_S,
+    describe_exit,
+    exit_code_for,
+    signal_name,
+    sleep_unless_stopped,
+)
 from jddp.proc.lifeline import LAUNCHER_PID_ENV, watch_launcher
 
 __all__ = [
@@ -273,13 +279,6 @@ class _SignalsBetweenStarts:
         self.keep = keep
         self._code: int | None = None
         self._previous: dict[int, Any] = {}
-        # The delay waits on the signals' wakeup fd, written by the C-level handler in whatever
-        # thread the kernel chose: a Python handler runs on the main thread only, and only once
-        # that thread is back from C; a SIGTERM the kernel gave another thread (a reader not
-        # yet ended) left a restart's delay to sleep its 600 s out (the launcher looked hung).
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        os.set_blocking(self._wake_write, False)
 
     def __enter__(self) -> _SignalsBetweenStarts:
         if threading.current_thread() is threading.main_thread():
@@ -311,20 +310,8 @@ class _SignalsBetweenStarts:
     def wait(self, seconds: float) -> bool:
         """Sleep ``seconds``, or until a stop signal arrives (one that came before returns at
         once); whether one did."""
-        on_main = threading.current_thread() is threading.main_thread()
-        previous = (
-            signal.set_wakeup_fd(self._wake_write, warn_on_full_buffer=False) if on_main else -1
-        )
-        try:
-            if self.received is None:  # (one that came before the fd was set was recorded)
-                ready, _, _ = select.select([self._wake_read], [], [], seconds)
-                numbers = os.read(self._wake_read, 512) if ready else b""
-                stops = [n for n in numbers if n in STOP_SIGNALS]
-                if stops and self.received is None:  # before its Python handler has run
-                    self.received = stops[0]
-        finally:
-            if on_main:
-                signal.set_wakeup_fd(previous)
+        if self.received is None:
+            self.received = sleep_unless_stopped(seconds) or self.received
         return self.received is not None
 
     def __exit__(self, *exc: object) -> None:
@@ -332,8 +319,6 @@ class _SignalsBetweenStarts:
             return  # until the process ends (exit_now)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        os.close(self._wake_read)
-        os.close(self._wake_write)
 
 
 _keep_handlers = False  # python -m jddp.launch: the stop signals' handlers stay to the end

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import sys
 import threading
@@ -198,6 +199,35 @@ def is_stopped(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(b")") + 2 :][:1] in (b"T", b"t")
+
+
+def sleep_unless_stopped(seconds: float) -> int | None:
+    """Sleep ``seconds``, or until a stop signal arrives: its number, or None. On the main
+    thread it waits on the signals' wakeup fd, which the C-level handler writes from whichever
+    thread the kernel gave the signal: a Python handler runs on the main thread only, once that
+    thread is back from C, so a SIGTERM a reader thread (or Ray's) received let a plain sleep
+    run out first (a restart's 600 s delay: the launcher looked hung). The stop signals'
+    Python handlers must not raise meanwhile (the wakeup fd is put back after the wait)."""
+    from jddp.errors import STOP_SIGNALS
+
+    if threading.current_thread() is not threading.main_thread():
+        threading.Event().wait(seconds)  # no handlers off the main thread: the full delay
+        return None
+    read_end, write_end = os.pipe()
+    try:
+        os.set_blocking(read_end, False)
+        os.set_blocking(write_end, False)
+        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        try:
+            ready, _, _ = select.select([read_end], [], [], seconds)
+            numbers = os.read(read_end, 512) if ready else b""
+        finally:
+            signal.set_wakeup_fd(previous)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    stops = [n for n in numbers if n in STOP_SIGNALS]
+    return stops[0] if stops else None
 
 
 def signal_name(signum: int) -> str:
