@@ -48,7 +48,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # not know, and a later jaxlib may drop this one.
 # And one LLVM module per program instead of XLA:CPU's parallel codegen split: on 2 busy cores
 # the split's threads only add work (the tiny run on an empty cache 6.07 -> 5.50 CPU-s, mean of
-# 5 pairs, -O0, 2026-11-27).
+# 5 pairs, -O0, 2026-11-27). Tried and left out: XLA:CPU without its Eigen pool
+# (``--xla_cpu_multi_thread_eigen=false``) saved a third of the tiny 2x2 run's CPU alone, but
+# the suite took 8% more CPU with it: the larger example models lost their second thread.
 # JDDP_TEST_AS_USERS_RUN=1 (CI's "as users run" lane, .ci/run): none of these settings, and
 # every command a new interpreter (tests/helpers.py): the suite as users run jddp.
 AS_USERS_RUN = os.environ.get("JDDP_TEST_AS_USERS_RUN") == "1"

@@ -304,8 +304,7 @@ class DistConfig:
         "how the train state is laid out over the devices: none (everything whole on every "
         "device); optimizer (the optimizer state split over a group's devices, ZeRO-1); full "
         "(parameters, gradients and optimizer state split, each parameter gathered where its "
-        "module runs, ZeRO-3/FSDP); the same losses either way, with any optimizer "
-        "(dist.shard_weight_update=true, the older spelling, means optimizer)",
+        "module runs, ZeRO-3/FSDP); the same losses either way, with any optimizer",
     )
     shard_group: Literal["all", "process"] | int = _f(
         "all",
