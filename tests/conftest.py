@@ -51,8 +51,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # 5 pairs, -O0, 2026-11-27). Tried and left out: XLA:CPU without its Eigen pool
 # (``--xla_cpu_multi_thread_eigen=false``) saved a third of the tiny 2x2 run's CPU alone, but
 # the suite took 8% more CPU with it: the larger example models lost their second thread.
-# JDDP_TEST_AS_USERS_RUN=1 (CI's "as users run" lane, .ci/run): none of these settings, and
-# every command a new interpreter (tests/helpers.py): the suite as users run jddp.
+# JDDP_TEST_AS_USERS_RUN=1 (CI's users lane, .ci/run users): none of these settings, and
+# every command a new interpreter (tests/helpers.py): the tests as users run jddp.
 AS_USERS_RUN = os.environ.get("JDDP_TEST_AS_USERS_RUN") == "1"
 _TEST_XLA_FLAGS = {} if AS_USERS_RUN else {"xla_backend_optimization_level": "0"}
 if version("jaxlib").startswith("0.10.") and not AS_USERS_RUN:  # read without importing JAX
