@@ -50,19 +50,7 @@ def diary_entries(text: str) -> list[str]:
     return found
 
 
-# Pages whose prose still holds measured durations beside the program's own time limits (the
-# limits to be put between backticks, the measurements moved to RESULTS.md). Strict: a page
-# cleaned fails here until it leaves this set.
-NOT_YET_CLEAN = {"docs/checkpoints.md", "docs/data.md", "docs/distributed.md"}
-
-
-def _page(path: Path):
-    name = str(path.relative_to(ROOT))
-    marks = [pytest.mark.xfail(strict=True, reason="durations still in its prose")]
-    return pytest.param(path, id=name, marks=marks if name in NOT_YET_CLEAN else [])
-
-
-@pytest.mark.parametrize("page", [_page(p) for p in PAGES])
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_commit_hash_date_or_duration(page):
     entries = diary_entries(page.read_text())
     assert not entries, (

@@ -25,6 +25,9 @@ Why these choices (measured in ``experiments/bench_input.py --decoders``; RESULT
 * Crop-region decoding (decoding only the rows and columns the crop needs) is offered only
   by TurboJPEG's own API (``PyTurboJPEG``), which needs the system's libturbojpeg; jddp
   installs nothing outside pip, so it is not used.
+* Not used either: Pillow-SIMD (a build against system libraries); OpenCV's own ``imdecode``
+  (as fast, but it returns BGR, one more pass, and its ``IMREAD_REDUCED`` modes cover the same
+  scales); DALI's CPU operators (CUDA wheels only).
 """
 
 from __future__ import annotations
