@@ -57,10 +57,10 @@ from jddp.launch.restarts import (
 from jddp.launch.supervise import (
     PROG,
     STOP_GRACE_S,
+    Wakeup,
     describe_exit,
     exit_code_for,
     signal_name,
-    sleep_unless_stopped,
 )
 from jddp.proc.lifeline import LAUNCHER_PID_ENV, watch_launcher
 
@@ -279,6 +279,7 @@ class _SignalsBetweenStarts:
         self.keep = keep
         self._code: int | None = None
         self._previous: dict[int, Any] = {}
+        self._wakeup = Wakeup()
 
     def __enter__(self) -> _SignalsBetweenStarts:
         if threading.current_thread() is threading.main_thread():
@@ -290,6 +291,7 @@ class _SignalsBetweenStarts:
         if self._code is not None:
             self._after_the_end(signum)
         self.received = self.received or signum
+        self._wakeup.wake(signum)
 
     def ended(self, code: int) -> None:
         """The group has ended with the launcher's exit ``code``: what a stop signal says from
@@ -311,7 +313,7 @@ class _SignalsBetweenStarts:
         """Sleep ``seconds``, or until a stop signal arrives (one that came before returns at
         once); whether one did."""
         if self.received is None:
-            self.received = sleep_unless_stopped(seconds) or self.received
+            self.received = self._wakeup.sleep(seconds) or self.received
         return self.received is not None
 
     def __exit__(self, *exc: object) -> None:
@@ -319,6 +321,7 @@ class _SignalsBetweenStarts:
             return  # until the process ends (exit_now)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._wakeup.close()
 
 
 _keep_handlers = False  # python -m jddp.launch: the stop signals' handlers stay to the end

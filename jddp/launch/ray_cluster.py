@@ -45,7 +45,6 @@ or a stop signal) starts again by itself from its newest checkpoint, on fewer wo
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import signal
@@ -62,7 +61,7 @@ from jddp.launch.restarts import (
     Restarts,
     workdir_of,
 )
-from jddp.launch.supervise import Output, sleep_unless_stopped
+from jddp.launch.supervise import Output, Wakeup
 
 CONNECT_TIMEOUT_S = 10.0  # how long a TCP connection to the cluster's address may take
 DEFAULT_PLACEMENT_TIMEOUT = 60.0
@@ -371,10 +370,6 @@ def _stop_early(signum: int, frame: object) -> None:
     raise _Stopped(signum)
 
 
-def _record_into(received: list[int], signum: int, frame: object) -> None:
-    received.append(signum)
-
-
 RESTART_TRY_S = 15.0  # how long a restart waits for a larger placement before trying fewer
 
 
@@ -441,12 +436,13 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             job.cleanup()
             _remove(group)
             job = group = None
-            during_delay: list[int] = []  # (a handler that raises would skip the wait's cleanup)
+            wakeup = Wakeup()
             for sig in STOP_SIGNALS:
-                signal.signal(sig, functools.partial(_record_into, during_delay))
-            stop = sleep_unless_stopped(args.restart_delay) or next(iter(during_delay), None)
+                signal.signal(sig, wakeup.wake)
+            stop = wakeup.sleep(args.restart_delay) or wakeup.received
             for sig in STOP_SIGNALS:
                 signal.signal(sig, _stop_early)
+            wakeup.close()
             if stop is not None:
                 raise _Stopped(stop)
             batch = batch_of(command) if args.min_workers < args.num_workers else None

@@ -201,33 +201,51 @@ def is_stopped(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 :][:1] in (b"T", b"t")
 
 
-def sleep_unless_stopped(seconds: float) -> int | None:
-    """Sleep ``seconds``, or until a stop signal arrives: its number, or None. On the main
-    thread it waits on the signals' wakeup fd, which the C-level handler writes from whichever
-    thread the kernel gave the signal: a Python handler runs on the main thread only, once that
-    thread is back from C, so a SIGTERM a reader thread (or Ray's) received let a plain sleep
-    run out first (a restart's 600 s delay: the launcher looked hung). The stop signals'
-    Python handlers must not raise meanwhile (the wakeup fd is put back after the wait)."""
-    from jddp.errors import STOP_SIGNALS
+class Wakeup:
+    """A sleep that a stop signal ends at once, whichever thread the kernel gave it to and
+    whenever it came. Two ways in, both into one pipe: the stop signals' Python handlers call
+    :meth:`wake` (a signal that came just before the sleep, whose handler ran as the sleep was
+    about to begin, ended nothing: the 600 s restart delay ran out), and during the sleep the
+    pipe is the signals' wakeup fd, which the C-level handler writes from whichever thread
+    received the signal (a Python handler runs on the main thread only, once that thread is back
+    from C: a SIGTERM a reader thread, or one of Ray's, received left a plain sleep to run out).
+    """
 
-    if threading.current_thread() is not threading.main_thread():
-        threading.Event().wait(seconds)  # no handlers off the main thread: the full delay
-        return None
-    read_end, write_end = os.pipe()
-    try:
-        os.set_blocking(read_end, False)
-        os.set_blocking(write_end, False)
-        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def wake(self, signum: int, frame: object = None) -> None:
+        """A stop signal's handler (or part of one): ends the sleep under way, or the next."""
+        self.received = self.received or signum
         try:
-            ready, _, _ = select.select([read_end], [], [], seconds)
-            numbers = os.read(read_end, 512) if ready else b""
+            os.write(self._write, bytes([signum]))
+        except OSError:  # the pipe is full (a wake-up is waiting already) or closed
+            pass
+
+    def sleep(self, seconds: float) -> int | None:
+        """Sleep ``seconds``, or until a stop signal arrives (or has arrived since the last
+        sleep): the first one's number, or None."""
+        from jddp.errors import STOP_SIGNALS
+
+        on_main = threading.current_thread() is threading.main_thread()
+        previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False) if on_main else -1
+        try:
+            ready, _, _ = select.select([self._read], [], [], seconds)
+            numbers = os.read(self._read, 512) if ready else b""
         finally:
-            signal.set_wakeup_fd(previous)
-    finally:
-        os.close(read_end)
-        os.close(write_end)
-    stops = [n for n in numbers if n in STOP_SIGNALS]
-    return stops[0] if stops else None
+            if on_main:
+                signal.set_wakeup_fd(previous)
+        stops = [n for n in numbers if n in STOP_SIGNALS]
+        if stops and self.received is None:  # (its Python handler has not run yet)
+            self.received = stops[0]
+        return self.received if stops else None
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
 
 
 def signal_name(signum: int) -> str:
