@@ -227,8 +227,11 @@ def test_each_command_takes_the_flag_and_says_what_it_does(capsys):
         ("jddp.export", ["--workdir", "W", "--format", "onnx", "--trust-code", "OUT"]),
         ("jddp.train", ["--config", "C.yaml", "--trust-code"]),
     ):
-        # The command's module run, not imported (that would bind jddp.evaluate to it).
-        parse_args = runpy.run_module(module, run_name="cli")["parse_args"]
+        # The command's module run, not imported (that would bind jddp.evaluate to it); one a
+        # test before imported is used as it is (runpy warns of running it again).
+        loaded = sys.modules.get(module)
+        namespace = vars(loaded) if loaded else runpy.run_module(module, run_name="cli")
+        parse_args = namespace["parse_args"]
         assert parse_args(argv).trust_code
         assert not parse_args([a for a in argv if a != "--trust-code"]).trust_code
         with pytest.raises(SystemExit):
