@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import IO
 
-from jddp.errors import STALLED
+from jddp.errors import STALLED, STOP_SIGNALS
 
 PROG = "jddp.launch"
 READER_JOIN_TIMEOUT = 5.0  # after all children are reaped, how long to wait for EOF on pipes
@@ -228,8 +228,6 @@ class Wakeup:
     def sleep(self, seconds: float) -> int | None:
         """Sleep ``seconds``, or until a stop signal arrives (or has arrived since the last
         sleep): the first one's number, or None."""
-        from jddp.errors import STOP_SIGNALS
-
         on_main = threading.current_thread() is threading.main_thread()
         previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False) if on_main else -1
         try:
