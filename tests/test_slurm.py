@@ -44,15 +44,22 @@ def _cluster_answers() -> bool:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A SLURM that answers, started here if need be; else skip with the reason."""
+    """A SLURM that answers, started here if need be (and then stopped after this module's
+    tests: no daemon left behind); else skip with the reason."""
     if _cluster_answers():
+        yield
         return
     if os.environ.get("JDDP_SLURM_START", "1") == "0":
         pytest.skip("no SLURM here (srun/sinfo missing or not answering) and JDDP_SLURM_START=0")
-    out = subprocess.run(["bash", str(REPO / "scripts" / "slurm_local.sh"), "start"],
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
-    if out.returncode != 0 or not _cluster_answers():
-        pytest.skip(f"no SLURM here and scripts/slurm_local.sh start failed: {out.stderr[-300:]}")
+    script = str(REPO / "scripts" / "slurm_local.sh")
+    out = subprocess.run(["bash", script, "start"], capture_output=True, text=True, timeout=600)
+    try:
+        if out.returncode != 0 or not _cluster_answers():
+            why = out.stderr[-300:]
+            pytest.skip(f"no SLURM here and scripts/slurm_local.sh start failed: {why}")
+        yield
+    finally:
+        subprocess.run(["bash", script, "stop"], capture_output=True, text=True, timeout=120)
 
 
 STEPS = 10
