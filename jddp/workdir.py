@@ -10,6 +10,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from jddp.errors import ConfigError, WorkdirLost
 
@@ -75,14 +76,12 @@ class RunFolder:
 
     def mark_preempted(self, step: int, config: dict) -> None:
         """Record that the run stopped at ``step`` on a stop signal (written atomically)."""
-        tmp = self.preempted_marker.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step, "config": config}))
-        tmp.replace(self.preempted_marker)
+        _write_marker(self.preempted_marker, {"step": step, "config": config})
 
     def preempted_run(self) -> tuple[int, dict] | None:
         """``(step, config)`` of the folder's preempted, unfinished run, or None."""
         try:
-            record = json.loads(self.preempted_marker.read_text())
+            record = _read_marker(self.preempted_marker)
             return int(record["step"]), dict(record["config"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -100,14 +99,12 @@ class RunFolder:
 
     def mark_stopped(self, step: int, reason: str, keys: dict) -> None:
         """Record that the run ended early at ``step`` (written atomically)."""
-        tmp = self.stopped_marker.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step, "reason": reason, "keys": keys}))
-        tmp.replace(self.stopped_marker)
+        _write_marker(self.stopped_marker, {"step": step, "reason": reason, "keys": keys})
 
     def stopped_run(self) -> tuple[int, str, dict] | None:
         """``(step, reason, keys)`` of the folder's run that ended early, or None."""
         try:
-            record = json.loads(self.stopped_marker.read_text())
+            record = _read_marker(self.stopped_marker)
             return int(record["step"]), str(record["reason"]), dict(record["keys"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -124,14 +121,12 @@ class RunFolder:
 
     def mark_resumed_from(self, value: str, step: int) -> None:
         """Record that ``checkpoint.resume_from=value`` resumed from ``step`` (atomically)."""
-        tmp = self.resumed_from_marker.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"resume_from": value, "step": step}))
-        tmp.replace(self.resumed_from_marker)
+        _write_marker(self.resumed_from_marker, {"resume_from": value, "step": step})
 
     def resumed_from(self) -> tuple[str, int] | None:
         """``(value, step)`` of the ``checkpoint.resume_from`` applied here, or None."""
         try:
-            record = json.loads(self.resumed_from_marker.read_text())
+            record = _read_marker(self.resumed_from_marker)
             return str(record["resume_from"]), int(record["step"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -345,3 +340,15 @@ class WorkdirLock:
             if ours:
                 self.path.unlink(missing_ok=True)
             self.held = False
+
+
+def _write_marker(path: Path, record: dict) -> None:
+    """A marker file's JSON ``record``, written atomically (a temporary file renamed)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+
+
+def _read_marker(path: Path) -> Any:
+    """A marker file's JSON record (OSError when absent, ValueError when not JSON)."""
+    return json.loads(path.read_text())
