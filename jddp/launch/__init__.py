@@ -275,7 +275,6 @@ class _SignalsBetweenStarts:
     puts the signal's default back: killed, no line, exit -2)."""
 
     def __init__(self, keep: bool = False) -> None:
-        self.received: int | None = None
         self.keep = keep
         self._code: int | None = None
         self._previous: dict[int, Any] = {}
@@ -287,10 +286,14 @@ class _SignalsBetweenStarts:
                 self._previous[sig] = signal.signal(sig, self._record)
         return self
 
+    @property
+    def received(self) -> int | None:
+        """The first stop signal that came, if any."""
+        return self._wakeup.received
+
     def _record(self, signum: int, frame: object) -> None:
         if self._code is not None:
             self._after_the_end(signum)
-        self.received = self.received or signum
         self._wakeup.wake(signum)
 
     def ended(self, code: int) -> None:
@@ -313,7 +316,7 @@ class _SignalsBetweenStarts:
         """Sleep ``seconds``, or until a stop signal arrives (one that came before returns at
         once); whether one did."""
         if self.received is None:
-            self.received = self._wakeup.sleep(seconds) or self.received
+            self._wakeup.sleep(seconds)
         return self.received is not None
 
     def __exit__(self, *exc: object) -> None:

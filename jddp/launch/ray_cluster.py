@@ -439,7 +439,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             wakeup = Wakeup()
             for sig in STOP_SIGNALS:
                 signal.signal(sig, wakeup.wake)
-            stop = wakeup.sleep(args.restart_delay) or wakeup.received
+            wakeup.sleep(args.restart_delay)
+            stop = wakeup.received
             for sig in STOP_SIGNALS:
                 signal.signal(sig, _stop_early)
             wakeup.close()
