@@ -53,6 +53,15 @@ def with_overrides(base, *overrides) -> list[str]:
     return [b for b in base if b.split("=", 1)[0] not in keys] + list(overrides)
 
 
+# TINY_SYNC's run (its images, augmentation and host workers) with a small MLP for a model
+# (tests/user_models.py ``tiny_mlp``): for the tests of what happens around the steps -- stop
+# signals, dead peers, a killed launcher, locks -- not of what the steps compute. Tracing,
+# compiling and running the ResNet-10 took half of such a job's CPU: a 2-process job of 6 steps
+# 19.5 -> 10 CPU-s, its compilation cache warm (2026-11-29, the 2-core VM).
+QUICK = with_overrides(TINY_SYNC, "model.name=tests.user_models:tiny_mlp",
+                       "model.sync_batchnorm=false")  # fmt: skip
+
+
 def train_cmd(workdir, *overrides, base=TINY_SYNC) -> list[str]:
     """``python -m jddp.train workdir=... <base> <overrides>`` (an override replaces a base
     entry of the same key)."""

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    QUICK,
+    TINY_SYNC,
     TWO_BY_TWO,
     assert_losses_match,
     kill_leftovers,
@@ -250,7 +252,7 @@ def test_resume_on_another_topology(tmp_path, straight, nproc, devices):
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_preemption_saves_and_exits(tmp_path, sig):
     wd = tmp_path / "run"
-    job = start_training(cmd_launch(2, 1, wd, "train.steps=100000"), wd, steps=3)
+    job = start_training(cmd_launch(2, 1, wd, "train.steps=100000", base=QUICK), wd, steps=3)
     ranks = run_pids(wd, exclude=job.pid)
     assert len(ranks) == 2
     start = time.monotonic()
@@ -263,7 +265,7 @@ def test_preemption_saves_and_exits(tmp_path, sig):
     stopped = int(out.split("preempted at step ")[1].split()[0])
     assert saved[-1] == stopped
     if sig == signal.SIGTERM:  # the rerun (one process: cheaper) continues from there
-        again = run(cmd_train(wd, f"train.steps={stopped + 2}"))
+        again = run(cmd_train(wd, f"train.steps={stopped + 2}", base=QUICK))
         assert again.returncode == 0 and f"at step {stopped}" in again.stdout
 
 
@@ -297,9 +299,11 @@ def test_a_sigterm_at_any_moment_saves_and_exits_75(tmp_path, moment):
     (before they catch it: the launcher holds it until they do; it killed them, exit 143), as
     their gloo connection is made, while the run is set up and its step compiles, after its
     first step, and while a checkpoint is written. Each time: the ranks stop at the same step
-    and save it, rank 0 says so in one line, the launcher exits 75, no traceback."""
+    and save it, rank 0 says so in one line, the launcher exits 75, no traceback. (The ResNet
+    while the step compiles, that compile taking seconds; a small MLP at the other moments.)"""
     wd, out = tmp_path / "run", tmp_path / "out.txt"
-    cmd = cmd_launch(2, 1, wd, "train.steps=100000", "checkpoint.every_steps=3")
+    base = TINY_SYNC if moment == "set-up" else QUICK
+    cmd = cmd_launch(2, 1, wd, "train.steps=100000", "checkpoint.every_steps=3", base=base)
     with open(out, "w") as sink:
         job = start(cmd, stdout=sink, stderr=subprocess.STDOUT)
         try:
@@ -348,7 +352,7 @@ def test_joining_the_job_leaves_sigterm_to_jddp(tmp_path):
 
 def test_dead_peer_stops_the_job(tmp_path):
     wd = tmp_path / "run"
-    job = start_training(cmd_launch(2, 1, wd, "train.steps=100000"), wd, steps=2)
+    job = start_training(cmd_launch(2, 1, wd, "train.steps=100000", base=QUICK), wd, steps=2)
     ranks = run_pids(wd, exclude=job.pid)
     start = time.monotonic()
     os.kill(max(ranks), signal.SIGKILL)
@@ -377,7 +381,8 @@ def test_dead_peer_without_launcher_times_out(tmp_path):
         "dist.num_processes=2",
         "dist.heartbeat_timeout_s=10",
     ]
-    procs = [start(cmd_train(wd, *common, f"dist.process_id={i}"), env=env) for i in range(2)]
+    procs = [start(cmd_train(wd, *common, f"dist.process_id={i}", base=QUICK), env=env)
+             for i in range(2)]  # fmt: skip
     assert wait_for(lambda: (wd / "metrics.jsonl").exists() and len(read_losses(wd)) >= 2, 300)
     killed_at = time.monotonic()
     procs[1].kill()
@@ -398,7 +403,7 @@ def test_training_ranks_die_with_a_sigkilled_launcher_and_the_rerun_resumes(
     serial tests: SIGKILL needs no idle machine to land in 10 s, and its 8 s of training kept
     the other workers waiting at the suite's start.)"""
     wd = tmp_path / "run"
-    cmd = launch_cmd(2, 1, wd, "train.steps=100000", "checkpoint.every_steps=1")
+    cmd = launch_cmd(2, 1, wd, "train.steps=100000", "checkpoint.every_steps=1", base=QUICK)
     metrics = wd / "metrics.jsonl"
     logs = [tmp_path / f"{name}.log" for name in ("out1", "err1", "out2", "err2")]
     first = rerun = None

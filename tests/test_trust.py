@@ -30,6 +30,7 @@ from jddp.errors import (
 from jddp.proc.signals import SECOND_CTRL_C, StopRequest
 from tests import user_tasks
 from tests.helpers import (
+    QUICK,
     TINY,
     data,
     launch_cmd,
@@ -121,7 +122,7 @@ def test_ctrl_c_saves_like_sigterm(tmp_path):
     wd = tmp_path / "run"
     cmd = train_cmd(
         wd, "train.steps=100000", "data.worker_kind=process", "data.workers=2",
-        "log.profile_steps=2:100000",
+        "log.profile_steps=2:100000", base=QUICK,
     )  # fmt: skip
     job = start_training(cmd, wd, steps=3, start_new_session=True)
     os.killpg(job.pid, signal.SIGINT)
@@ -153,7 +154,9 @@ def test_a_stop_signal_while_the_run_starts_saves_at_once(tmp_path):
     not read as preemption): from the CLI's first line on, the signal is kept and the run stops
     at its first steps with a checkpoint and exit 75."""
     wd = tmp_path / "run"
-    out = run_python("-c", SIGNAL_WHILE_JAX_STARTS, *train_cmd(wd, "train.steps=50")[3:])
+    out = run_python(
+        "-c", SIGNAL_WHILE_JAX_STARTS, *train_cmd(wd, "train.steps=50", base=QUICK)[3:]
+    )
     assert out.returncode == 75, out.stderr[-2000:]
     stopped = int(out.stdout.split("preempted at step ")[1].split()[0])
     assert stopped <= 2, out.stdout  # the loop reads a step's stop flag one step late
@@ -461,7 +464,7 @@ def test_sigusr1_to_the_launcher_saves_and_the_same_command_continues(tmp_path):
     the launcher exits 75, and the same command (``checkpoint.resume=false``, as in the shipped
     examples) continues the run."""
     wd = tmp_path / "run"
-    cmd = launch_cmd(2, 1, wd, "train.steps=100000", "checkpoint.resume=false", base=TINY)
+    cmd = launch_cmd(2, 1, wd, "train.steps=100000", "checkpoint.resume=false", base=QUICK)
     job = start_training(cmd, wd, steps=2)
     job.send_signal(signal.SIGUSR1)
     out, err = job.communicate(timeout=120)
@@ -576,7 +579,8 @@ def test_kill_9_of_the_trainer_leaves_no_process(tmp_path):
     """What the OOM killer does: the input worker processes and multiprocessing's resource
     tracker go with the trainer."""
     wd = tmp_path / "run"
-    cmd = train_cmd(wd, "train.steps=100000", "data.worker_kind=process", "data.workers=2")
+    cmd = train_cmd(wd, "train.steps=100000", "data.worker_kind=process", "data.workers=2",
+                    base=QUICK)  # fmt: skip
     job = start_training(cmd, wd, steps=2)
     started = descendants(job.pid)
     assert len(started) >= 3, started  # 2 workers and the resource tracker at least
