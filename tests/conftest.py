@@ -130,32 +130,35 @@ def _serial(item) -> bool:
 
 
 # The files whose tests take longest (wall and CPU seconds of their tests with four workers on
-# the 2-core VM, 2026-11-27, JDDP_TEST_USAGE), in the order the workers are to take them: the
-# longest first, so that the suite does not end on one worker's long file while the others
-# idle. The files that mostly wait (a stall timeout, SLURM's requeue, Ray) come first of all,
-# so their waits overlap the other workers' computing. (With test_watchdog last, its 150 s of
-# timeouts ended the suite on one worker, ~0.1 cores busy: 12 min 56 s instead of ~10.5.)
-# A hint only: a file not named here comes after them, in collection order.
+# the 2-core VM, an empty compilation cache, 2026-11-29, JDDP_TEST_USAGE), in the order the
+# workers are to take them: the longest first, so that the suite does not end on one worker's
+# long file while the others idle, and the files that mostly wait (a stall timeout, SLURM's
+# requeue, Ray; their daemons' and tasks' CPU is not counted) between those that compute, so
+# their waits overlap the others' work. (On 2026-11-29 three of the four workers waited in
+# test_watchdog, test_slurm and test_ray for the suite's first ~5 minutes: the machine ~1.3
+# cores busy; with test_watchdog last, 2026-11-27, its 150 s of timeouts ended the suite on one
+# worker.) A hint only: a file not named here comes after them, in collection order.
 LONGEST_FIRST = (
-    "test_watchdog.py",  # 160 s wall, 43 s CPU: timeouts
-    "test_slurm.py",  # 184 s, 6 s (SLURM's daemons and tasks not counted): waits
-    "test_bad_input.py",  # 250 s, 85 s
-    "test_examples_tasks.py",  # 211 s, 98 s
-    "test_ray.py",  # 136 s, 17 s (Ray's daemons and actors not counted: ~45 s more)
-    "test_shard_update.py",  # 122 s, 70 s
-    "test_api.py",  # 114 s, 69 s
-    "test_fault_tolerance.py",  # 114 s, 73 s
-    "test_multiprocess.py",  # 100 s, 43 s
-    "test_step.py",  # 99 s, 44 s
-    "test_shard_formats.py",  # 88 s, 47 s
-    "test_mpi.py",  # 68 s, 44 s
-    "test_export.py",  # 67 s, 32 s
-    "test_train_cli.py",  # 65 s, 30 s
-    "test_models.py",  # 56 s, 26 s
-    "test_optimizer.py",  # 51 s, 26 s
-    "test_pack.py",  # 49 s, 31 s
-    "test_recipes.py",  # 51 s, 25 s
-    "test_tasks.py",  # 41 s, 31 s (last, two 10 CPU-s tests ended a suite on one worker)
+    "test_shard_update.py",  # 794 s wall, 328 s CPU
+    "test_watchdog.py",  # 272 s, 89 s: timeouts
+    "test_fault_tolerance.py",  # 321 s, 254 s
+    "test_slurm.py",  # 307 s, 15 s: waits
+    "test_api.py",  # 382 s, 150 s
+    "test_ray.py",  # 286 s, 76 s: waits
+    "test_examples_tasks.py",  # 351 s, 155 s
+    "test_mpi.py",  # 275 s, 235 s
+    "test_multiprocess.py",  # 275 s, 112 s
+    "test_bad_input.py",  # 249 s, 80 s
+    "test_export.py",  # 231 s, 58 s
+    "test_step.py",  # 230 s, 62 s
+    "test_shard_formats.py",  # 225 s, 95 s
+    "test_models.py",  # 209 s, 81 s
+    "test_optimizer.py",  # 204 s, 79 s
+    "test_train_cli.py",  # 166 s, 46 s
+    "test_recipes.py",  # 127 s, 51 s
+    "test_best_checkpoints.py",  # 122 s, 62 s
+    "test_pack.py",  # 84 s, 66 s
+    "test_tasks.py",  # 107 s, 68 s (last, two 10 CPU-s tests ended a suite on one worker)
 )
 
 
