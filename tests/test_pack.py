@@ -30,6 +30,7 @@ from tests.datafiles import (
     write_mnist,
 )
 from tests.helpers import (
+    QUICK,
     assert_losses_match,
     launch_cmd,
     read_losses,
@@ -354,12 +355,13 @@ E2E = ["data.augment=imagenet", "data.image_size=8", "train.steps=8", "checkpoin
 @pytest.fixture(scope="module")
 def packed_run(tmp_path_factory):
     """A pack of 32 tiny JPEGs (4 train shards) and one uninterrupted 1 process x 2 devices run
-    of 8 steps on it (checkpoints 4, 8)."""
+    of 8 steps on it (checkpoints 4, 8). The runs here train a small MLP (``QUICK``): what is
+    tested is the pack's batches, not the model."""
     root = tmp_path_factory.mktemp("packed")
     write_jpeg_folder(root / "jpg", per_class=16, size=(20, 14))
     pack(root / "jpg", root / "pack", shard_mb=0.003)
     wd = root / "straight"
-    out = run(launch_cmd(1, 2, wd, *packed_overrides(root / "pack")))
+    out = run(launch_cmd(1, 2, wd, *packed_overrides(root / "pack"), base=QUICK))
     assert out.returncode == 0, out.stderr[-3000:]
     assert steps_saved(wd) == [4, 8]
     return root, wd
@@ -374,13 +376,13 @@ def packed_overrides(pack_dir: Path, *more: str) -> list[str]:
 def test_packed_topology_invariance_and_bitwise_resume(tmp_path, packed_run):
     root, straight = packed_run
     want = read_losses(straight)
-    two = run(launch_cmd(2, 1, tmp_path / "two", *packed_overrides(root / "pack")))
+    two = run(launch_cmd(2, 1, tmp_path / "two", *packed_overrides(root / "pack"), base=QUICK))
     assert two.returncode == 0, two.stderr[-3000:]
     assert_losses_match(read_losses(tmp_path / "two"), want, range(1, 9))
     wd = tmp_path / "resumed"
     (wd / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "4", wd / "checkpoints" / "4")
-    out = run(launch_cmd(1, 2, wd, *packed_overrides(root / "pack", "data.workers=0")))
+    out = run(launch_cmd(1, 2, wd, *packed_overrides(root / "pack", "data.workers=0"), base=QUICK))
     assert out.returncode == 0 and "at step 4" in out.stdout, out.stderr[-3000:]
     assert_losses_match(read_losses(wd), want, range(5, 9), rel=0)
 
@@ -394,7 +396,7 @@ def test_damaged_pack_stops_training_in_one_line(tmp_path, packed_run, how):
     shard = damage(pack_dir, how, tmp_path)
     wd = tmp_path / "run"
     shutil.copytree(straight / "checkpoints", wd / "checkpoints")
-    out = run(launch_cmd(1, 2, wd, *packed_overrides(pack_dir, "train.steps=12")))
+    out = run(launch_cmd(1, 2, wd, *packed_overrides(pack_dir, "train.steps=12"), base=QUICK))
     lines = [line for line in out.stderr.strip().splitlines() if "jddp: error" in line]
     assert out.returncode == 1, out.stderr[-3000:]
     assert len(lines) == 1 and str(shard) in lines[0] and "record" in lines[0], out.stderr

@@ -24,6 +24,7 @@ from jddp.data.registry import load_splits
 from jddp.errors import ConfigError, DataConfigError, DataError
 from tests.datafiles import photo_folder, write_jpeg_folder
 from tests.helpers import (
+    QUICK,
     assert_losses_match,
     assert_resumed_bitwise,
     failure_text,
@@ -258,17 +259,20 @@ def killed_and_rerun(cmd, workdir, env) -> None:
 def test_any_topology_and_a_kill_give_the_same_losses(tmp_path, e2e_shards):
     """Parquet 1x2 and WebDataset 2x1 of the same files: the same per-step losses (batch k is the
     same images in either format and topology); each format killed with SIGKILL mid-run and rerun
-    on the other's topology continues bitwise."""
+    on the other's topology continues bitwise. (A small MLP, ``QUICK``: the formats' batches are
+    what is tested.)"""
     runs = {}
     for name, (nproc, devices) in (("parquet", (1, 2)), ("webdataset", (2, 1))):
         wd = tmp_path / f"{name}-straight"
-        out = run(launch_cmd(nproc, devices, wd, *with_overrides(e2e_shards[name], *E2E)))
+        out = run(
+            launch_cmd(nproc, devices, wd, *with_overrides(e2e_shards[name], *E2E), base=QUICK)
+        )
         assert out.returncode == 0, failure_text(out.stderr)
         runs[(nproc, devices)] = wd
     assert_losses_match(read_losses(runs[(2, 1)]), read_losses(runs[(1, 2)]), range(1, 9))
     for name, (nproc, devices) in (("webdataset", (1, 2)), ("parquet", (2, 1))):
         wd = tmp_path / f"{name}-killed"
-        cmd = launch_cmd(nproc, devices, wd, *with_overrides(e2e_shards[name], *E2E))
+        cmd = launch_cmd(nproc, devices, wd, *with_overrides(e2e_shards[name], *E2E), base=QUICK)
         resumed = killed_and_rerun(cmd, wd, env=None)
         out = run(cmd)
         assert_resumed_bitwise(out, wd, runs[(nproc, devices)], resumed, 8)
