@@ -7,7 +7,8 @@
   (:meth:`SavePolicy.heard`), so every process saves at the same step whatever its clock said;
 * at every eval step when the best checkpoints are kept (``checkpoint.keep_best``): an eval's
   checkpoint must exist to be kept;
-* at the step a stop signal ends the run, and at the last step (:meth:`SavePolicy.at_end`).
+* not asked here: the step a stop signal ends the run at, and the last step, are saved by the
+  run's end whatever the policy says (``jddp/run/trainer.py``, ``_finish``).
 
 A step that is saved has its metrics line logged first (the loop reads it before the save):
 a run killed before the next step has every step up to its newest checkpoint logged.
