@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import TINY, run_python, snapshot, with_overrides
+from tests.helpers import QUICK, TINY, run_python, snapshot, with_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -285,7 +285,7 @@ def test_workdir_of_a_live_run_is_refused_and_a_stale_lock_taken_over(files, tmp
     other = tmp_path / "run"
     other.mkdir()
     (other / ".jddp.lock").write_text(f"{socket.gethostname()} {dead}\n")
-    out = train(f"workdir={other}", *TINY, "train.steps=1")
+    out = train(f"workdir={other}", *QUICK, "train.steps=1")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "taking over stale lock" in out.stderr and not (other / ".jddp.lock").exists()
 

@@ -11,7 +11,7 @@ from jddp.errors import NonFiniteLoss
 from jddp.proc.signals import STOP_KEY
 from jddp.run.hooks import CheckpointHook, EvalHook, Every, StepReporter, ThroughputMeter
 from jddp.step import NONFINITE_KEY
-from tests.helpers import TINY, fake_devices, run_python
+from tests.helpers import QUICK, fake_devices, run_python
 
 
 def test_every_is_due_on_multiples_and_never_at_zero():
@@ -162,7 +162,7 @@ for check_every in (2, 0):  # with the check, then the same drift without it
 def test_sync_check_stops_a_loop_whose_replicas_diverged(tmp_path):
     """With dist.check_sync_every=2 the loop stops at step 2; without it the same drifted run
     goes to the end unnoticed (so the check, not something else, catches it)."""
-    args = [str(tmp_path), *TINY, "train.steps=4"]
+    args = [str(tmp_path), *QUICK, "train.steps=4"]
     out = run_python("-c", DIVERGE, *args, env=fake_devices(2), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "check=2: caught: replicas diverged at step 2" in out.stdout
@@ -192,7 +192,7 @@ def test_the_stop_step_is_logged_once_and_the_resumed_run_logs_the_rest(tmp_path
         return flags(self, rows)
 
     monkeypatch.setattr(StopRequest, "flags", flags_signalling_at_step_3)
-    cfg = [f"workdir={tmp_path}", *TINY, "train.steps=8"]
+    cfg = [f"workdir={tmp_path}", *QUICK, "train.steps=8"]
     with pytest.raises(Preempted) as stopped:
         train_and_evaluate(load_config(None, cfg))
     assert stopped.value.step == 4 and steps_saved(tmp_path) == [4]
