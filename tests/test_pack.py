@@ -361,28 +361,30 @@ def packed_run(tmp_path_factory):
     write_jpeg_folder(root / "jpg", per_class=16, size=(20, 14))
     pack(root / "jpg", root / "pack", shard_mb=0.003)
     wd = root / "straight"
-    out = run(launch_cmd(1, 2, wd, *packed_overrides(root / "pack"), base=QUICK))
+    out = run(packed_cmd(1, 2, wd, root / "pack"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert steps_saved(wd) == [4, 8]
     return root, wd
 
 
-def packed_overrides(pack_dir: Path, *more: str) -> list[str]:
-    """The e2e overrides on ``pack_dir``, then ``more`` (replacing entries of the same key)."""
-    return with_overrides(["data.name=packed", f"data.path={pack_dir}", *E2E], *more)
+def packed_cmd(nproc: int, devices: int, workdir: Path, pack_dir: Path, *more: str) -> list[str]:
+    """``jddp.launch`` of QUICK's run with the e2e overrides on ``pack_dir``, then ``more``
+    (replacing entries of the same key)."""
+    overrides = with_overrides(["data.name=packed", f"data.path={pack_dir}", *E2E], *more)
+    return launch_cmd(nproc, devices, workdir, *overrides, base=QUICK)
 
 
 @pytest.mark.slow
 def test_packed_topology_invariance_and_bitwise_resume(tmp_path, packed_run):
     root, straight = packed_run
     want = read_losses(straight)
-    two = run(launch_cmd(2, 1, tmp_path / "two", *packed_overrides(root / "pack"), base=QUICK))
+    two = run(packed_cmd(2, 1, tmp_path / "two", root / "pack"))
     assert two.returncode == 0, two.stderr[-3000:]
     assert_losses_match(read_losses(tmp_path / "two"), want, range(1, 9))
     wd = tmp_path / "resumed"
     (wd / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "4", wd / "checkpoints" / "4")
-    out = run(launch_cmd(1, 2, wd, *packed_overrides(root / "pack", "data.workers=0"), base=QUICK))
+    out = run(packed_cmd(1, 2, wd, root / "pack", "data.workers=0"))
     assert out.returncode == 0 and "at step 4" in out.stdout, out.stderr[-3000:]
     assert_losses_match(read_losses(wd), want, range(5, 9), rel=0)
 
@@ -396,7 +398,7 @@ def test_damaged_pack_stops_training_in_one_line(tmp_path, packed_run, how):
     shard = damage(pack_dir, how, tmp_path)
     wd = tmp_path / "run"
     shutil.copytree(straight / "checkpoints", wd / "checkpoints")
-    out = run(launch_cmd(1, 2, wd, *packed_overrides(pack_dir, "train.steps=12"), base=QUICK))
+    out = run(packed_cmd(1, 2, wd, pack_dir, "train.steps=12"))
     lines = [line for line in out.stderr.strip().splitlines() if "jddp: error" in line]
     assert out.returncode == 1, out.stderr[-3000:]
     assert len(lines) == 1 and str(shard) in lines[0] and "record" in lines[0], out.stderr
