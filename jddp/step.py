@@ -435,7 +435,10 @@ def make_train_step(
             # or its slices), across devices and processes.
             grads = layout.mean(grads, shapes, comm)
             stats = _sync_model_state(comm, stats)
-            for key in batch.keys() - {DATA_KEY}:  # a flag: any process's shows in the mean
+            # Each flag's max over the device's rows: any process's shows in the mean. Sorted:
+            # a set's order follows the process's string hashes, and with it the program's
+            # text, hence its compilation cache key (each process and restart missed).
+            for key in sorted(batch.keys() - {DATA_KEY}):
                 metrics[key] = jnp.max(batch[key]).astype(jnp.float32)
             return grads, stats, comm.reduce_terms(metrics)
 

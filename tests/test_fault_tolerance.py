@@ -83,6 +83,7 @@ def test_the_launcher_restarts_a_group_whose_rank_was_killed(tmp_path, straight)
     after = err.split(restarts[0], 1)[1].splitlines()
     hits = [line for line in after if "cache hit for 'jit_step'" in line]
     assert any(line.startswith("[rank 1]") for line in hits), err[-3000:]
+    assert not [line for line in after if "MISS for 'jit_step'" in line], err[-3000:]
     print(f"\nkill -9 to the first resumed step logged: {lost_s:.1f} s (docs/distributed.md)")
 
 

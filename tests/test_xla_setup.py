@@ -11,7 +11,7 @@ import pytest
 from jddp.proc import xla as xla_setup
 from jddp.proc.cores import cores_per_process, expand_hostlist, slurm_step_tasks_here
 from jddp.proc.xla import CPU_CONV_OFF_YNNPACK, YNN_FLAG, apply_cpu_flags
-from tests.helpers import THREADS_PROBE, run_python
+from tests.helpers import QUICK, THREADS_PROBE, run, run_python, train_cmd
 
 
 def test_cpu_flag_is_added_on_cpu_once():
@@ -90,6 +90,25 @@ def test_train_compilation_cache_dir_is_where_jax_caches(tmp_path, jax_min_s, ke
     assert out.returncode == 0, out.stderr[-2000:]
     folder = str(tmp_path / "jddp-cache-probe")
     assert out.stdout.split() == [folder, folder, kept_s]
+
+
+@pytest.mark.slow
+def test_a_new_process_loads_the_step_another_compiled(tmp_path):
+    """The train step is one program whatever the process: a second run on the same cache (a
+    restart, a resume, another rank), a new interpreter whose string hashes differ, loads the
+    step the first compiled. (The step's flags were reduced in a set's order: under these two
+    hash seeds the programs differed and the second compiled the step again.)"""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+           "JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}  # fmt: skip
+    logs = []
+    for seed in ("0", "1"):  # the flags' set order: finish, stop, save; then save, finish, stop
+        cmd = train_cmd(tmp_path / f"run{seed}", "train.steps=1", base=QUICK)
+        out = run(cmd, env={**env, "PYTHONHASHSEED": seed}, fresh=True)  # fresh: its own hashes
+        assert out.returncode == 0, out.stderr[-3000:]
+        logs.append(out.stderr)
+    assert "CACHE MISS for 'jit_step'" in logs[0]  # compiled, and written
+    assert "cache hit for 'jit_step'" in logs[1], logs[1][-3000:]
+    assert "CACHE MISS for 'jit_step'" not in logs[1]
 
 
 def test_a_cache_entry_is_read_whole_or_not_at_all(tmp_path):
