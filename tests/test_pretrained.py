@@ -396,3 +396,16 @@ def test_bad_bn_keys(override, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert str(e.value) == words
+
+
+def test_a_block_array_without_a_torchvision_name_is_said_to_be_no_resnet(tmp_path, small_r18):
+    """A ResNet's block holding an array torchvision's has no name for (a user's extra layer):
+    one line naming it, not a ``KeyError`` of its last name."""
+    sd, model = small_r18
+    extended = model()
+    extended.blocks[0].gamma = nnx.Param(np.ones(4, np.float32))
+    message = refused(tmp_path, sd, extended)
+    assert message == (
+        "load_pretrained: .params['blocks'][0]['gamma'].value has no torchvision name"
+        " (a jddp ResNet is expected)"
+    )

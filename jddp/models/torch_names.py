@@ -39,6 +39,7 @@ LEAF_NAMES = {  # jddp's name of a layer's array -> torchvision's
     "mean": "running_mean",
     "var": "running_var",
 }
+_DOWNSAMPLE: dict[str | int, int] = {"conv": 0, "bn": 1}  # torchvision's downsample.0, .1
 _TO_JDDP = {4: (2, 3, 1, 0), 2: (1, 0)}  # jddp axis k is torchvision axis _TO_JDDP[ndim][k]
 
 
@@ -47,7 +48,7 @@ def torch_names(now: Mapping[str, Any], key: str) -> dict[str, str]:
     :func:`jddp.checkpoint.weight_leaves` spells them); ``ConfigError`` naming ``key`` for an
     array without one (not a jddp ResNet)."""
     keys = {name: _keys(name) for name in now}
-    widths = {  # block index -> its width (the output channels of its first conv)
+    widths: dict[str | int, int] = {  # block index -> its width (its first conv's outputs)
         k[1]: now[name].shape[-1]
         for name, k in keys.items()
         if k[:1] == ("blocks",) and k[2:] == ("conv1", "kernel")
@@ -55,14 +56,17 @@ def torch_names(now: Mapping[str, Any], key: str) -> dict[str, str]:
     stage_of = _stages(widths)
     out = {}
     for name, (*modules, leaf) in keys.items():
-        if modules[:1] == ["blocks"] and modules[1] in stage_of:
+        # a block's leaf is checked too (a block's unknown one was a KeyError, not this error)
+        torch_leaf = LEAF_NAMES.get(leaf) if isinstance(leaf, str) else None
+        in_block = modules[:1] == ["blocks"]
+        if torch_leaf is None or (in_block and modules[1] not in stage_of):
+            raise ConfigError(f"{key}: {name} has no torchvision name (a jddp ResNet is expected)")
+        if in_block:
             stage, j = stage_of[modules[1]]
             modules = [f"layer{stage}", j, *modules[2:]]
-        elif modules[:1] == ["blocks"] or leaf not in LEAF_NAMES:
-            raise ConfigError(f"{key}: {name} has no torchvision name (a jddp ResNet is expected)")
         if "downsample" in modules:
-            modules = [{"conv": 0, "bn": 1}.get(m, m) for m in modules]
-        out[name] = ".".join(map(str, [*modules, LEAF_NAMES[leaf]]))
+            modules = [_DOWNSAMPLE.get(m, m) for m in modules]
+        out[name] = ".".join(map(str, [*modules, torch_leaf]))
     return out
 
 
@@ -72,7 +76,7 @@ def _keys(name: str) -> tuple[str | int, ...]:
     return tuple(int(i) if i else s for s, i in re.findall(r"\['([^']*)'\]|\[(\d+)\]", name))
 
 
-def _stages(widths: dict[int, int]) -> dict[int, tuple[int, int]]:
+def _stages(widths: Mapping[str | int, int]) -> dict[str | int, tuple[int, int]]:
     """``{block index: (stage from 1, index in the stage)}``: a stage starts where the width
     changes."""
     out, stage, j, last = {}, 0, 0, None
