@@ -226,8 +226,9 @@ def evaluate_model(
             if data is None:
                 raise
         if cfg is not None:  # what of it is imported: the data unless given, the task's code
-            keys = ("data.name",) if data is None else ()
+            keys: tuple[str, ...] = ("data.name",) if data is None else ()
             keys += () if parts.custom else ("train.loss", "train.metrics")
+            assert cfg.workdir is not None  # run_config sets it: the run's folder
             where = str(RunFolder(cfg.workdir).config_yaml)
             refuse_untrusted(where, code_specs(cfg, keys, overrides), trust_code)
     custom = parts.custom or (cfg is not None and is_custom_task(cfg))
@@ -410,6 +411,7 @@ def evaluate_checkpoint(
         )
     )
     if comm.is_writer:
+        assert cfg.workdir is not None  # every config load sets it (run_config: the run's)
         folder = RunFolder(cfg.workdir)
         try:
             data_key = "eval_ema/data" if ema else "eval/data"

@@ -88,7 +88,7 @@ def put_replicated(tree: Any, mesh: Mesh) -> Any:
     sharding = replicated(mesh)
 
     def put(x: Any) -> Any:
-        if jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             # Typed RNG keys have no numpy form: move their raw data, re-wrap on the devices.
             return jax.random.wrap_key_data(
                 put(jax.random.key_data(x)), impl=jax.random.key_impl(x)

@@ -12,7 +12,7 @@ An NNX model splits three ways:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
@@ -39,9 +39,13 @@ class TrainState:
     # train.ema_decay: an exponential moving average of ``params`` (same tree), None when off
     ema_params: nnx.State | None = None
 
+    if TYPE_CHECKING:  # what flax.struct.dataclass adds at run time, for type checkers
+
+        def replace(self, **changes: Any) -> TrainState: ...
+
 
 def _is_key(x: Any) -> bool:
-    return jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 @flax.struct.dataclass
@@ -73,7 +77,8 @@ class ModelDef:
 
 def split_model(model: nnx.Module) -> tuple[ModelDef, nnx.State, nnx.State]:
     """Split ``model`` into its definition, parameters and mutable model state."""
-    graphdef, params, model_state, rest = nnx.split(model, nnx.Param, MODEL_STATE, ...)
+    # flax types split's states as a variadic tuple; three filters give exactly four parts
+    graphdef, params, model_state, rest = nnx.split(model, nnx.Param, MODEL_STATE, ...)  # type: ignore[misc]
     return ModelDef(graphdef, rest), params, model_state
 
 
@@ -90,12 +95,12 @@ def abstract_train_state(
     def shape(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
-    return TrainState(
-        step=jax.ShapeDtypeStruct((), jnp.int32),
+    return TrainState(  # shape structs where the arrays go
+        step=jax.ShapeDtypeStruct((), jnp.int32),  # type: ignore[arg-type]
         params=jax.tree.map(shape, params),
         model_state=jax.tree.map(shape, model_state),
         opt_state=jax.eval_shape(tx.init, params),
-        skipped_steps=jax.ShapeDtypeStruct((), jnp.int32),
+        skipped_steps=jax.ShapeDtypeStruct((), jnp.int32),  # type: ignore[arg-type]
         ema_params=jax.tree.map(shape, params) if ema else None,
     )
 

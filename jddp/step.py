@@ -299,7 +299,8 @@ class TrainStep:
 
     def lower(self, state: TrainState, batch: Batch) -> Any:
         """The lowered program of the whole step (one jitted program on the ``xla`` backend)."""
-        return self.run.lower(state, batch)
+        # run is jax.jit's on the xla backend: a Callable's type has no .lower
+        return self.run.lower(state, batch)  # type: ignore[attr-defined]
 
 
 def task_terms(

@@ -52,7 +52,8 @@ def cpu_gloo() -> bool:
     return (
         jax.default_backend() == "cpu"
         and jax.distributed.is_initialized()
-        and jax.config.jax_cpu_collectives_implementation == "gloo"
+        # a flag jax's Config sets as an attribute at run time: not in its type
+        and jax.config.jax_cpu_collectives_implementation == "gloo"  # type: ignore[attr-defined]
     )
 
 
@@ -194,21 +195,21 @@ class Comm(ABC):
         whole = [i for i, k in enumerate(axes) if k is None]
         for i, mean in zip(whole, self.average_grads([grads[i] for i in whole]), strict=True):
             out[i] = mean
+        split = {i: k for i, k in enumerate(axes) if k is not None}  # index -> its split axis
         by_dtype: dict[Any, list[int]] = {}
-        for i, k in enumerate(axes):
-            if k is not None:
-                by_dtype.setdefault(jnp.dtype(grads[i].dtype), []).append(i)
+        for i in split:
+            by_dtype.setdefault(jnp.dtype(grads[i].dtype), []).append(i)
         wire = DTYPES[self.grad_dtype]
         for dtype, idx in by_dtype.items():
             send = dtype if self.grad_dtype == "float32" else wire
-            rows = [rows_of(grads[i].astype(send), axes[i], n) for i in idx]
+            rows = [rows_of(grads[i].astype(send), split[i], n) for i in idx]
             mine = jax.lax.psum_scatter(
                 jnp.concatenate(rows, axis=1), SHARD_AXIS, scatter_dimension=0, tiled=False
             )
             mine = self._mean_over_replicas(mine / n)  # as pmean divides its sum
             offsets = np.cumsum([r.shape[1] for r in rows])[:-1]
             for i, part in zip(idx, jnp.split(mine, offsets), strict=True):
-                out[i] = part.reshape(slice_shape(grads[i].shape, axes[i], n)).astype(dtype)
+                out[i] = part.reshape(slice_shape(grads[i].shape, split[i], n)).astype(dtype)
         return out
 
     def mean_of_slice_sums(self, sums: list[jax.Array]) -> list[jax.Array]:
@@ -250,13 +251,13 @@ class Comm(ABC):
         arrays split over the group -> the whole arrays (``None``: whole already). Where
         :attr:`fuse`, one all-gather per dtype of the slices packed into one buffer (gloo pays
         a few ms per collective, and XLA:CPU gathers each array apart); else one per array."""
-        split = [i for i, k in enumerate(axes) if k is not None]
+        split = {i: k for i, k in enumerate(axes) if k is not None}  # index -> its split axis
         out = list(slices)
         if not self.fuse:
-            for i in split:
-                out[i] = self.gather(slices[i], axes[i])
+            for i, k in split.items():
+                out[i] = self.gather(slices[i], k)
             return out
-        gathered = _packed_gather(tuple(axes[i] for i in split))([slices[i] for i in split])
+        gathered = _packed_gather(tuple(split.values()))([slices[i] for i in split])
         for i, x in zip(split, gathered, strict=True):
             out[i] = x
         return out
@@ -317,7 +318,7 @@ def _packed_gather(axes: tuple[int, ...]) -> Callable:
 
     def gather_all(slices: list[jax.Array]) -> list[jax.Array]:
         n = jax.lax.psum(1, SHARD_AXIS)
-        out: list[jax.Array | None] = [None] * len(slices)
+        out = list(slices)  # each replaced by its whole array: every slice is in one dtype group
         by_dtype: dict[Any, list[int]] = {}
         for i, x in enumerate(slices):
             by_dtype.setdefault(jnp.dtype(x.dtype), []).append(i)

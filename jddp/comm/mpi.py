@@ -97,7 +97,7 @@ class MpiComm(Comm):
         return {  # one MPI call per kind and dtype (elementwise: packing them is exact)
             kind: group
             if kind == "mean"
-            else fused(lambda x, op=ops[kind]: mpi4jax.allreduce(x, op=op, comm=self.world), group)
+            else fused(partial(mpi4jax.allreduce, op=ops[kind], comm=self.world), group)
             for kind, group in groups.items()
         }
 

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
-from jddp.data.augment import AUGMENTS
-from jddp.data.pipeline import WORKER_KINDS
+from jddp.data.augment import Augment
+from jddp.data.pipeline import WorkerKind
 from jddp.data.registry import DATA_NAMES
-from jddp.shard import SHARD_CHOICES
+from jddp.shard import ShardKind
 
 # A key's range, in its field's metadata: validate() checks every bounded key in one loop (the
 # message reads "<key>: must be <range>, got <value>"), --help and docs/config.md show it. An
@@ -125,7 +125,7 @@ class DataConfig:
     prefetch_batches: int = _f(
         2, "batches placed on the devices ahead of the running step", bound=NON_NEGATIVE
     )
-    augment: Literal[AUGMENTS] = _f(
+    augment: Augment = _f(
         "none",
         "training augmentation: none | cifar (4-pixel zero pad, random crop, flip) | imagenet "
         "(random-resized crop 8-100%, aspect 3/4-4/3, + flip; eval: 1.14x resize, centre crop)",
@@ -135,7 +135,7 @@ class DataConfig:
         "host workers decoding/augmenting batches ahead (null: the cores available divided "
         "among this machine's processes; 0: none, the placement thread does it)",
     )
-    worker_kind: Literal[WORKER_KINDS] = _f(
+    worker_kind: WorkerKind = _f(
         "thread", "thread (numpy/Pillow release the GIL) | process (grain mp_prefetch)"
     )
     options: dict = _f(
@@ -299,7 +299,7 @@ class DistConfig:
         "dtype instead of one per tensor; null: on for CPUs (and mpi's MPI stage), off for "
         "GPUs, whose XLA combines all-reduces itself",
     )
-    shard: Literal[SHARD_CHOICES] = _f(
+    shard: ShardKind = _f(
         "none",
         "how the train state is laid out over the devices: none (everything whole on every "
         "device); optimizer (the optimizer state split over a group's devices, ZeRO-1); full "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -27,7 +28,8 @@ __all__ = [
     "uniforms",
 ]
 
-AUGMENTS: tuple[str, ...] = ("none", "cifar", "imagenet")
+Augment = Literal["none", "cifar", "imagenet"]  # data.augment's type in the config schema
+AUGMENTS: tuple[str, ...] = get_args(Augment)
 """The names ``data.augment`` accepts."""
 
 CIFAR_PAD = 4

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -30,7 +30,8 @@ __all__ = [
     "host_iterator",
 ]
 
-WORKER_KINDS: tuple[str, ...] = ("thread", "process")
+WorkerKind = Literal["thread", "process"]  # data.worker_kind's type in the config schema
+WORKER_KINDS: tuple[str, ...] = get_args(WorkerKind)
 
 _QUIET_TRACKER = "ignore:resource_tracker:UserWarning"
 

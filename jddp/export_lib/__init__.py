@@ -286,6 +286,7 @@ def export_model(
             raise TypeError("export: pass example= (a batch of the model's inputs) with a module")
         signature = signature_of_example(run.model, example)
     else:
+        assert not isinstance(model_or_workdir, nnx.Module)  # as_model returns a module as is
         signature = run_signature(model_or_workdir, run, example, trust_code)
     return export_signature(
         run.model, signature, out, format, batch_size, _single_output(run), run_metadata(run)

@@ -30,13 +30,16 @@ ONNX_OPSET = 21
 
 
 def to_stablehlo(program: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> bytes:
-    """``program`` exported with ``jax.export`` for :data:`PLATFORMS`, serialized."""
-    return jax.export.export(jax.jit(program), platforms=PLATFORMS)(*specs).serialize()
+    """``program`` exported with ``jax.export`` for :data:`PLATFORMS`, serialized (as bytes:
+    jax gives a bytearray)."""
+    return bytes(jax.export.export(jax.jit(program), platforms=PLATFORMS)(*specs).serialize())
 
 
 def run_stablehlo(data: bytes, arrays: Sequence[Any]) -> list[np.ndarray]:
     """The outputs (flattened) of a serialized StableHLO export on ``arrays``."""
-    return [np.asarray(y) for y in jax.tree.leaves(jax.export.deserialize(data).call(*arrays))]
+    # jax annotates a bytearray; it reads bytes as well (a file's, as the README's call does)
+    exported = jax.export.deserialize(data)  # type: ignore[arg-type]
+    return [np.asarray(y) for y in jax.tree.leaves(exported.call(*arrays))]
 
 
 def to_onnx(

@@ -86,7 +86,7 @@ def signature_of(model: Any, args: tuple, kwargs: dict) -> Signature:
     the model's parameter it is passed as (``args2`` past them; a nested leaf adds its path:
     ``batch.image``); any other leaf is fixed."""
     try:
-        params = inspect.signature(model).parameters.values()
+        params = list(inspect.signature(model).parameters.values())
     except (TypeError, ValueError):
         params = []
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -179,7 +179,7 @@ def task_signature(model: nnx.Module, task: Any, example: Any, who: str) -> Sign
     (small, small_tree), (large, large_tree) = (
         jax.tree_util.tree_flatten(r, is_leaf=lambda x: x is None) for r in records
     )
-    if small_tree != large_tree:
+    if small_tree != large_tree:  # type: ignore[operator]  # jax's PyTreeDef alias: no type to mypy
         raise ConfigError(
             f"--input-shape: cannot tell the model's inputs: {who} calls the model with "
             f"differently structured arguments for different batch sizes; {advice}"

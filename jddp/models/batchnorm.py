@@ -18,6 +18,8 @@ synchronised BatchNorm (``axis_name`` set: statistics over the global batch) is 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +80,8 @@ def _grouped(cls: type) -> type | None:
     if cls.__call__ is not nnx.BatchNorm.__call__:
         return None
     if cls not in _GROUPED:
-        _GROUPED[cls] = type(cls)(
+        metaclass: Callable[..., type] = type(cls)  # cls's, flax's (mypy calls no type(cls))
+        _GROUPED[cls] = metaclass(
             cls.__name__, (GroupedBatchNorm, cls), {"__module__": cls.__module__}
         )
     return _GROUPED[cls]
@@ -97,5 +100,5 @@ def group_batchnorms(model: nnx.Module, group_rows: int | None) -> nnx.Module:
             grouped = _grouped(type(module))
             if grouped is not None:
                 module.__class__ = grouped
-                module.group_rows = group_rows
+                cast(GroupedBatchNorm, module).group_rows = group_rows  # its class now
     return model

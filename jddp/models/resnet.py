@@ -100,7 +100,8 @@ def plain_convolutions(module: nnx.Module) -> nnx.Module:
     VM). Other modules are left as they are."""
     for _, layer in nnx.iter_modules(module):
         if getattr(layer, "conv_general_dilated", None) is _conv_of_stored_input:
-            layer.conv_general_dilated = jax.lax.conv_general_dilated
+            # any module holding it (checked above), nnx.Conv or not
+            layer.conv_general_dilated = jax.lax.conv_general_dilated  # type: ignore[attr-defined]
     return module
 
 
@@ -294,7 +295,8 @@ class ResNet(nnx.Module):
             epsilon=bn_epsilon,
             dtype=acc_dtype,  # statistics and normalisation in at least float32
             param_dtype=param_dtype,
-            axis_name=axis_name if sync_batchnorm else None,
+            # flax annotates one axis name; lax.pmean takes a tuple of them as well
+            axis_name=axis_name if sync_batchnorm else None,  # type: ignore[arg-type]
             rngs=rngs,
         )
         if stem == "imagenet":

@@ -47,7 +47,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-_is_graph_node = getattr(nnx, "graphlib", getattr(nnx, "graph", None)).is_graph_node
+_graphlib: Any = getattr(nnx, "graphlib", getattr(nnx, "graph", None))  # named by flax version
+_is_graph_node = _graphlib.is_graph_node
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,8 @@ def _make_unit(module: nnx.Module, kind: str) -> None:
         }
         # the class's own choice of pytree=False (flax's default for a subclass is True)
         pytree = getattr(cls, "_pytree__is_pytree", None)
-        _UNIT_CLASSES[key] = type(cls)(
+        metaclass: Callable[..., type] = type(cls)  # cls's, flax's (mypy calls no type(cls))
+        _UNIT_CLASSES[key] = metaclass(
             cls.__name__, (cls,), namespace, **({} if pytree is None else {"pytree": pytree})
         )
     module.__class__ = _UNIT_CLASSES[key]
@@ -183,7 +185,8 @@ def _run_unit(module: nnx.Module, own_call: Callable, args: tuple, kwargs: dict,
     where that cannot be done (see the module docstring), or for a leaf holder with nothing
     split."""
     plan = _PLAN.get()
-    graphdef, params, others = nnx.split(module, nnx.Param, ...)
+    # flax types split's states as a variadic tuple; two filters give exactly three parts
+    graphdef, params, others = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
     param_leaves, params_def = jax.tree.flatten(params)
     arrays = plan.arrays if plan is not None else {}
     split = {i: arrays[id(x)] for i, x in enumerate(param_leaves) if id(x) in arrays}
@@ -199,6 +202,7 @@ def _run_unit(module: nnx.Module, own_call: Callable, args: tuple, kwargs: dict,
             param_in, array_in = jax.lax.optimization_barrier((param_in, array_in))
         whole = list(param_in)
         for i, (_, _, axis) in split.items():
+            assert plan is not None  # split names arrays of the active plan
             whole[i] = plan.gather(param_in[i], axis)
         copy = nnx.merge(
             graphdef,
@@ -212,7 +216,7 @@ def _run_unit(module: nnx.Module, own_call: Callable, args: tuple, kwargs: dict,
         out = own_call(copy, *call_args, **call_kwargs)
         out_leaves, out_def = jax.tree.flatten(out)
         # the module's other variables after the call, with any it added (``sow``, lazy ones)
-        new_others, new_def = jax.tree.flatten(nnx.split(copy, nnx.Param, ...)[2])
+        new_others, new_def = jax.tree.flatten(nnx.split(copy, nnx.Param, ...)[2])  # type: ignore[misc]
         statics[:] = [out_def, [None if _is_array(x) else x for x in out_leaves], new_def]
         return [x for x in out_leaves if _is_array(x)], new_others
 

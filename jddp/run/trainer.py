@@ -95,6 +95,7 @@ def train_and_evaluate(
         job or current_job(dist), dist.backend, dist.grad_allreduce_dtype, dist.fuse_allreduce
     )
     check_same_config(comm, cfg)
+    assert cfg.workdir is not None  # set by every config load (config.with_default_workdir)
     folder = RunFolder(cfg.workdir)
     lock = WorkdirLock(folder.lock_file)
     problem: ConfigError | None = None
@@ -126,7 +127,7 @@ def train_and_evaluate(
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
     try:
         given_stop = stop is not None  # installed by the caller; else ours, for this run
-        if given_stop:
+        if stop is not None:
             stop.install()  # again: jax.distributed.initialize took SIGTERM since
         else:
             stop = StopRequest()
@@ -307,7 +308,7 @@ def check_skipped_fraction(run: Run, skipped_steps: int, step: int) -> None:
 def done_fields(run: Run, result: RunResult) -> dict[str, float]:
     """The numbers of the ``jddp: done`` line, unrounded (for the run's trackers)."""
     ev, meter = result.eval, run.meter
-    fields = {"step": result.step}
+    fields: dict[str, float] = {"step": result.step}
     weight_key = f"eval/{meter.weight_unit}"
     fields |= {k: v for k, v in ev.items() if isinstance(v, float) and k != weight_key}
     fields[meter.rate_key.removeprefix("train/")] = result.img_per_s

@@ -27,7 +27,7 @@ each device: :mod:`jddp.shard.specs`.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # the config reads the names without importing JAX
     from jax.sharding import Mesh
@@ -35,7 +35,9 @@ if TYPE_CHECKING:  # the config reads the names without importing JAX
     from jddp.shard.base import StateLayout
 
 # The values of dist.shard, each with the class that implements it: the one list of them.
-LAYOUTS = {
+# ShardKind spells them as the config schema's type (mypy checks LAYOUTS' keys against it).
+ShardKind = Literal["none", "optimizer", "full"]
+LAYOUTS: dict[ShardKind, str] = {
     "none": "jddp.shard.replicated:Replicated",
     "optimizer": "jddp.shard.optimizer:OptimizerSharded",
     "full": "jddp.shard.full:FullySharded",

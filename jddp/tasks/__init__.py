@@ -50,8 +50,13 @@ class Task(Protocol):
     throughput figures (``img`` for images, else ``examples``).
     """
 
-    kind: str
-    example_unit: str
+    # Read-only: the built-in tasks are frozen dataclasses (a protocol's plain attribute
+    # would ask for a settable one).
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def example_unit(self) -> str: ...
 
     def loss_terms(self, model: Any, data: Any) -> tuple[Any, Any, Any]:
         """``(loss_B, weight_B or None, aux)`` of ``model`` on ``data``; ``aux`` is handed to

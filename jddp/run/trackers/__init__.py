@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,7 @@ FINISH_WAIT_S = 60.0  # what the end of a finished run waits for a remote tracke
 STOP_WAIT_S = 10.0  # the same for a preempted or failed run (a preemption's grace is short)
 
 
-def check_installed(names: list[str]) -> None:
+def check_installed(names: Iterable[str]) -> None:
     """``ConfigError`` naming the extra to install for a tracker whose package is missing."""
     for name in names:
         package, extra = PACKAGES[name]
