@@ -19,12 +19,11 @@ import tempfile
 from pathlib import Path
 
 import benchlib
+from cases import case
 
-TINY = [
-    "model.name=resnet10", "model.width=4", "data.name=synthetic", "data.image_size=8",
-    "data.global_batch_size=16", "optim.schedule=constant", "train.steps=2",
-    "log.every_steps=1", "log.progress=off", "data.workers=0",
-]  # fmt: skip
+# The test suite's tiny run (cases.py), per-device BatchNorm, no periodic saves, 2 steps.
+TINY = case("tiny", "model.name=resnet10", "model.sync_batchnorm=false", "train.steps=2",
+            "checkpoint.every_steps=0", "data.workers=0")  # fmt: skip
 MISS = re.compile(r"^\[rank (\d+)\].*CACHE MISS for 'jit_step'", re.M)
 
 
