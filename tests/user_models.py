@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jddp.models.resnet import RESNET_CONFIGS, Bottleneck, ResNet
+from jddp.models.resnet import Bottleneck, ResNet
 
 
 class TinyMLP(nnx.Module):
@@ -93,32 +93,38 @@ def bottleneck_resnet(config: dict, dtype, rngs: nnx.Rngs) -> ResNet:
 PACE_ITERATIONS = 150_000_000  # a scalar loop of ~0.33 s on this VM's CPU (~2.2 ns each)
 
 
-class PacedResNet(ResNet):
-    """A ResNet whose forward pass first runs a scalar loop of PACE_ITERATIONS in the compiled
-    step; the loop's value enters the images times 0, so the losses are the plain ResNet's bit
-    for bit. Only in training: an evaluation's every batch would burn 0.33 s of a core (the
-    tests' tiny eval: 16 batches, ~5 CPU-s a process, measured 2026-11-27)."""
-
-    def __call__(self, x_BxHxWxC):
-        if self.bn1.use_running_average:  # evaluation (model.eval()): not paced, no CPU burnt
-            return super().__call__(x_BxHxWxC)
-        # data-dependent bounds and a carried float: XLA can neither count nor drop the loop
-        limit = PACE_ITERATIONS + (x_BxHxWxC[0, 0, 0, 0] * 0).astype(jnp.int32)
-        _, value = jax.lax.while_loop(
-            lambda carry: carry[0] < limit,
-            lambda carry: (carry[0] + 1, carry[1] * 0.5 + 1.0),
-            (jnp.int32(0), x_BxHxWxC[0, 0, 0, 0]),
-        )
-        return super().__call__(x_BxHxWxC + value * 0)
+def held(x):
+    """``x`` after a scalar loop of PACE_ITERATIONS in the compiled step, its value entering
+    ``x`` times 0 (the same numbers bit for bit). The loop's bounds depend on the data and it
+    carries a float: XLA can neither count nor drop it."""
+    limit = PACE_ITERATIONS + (x.reshape(-1)[0] * 0).astype(jnp.int32)
+    _, value = jax.lax.while_loop(
+        lambda carry: carry[0] < limit,
+        lambda carry: (carry[0] + 1, carry[1] * 0.5 + 1.0),
+        (jnp.int32(0), x.reshape(-1)[0]),
+    )
+    return x + value * 0
 
 
-def paced_resnet10(config: dict, dtype, rngs: nnx.Rngs) -> PacedResNet:
-    """jddp's resnet10 with the same parameters as ``model.name=resnet10`` and the same losses,
-    each step held ~0.33 s by :class:`PacedResNet`: long enough for a test's signal to land
-    mid-run however fast the machine (at ~2 ms a step, 6 steps ended between a test seeing step
-    2 and its `scancel`), and unlike a host callback (jax.debug.callback, time.sleep) a step
-    the compilation cache keeps."""
-    return _resnet(PacedResNet, *RESNET_CONFIGS["resnet10"], config, dtype, rngs)
+class HeldMLP(TinyMLP):
+    """TinyMLP whose train steps are each held ~0.33 s by :func:`held` (the losses are
+    TinyMLP's bit for bit): long enough for a test's signal to land mid-run however fast the
+    machine (at ~2 ms a step, 6 steps ended between a test seeing step 2 and its `scancel`),
+    and unlike a host callback (jax.debug.callback, time.sleep) a step the compilation cache
+    keeps. Only in training (``model.train()`` sets ``deterministic`` False): an evaluation's
+    every batch would burn 0.33 s of a core."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deterministic = True
+
+    def __call__(self, x):
+        return super().__call__(x if self.deterministic else held(x))
+
+
+def held_mlp(config: dict, dtype, rngs: nnx.Rngs) -> HeldMLP:
+    """``tiny_mlp``'s parameters and losses, each train step held ~0.33 s."""
+    return HeldMLP(8 * 8 * 3, config["num_classes"], rngs, dtype=dtype)
 
 
 def per_process_mlp(config: dict, dtype, rngs: nnx.Rngs) -> TinyMLP:
