@@ -12,6 +12,7 @@ import pytest
 
 from jddp.launch import find_free_port
 from tests.helpers import (
+    QUICK,
     assert_losses_match,
     fake_devices,
     launch_cmd,
@@ -27,8 +28,9 @@ from tests.helpers import (
 pytestmark = [pytest.mark.slow]
 
 
-def launch(nproc, devices, workdir, *overrides, timeout=600):
-    return run(launch_cmd(nproc, devices, workdir, *overrides), timeout=timeout)
+def launch(nproc, devices, workdir, *overrides, timeout=600, base=None):
+    base_kw = {} if base is None else {"base": base}
+    return run(launch_cmd(nproc, devices, workdir, *overrides, **base_kw), timeout=timeout)
 
 
 def losses(workdir):
@@ -45,6 +47,17 @@ def reference(tmp_path_factory):
     """1 process x 4 devices, 20 steps."""
     wd = tmp_path_factory.mktemp("ref") / "run"
     out = launch(1, 4, wd, "train.steps=20")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return wd
+
+
+# The tests of how processes join one job (the variables of torchrun, SkyPilot, mpirun) train
+# the tiny run around a small MLP (QUICK): what they check is the job they form, not the steps.
+@pytest.fixture(scope="module")
+def quick_reference(tmp_path_factory):
+    """QUICK's run on 1 process x 4 devices, 4 steps."""
+    wd = tmp_path_factory.mktemp("quick_ref") / "run"
+    out = launch(1, 4, wd, "train.steps=4", base=QUICK)
     assert out.returncode == 0, out.stderr[-3000:]
     return wd
 
@@ -72,10 +85,12 @@ def test_topology_invariance(reference, two_by_two):
 
 
 def run_ranks(workdir, envs: list[dict[str, str]], *overrides, timeout=300):
-    """Start one ``python -m jddp.train`` per entry of ``envs`` (2 fake devices each, the entry's
-    variables added, as a launcher sets them) and wait for all; their completed processes."""
+    """Start one ``python -m jddp.train`` of QUICK per entry of ``envs`` (2 fake devices each,
+    the entry's variables added, as a launcher sets them) and wait for all; their completed
+    processes."""
     jobs = [
-        start(train_cmd(workdir, *overrides), env={**fake_devices(2), **extra}) for extra in envs
+        start(train_cmd(workdir, *overrides, base=QUICK), env={**fake_devices(2), **extra})
+        for extra in envs
     ]
     outs = []
     for job in jobs:
@@ -85,7 +100,7 @@ def run_ranks(workdir, envs: list[dict[str, str]], *overrides, timeout=300):
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "skypilot"])
-def test_torchrun_and_skypilot_variables_join_the_job(tmp_path, reference, launcher):
+def test_torchrun_and_skypilot_variables_join_the_job(tmp_path, quick_reference, launcher):
     """Two processes started with only the variables torchrun (2 nodes x 1 process: its agent
     holds MASTER_PORT, the coordinator takes the next port) or SkyPilot (2 nodes) sets: they
     join one job and log the losses of 1 process x 4 devices."""
@@ -110,17 +125,18 @@ def test_torchrun_and_skypilot_variables_join_the_job(tmp_path, reference, launc
         assert out.returncode == 0, out.stderr[-3000:]
     assert "jddp: done step=4" in outs[0].stdout and "jddp: done" not in outs[1].stdout
     _, got = losses(wd)
-    _, want = losses(reference)
+    _, want = losses(quick_reference)
     assert sorted(got) == [1, 2, 3, 4]
     assert_losses_match(got, want, range(1, 5))
 
 
-def test_mpirun_as_launcher_with_xla_backend(tmp_path, reference):
+def test_mpirun_as_launcher_with_xla_backend(tmp_path, quick_reference):
     wd = tmp_path / "run"
-    out = run(mpirun_cmd(2, wd, "train.steps=4", "dist.backend=xla"), env=fake_devices(2))
+    cmd = mpirun_cmd(2, wd, "train.steps=4", "dist.backend=xla", base=QUICK)
+    out = run(cmd, env=fake_devices(2))
     assert out.returncode == 0, out.stderr[-3000:]
     _, got = losses(wd)
-    _, want = losses(reference)
+    _, want = losses(quick_reference)
     assert_losses_match(got, want, range(1, 5))
     assert out.stdout.count("jddp: done step=4") == 1
 
