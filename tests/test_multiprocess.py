@@ -13,6 +13,7 @@ import pytest
 from jddp.launch import find_free_port
 from tests.helpers import (
     QUICK,
+    TINY_SYNC,
     assert_losses_match,
     fake_devices,
     launch_cmd,
@@ -28,9 +29,8 @@ from tests.helpers import (
 pytestmark = [pytest.mark.slow]
 
 
-def launch(nproc, devices, workdir, *overrides, timeout=600, base=None):
-    base_kw = {} if base is None else {"base": base}
-    return run(launch_cmd(nproc, devices, workdir, *overrides, **base_kw), timeout=timeout)
+def launch(nproc, devices, workdir, *overrides, timeout=600, base=TINY_SYNC):
+    return run(launch_cmd(nproc, devices, workdir, *overrides, base=base), timeout=timeout)
 
 
 def losses(workdir):
