@@ -209,3 +209,38 @@ def test_a_checkpoints_folder_made_read_only_mid_run_stops_every_rank_in_one_lin
     again = run(command, env=env, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "at step 2" in again.stdout and sorted(read_losses(wd)) == list(range(1, 7))
+
+
+def test_a_save_failing_only_as_orbax_closes_is_the_checkpoints_one_line(tmp_path, monkeypatch):
+    """orbax's ``CheckpointManager.close`` waits for the background commit again and raises
+    what it failed with: a save's failure that surfaces only there (once, a full disk during the
+    first save, under load) is the same one line as at ``wait``, naming the checkpoint and its
+    cause, not the error's own text."""
+    import jax.numpy as jnp
+
+    from jddp.checkpoint import Checkpoints
+    from jddp.errors import CheckpointError
+    from jddp.state import TrainState
+
+    ckpts = Checkpoints(tmp_path / "checkpoints", keep=2, async_save=True,
+                        damaged_directory=tmp_path / "damaged")  # fmt: skip
+    state = TrainState(step=jnp.int32(2), params={"w": jnp.ones(3)}, model_state={},
+                       opt_state=(), skipped_steps=jnp.int32(0))  # fmt: skip
+    assert ckpts.save(2, state, {})
+    ckpts.wait()
+    close = ckpts._manager.close
+
+    def close_failing() -> None:
+        close()
+        raise ValueError(
+            'RESOURCE_EXHAUSTED: Error writing "params.w/0" in OCDBT database at local file '
+            f'"{tmp_path}/checkpoints/2.orbax-checkpoint-tmp/d/0": No space left on device'
+        )
+
+    monkeypatch.setattr(ckpts._manager, "close", close_failing)
+    with pytest.raises(CheckpointError) as raised:
+        ckpts.close()
+    said = str(raised.value)
+    assert said.startswith(f"checkpoint {tmp_path}/checkpoints/2 could not be written (No space ")
+    assert "OCDBT" not in said and said.endswith("the checkpoints before it are intact: none")
+    ckpts.close()  # again after the failure: only releases
