@@ -15,8 +15,9 @@ ended; no stdin). It answers ``{"pid"}`` at once and ``{"code", "cpu_s"}`` when 
 its exit code as ``subprocess`` reports it (``-N`` for a signal) and the CPU seconds it and the
 children it waited for used. The child leaves the server's loop and ends as any ``python`` does:
 ``SystemExit``'s code, an uncaught exception's traceback and exit 1, atexit handlers run and
-threads joined. A forked ``python -m jddp.launch`` starts its ranks as new interpreters, as it
-does anywhere.
+threads joined. A forked ``python -m jddp.launch`` forks its ranks of jddp's commands from these
+imports in turn (:func:`tests.forked.fork_ranks`); jddp.launch itself starts them as new
+interpreters.
 
 What the imports read from the environment is the server's: :func:`tests.helpers.run` sends a
 command here only when its environment differs from the server's in nothing those imports looked
@@ -108,10 +109,14 @@ def main() -> None:
     # The libraries once, what they read recorded; gc-frozen (tests/preload.py).
     imports = preload.preload()
     assert imports is not None, "the CLI server could not import jddp's libraries"
+    import forked  # tests/forked.py, beside this script (it imports jddp: after the record)
+
     request, outputs = serve(sys.argv[1], imports.read, imports.set_by_imports)
     # The child: from here on what ``python -m MODULE`` (or ``python SCRIPT``) does after the
     # interpreter started.
     preload.become(request["python_args"], request["env"], request["cwd"], outputs)
+    if request["python_args"][:2] == ["-m", "jddp.launch"]:
+        forked.fork_ranks()  # its ranks forked from these imports too
     preload.run_main(request["python_args"])
 
 

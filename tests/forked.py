@@ -1,7 +1,8 @@
 """A command forked from a process that imported its libraries once (:mod:`tests.preload`),
-instead of a new interpreter that imports them again: what ``jddp.launch`` did with its ranks
-until they became new interpreters; kept for tests/test_preload.py, which checks that the
-tests' forked commands behave as new interpreters would.
+instead of a new interpreter that imports them again: the ranks of a ``python -m jddp.launch``
+that the tests' CLI server forked (:func:`fork_ranks`; jddp.launch itself starts every rank as a
+new interpreter, as CI's users lane runs it). tests/test_preload.py checks that the tests' forked
+commands behave as new interpreters would.
 
 The child is what :class:`subprocess.Popen` would have started with ``start_new_session=True``,
 ``stdin=DEVNULL``, ``stdout=PIPE``, ``stderr=PIPE`` and the launcher's ``preexec_fn``: its own
@@ -16,12 +17,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO
 
 from jddp.errors import STOP_SIGNALS
-from tests import preload
+
+if __package__:  # tests.forked, in pytest's processes
+    from . import preload
+else:  # beside tests/cli_server.py, which imports the same module as ``preload``
+    import preload
 
 _WAIT_INTERVAL_S = 0.01
 
@@ -123,3 +129,31 @@ def _child(python_args, env, cwd, in_child, close_fds, outputs, ready_w, blocked
             pass
     finally:
         os._exit(code)
+
+
+def fork_ranks() -> None:
+    """In a ``python -m jddp.launch`` the tests' CLI server forked: its ranks of jddp's commands
+    and the repository's scripts (:func:`tests.preload.forked_args`) forked from the libraries
+    the server imported, as the server forks commands, instead of new interpreters that import them
+    again (~3.5 CPU-s a rank on the 2-core VM, 2026-11-29). Each rank still runs as ``python -m
+    MODULE ARGS`` would (:func:`start_forked`); one whose environment the imports read
+    (:meth:`tests.preload.Imports.allows`), or started while another thread runs here (a
+    restart, the previous ranks' output still read: a fork copies only the calling thread),
+    is a new interpreter. What this cannot give: ``/proc/PID/environ`` holds the server's
+    environment, not the rank's (tests of that run the launcher anew: ``fresh=True``)."""
+    from jddp.launch import local
+
+    imports = preload.preload()
+    spawn = local.Launcher._start_rank
+    if imports is None or getattr(spawn, "forks", False):
+        return
+
+    def start_rank(self, env, die_with_launcher):
+        python_args = preload.forked_args(self.command, env, os.getcwd())
+        if python_args is None or threading.active_count() != 1 or not imports.allows(env):
+            return spawn(self, env, die_with_launcher)
+        pipes = [pipe.fileno() for proc in self.procs for pipe in (proc.stdout, proc.stderr)]
+        return start_forked(python_args, env, die_with_launcher, pipes)
+
+    start_rank.forks = True  # type: ignore[attr-defined]
+    local.Launcher._start_rank = start_rank

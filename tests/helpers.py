@@ -215,13 +215,10 @@ def optimized_xla(env=None) -> dict[str, str]:
 
 REPO = Path(__file__).resolve().parents[1]
 # jddp's commands that :func:`run` forks from the worker's CLI server (tests/cli_server.py,
-# tests/preload.py), and the launcher itself, whose ranks are new interpreters.
+# tests/preload.py), and the launcher itself, which forks its ranks of those in turn
+# (tests/forked.py ``fork_ranks``).
 FORKED_MODULES = (*preload.FORKED_MODULES, "jddp.launch")
-# The repository's own scripts, forked too: none sets a variable the imports read before it
-# imports JAX (what a user's script may do, and why jddp.launch starts scripts anew).
-FORKED_SCRIPTS = frozenset(
-    path.resolve() for path in (*REPO.glob("examples/*.py"), *REPO.glob("tests/*_worker.py"))
-)
+FORKED_SCRIPTS = preload.FORKED_SCRIPTS  # the repository's own scripts, forked too
 _CLI_SERVER: dict = {}  # this worker's: "job", "socket", "env", "read", "set" (cli_server.py)
 forked_cpu_s = 0.0  # CPU seconds of the commands the server ran for this process (JDDP_TEST_USAGE)
 

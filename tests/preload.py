@@ -38,6 +38,7 @@ import threading
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # What a tiny training run imports besides: ``jddp.run.trainer`` brings JAX, Flax, Optax and
 # Orbax; lowering the first program loads XLA's MLIR dialect (~80 ms), the loader grain, the
@@ -48,6 +49,12 @@ PRELOADED = ("jddp.run.trainer", "jaxlib.mlir.dialects.mhlo", "grain", "tensorbo
 # interpreter's teardown, and its pool's semaphores leak with a warning: jddp/cli.py
 # ``stop_peers``). Not a user's script: it may set ``JAX_*`` variables before importing JAX.
 FORKED_MODULES = ("jddp.train", "jddp.evaluate", "jddp.export")
+# The repository's own scripts, forked too: none sets a variable the imports read before it
+# imports JAX (what a user's script may do).
+_REPO = Path(__file__).resolve().parents[1]
+FORKED_SCRIPTS = frozenset(
+    path.resolve() for path in (*_REPO.glob("examples/*.py"), *_REPO.glob("tests/*_worker.py"))
+)
 # Variables that native code may read while the libraries load (the loader, the interpreter,
 # OpenMP/OpenBLAS, TSL's logging, JAX's and XLA's plugins) or that a library reads by iterating
 # over the environment (tqdm's TQDM_*): a command whose environment differs in one of them is not
@@ -160,15 +167,34 @@ def forked_module(command: Sequence[str], env: Mapping[str, str]) -> str | None:
         return None
     if interpreter_options():  # -O, -W, -X, -E, -I, ...: the command's interpreter has none
         return None
-    found = shutil.which(command[0], path=env.get("PATH", os.defpath))
-    if found is None:
+    return command[2] if _this_interpreter(command[0], env) else None
+
+
+def forked_args(command: Sequence[str], env: Mapping[str, str], cwd: str) -> list[str] | None:
+    """The arguments after ``python`` in ``command`` when it may run forked from these imports:
+    ``-m MODULE ...`` (:func:`forked_module`) or ``SCRIPT ...`` for one of
+    :data:`FORKED_SCRIPTS` (its path relative to ``cwd``) with this interpreter, started with
+    no options; else None."""
+    module = forked_module(command, env)
+    if module is not None:
+        return ["-m", module, *command[3:]]
+    if len(command) < 2 or command[1].startswith("-") or interpreter_options():
         return None
+    if (Path(cwd) / command[1]).resolve() not in FORKED_SCRIPTS:
+        return None
+    return list(command[1:]) if _this_interpreter(command[0], env) else None
+
+
+def _this_interpreter(python: str, env: Mapping[str, str]) -> bool:
+    """Whether ``python`` (as found on ``env``'s PATH) is this interpreter."""
+    found = shutil.which(python, path=env.get("PATH", os.defpath))
+    if found is None:
+        return False
     found, own = os.path.abspath(found), os.path.abspath(sys.executable)
     # ``python`` and ``python3`` of one virtual environment: the same folder, the same file.
-    same = found == own or (
+    return found == own or (
         os.path.dirname(found) == os.path.dirname(own) and os.path.samefile(found, own)
     )
-    return command[2] if same else None
 
 
 def interpreter_options() -> list[str]:

@@ -864,11 +864,12 @@ def test_a_rank_is_a_new_interpreter_with_its_id_in_its_environment(
     command, and the environment it started with holds its rank (``/proc/PID/environ``, where
     tools look); ``--spawn``, which used to ask for this, is still taken. A bad config is one
     line and exit 2. The rank is caught while it opens its config, a named pipe the test then
-    writes."""
+    writes. (The launcher a new interpreter too: one the tests' CLI server forked forks its
+    ranks in turn, tests/forked.py.)"""
     fifo = tmp_path / "config.yaml"
     os.mkfifo(fifo)
     rank_command = [PY, "-m", "jddp.train", "--config", str(fifo)]
-    launcher = start(launcher_argv("--nproc", "1", *flags, "--", *rank_command))
+    launcher = start(launcher_argv("--nproc", "1", *flags, "--", *rank_command), fresh=True)
     try:
         writer = _open_for_writing_once_read(fifo)
         children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()
