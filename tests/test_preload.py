@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 from tests import preload
 from tests.helpers import run
@@ -37,6 +38,25 @@ def test_only_jddps_commands_with_this_python_run_forked(tmp_path):
     for options, said in cases:
         out = run([PY, *options, "-c", probe, PY, "-m", "jddp.train"], timeout=60, check=True)
         assert out.stdout.strip() == said, (options, out.stdout)
+
+
+def test_a_forked_launchers_ranks_fork_jddps_commands_and_the_repositorys_scripts(tmp_path):
+    """What a launcher the tests' CLI server forked forks of its ranks (tests/forked.py
+    ``fork_ranks``): jddp's commands, and the repository's examples and test workers by their
+    path from the launcher's folder; not another script, nor one under interpreter options."""
+    env, repo = dict(os.environ), str(Path(__file__).resolve().parents[1])
+    train = [PY, "-m", "jddp.train", "x=1"]
+    assert preload.forked_args(train, env, str(tmp_path)) == ["-m", "jddp.train", "x=1"]
+    example = [PY, "examples/lm_stdlib.py", "a=1"]
+    assert preload.forked_args(example, env, repo) == ["examples/lm_stdlib.py", "a=1"]
+    assert preload.forked_args(example, env, str(tmp_path)) is None  # not the repository's
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "lm_stdlib.py").write_text("print('a user script')\n")
+    assert preload.forked_args(example, env, str(tmp_path)) is None
+    worker = [PY, str(Path(repo) / "tests" / "parity_worker.py")]
+    assert preload.forked_args(worker, env, str(tmp_path)) == worker[1:]
+    assert preload.forked_args([PY, "-u", "examples/lm_stdlib.py"], env, repo) is None
+    assert preload.forked_args(["no-such-python", "examples/lm_stdlib.py"], env, repo) is None
 
 
 def test_a_command_runs_forked_only_where_the_imports_saw_its_environment():
