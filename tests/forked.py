@@ -135,7 +135,7 @@ def fork_ranks() -> None:
     """In a ``python -m jddp.launch`` the tests' CLI server forked: its ranks of jddp's commands
     and the repository's scripts (:func:`tests.preload.forked_args`) forked from the libraries
     the server imported, as the server forks commands, instead of new interpreters that import them
-    again (~3.5 CPU-s a rank on the 2-core VM, 2026-11-29). Each rank still runs as ``python -m
+    again (~3.9 CPU-s a rank on the 2-core VM, 2026-11-29). Each rank still runs as ``python -m
     MODULE ARGS`` would (:func:`start_forked`); one whose environment the imports read
     (:meth:`tests.preload.Imports.allows`), or started while another thread runs here (a
     restart, the previous ranks' output still read: a fork copies only the calling thread),
