@@ -27,7 +27,12 @@ from jddp.build import build_layout, build_model, build_steps  # noqa: E402
 from jddp.data.loader import place_batch, process_rows_of  # noqa: E402
 from jddp.mesh import make_mesh  # noqa: E402
 from jddp.optimizer import make_optimizer  # noqa: E402
+from jddp.proc.xla import enable_compilation_cache  # noqa: E402
 from jddp.state import create_train_state  # noqa: E402
+
+# jddp's persistent compilation cache, as `python -m jddp.train` uses it: a rerun of the suite
+# loads these nine steps instead of compiling them again.
+enable_compilation_cache(load_config().train.compilation_cache_dir)
 
 ROWS = 64
 
