@@ -243,9 +243,18 @@ def test_a_stall_names_the_rank_that_stalled_not_the_first_to_exit() -> None:
     stalls.see(1, stall_line(1, batch))
     stalls.see(1, "an unrelated line\n")
     assert stalls.culprit() == (1, f", waiting for {batch}")
+    # Seen exiting in one poll (rank 0's all-reduce fails as rank 1 exits): rank 1's own exit
+    # in brackets, rank 0's after it (it said "rank 0 exited with code 124" first, and the
+    # launcher's restart line named rank 0's exit as rank 1's stall's)
     assert failure_report([(0, 124), (1, 124)], 0, stalls.culprit()) == (
-        f"rank 1 stalled, waiting for {batch} (rank 0 exited with code 124) (then rank 1 exited "
-        "with code 124); no other process is left"
+        f"rank 1 stalled, waiting for {batch} (exited with code 124) (then rank 0 exited with "
+        "code 124); no other process is left"
+    )
+    assert first_cause([(0, 124), (1, 124)], stalls.culprit()) == (
+        f"rank 1 stalled, waiting for {batch} (exited with code 124)"
+    )
+    assert first_cause([(0, 124), (1, 1)], stalls.culprit()) == (  # its exit not the stall's
+        f"rank 1 stalled, waiting for {batch} (rank 0 exited with code 124)"
     )
     assert first_cause([(1, 124)], stalls.culprit()) == (
         f"rank 1 stalled, waiting for {batch} (exited with code 124)"

@@ -139,13 +139,28 @@ class Aftermath:
         )
 
 
+def named_first(
+    failed: list[tuple[int, int]], stall: tuple[int, str] | None = None
+) -> tuple[int, int]:
+    """The ``(rank, returncode)`` among ``failed`` (seen exiting together) that a report names
+    first: the rank that stalled (``stall``) when it is among them and exited 124, as the first
+    did; else a rank killed by a signal (the OOM killer, a node's kill -9 takes its peers'
+    collectives down with it, so it is named, not the survivor whose all-reduce then failed:
+    "Connection closed by peer", exit 1); else the lowest rank."""
+    first = min(failed, key=lambda f: (f[1] >= 0, f[0]))  # killed first, then by rank
+    if stall is not None and exit_code_for(first[1]) == STALLED:
+        stalled = [f for f in failed if f[0] == stall[0] and exit_code_for(f[1]) == STALLED]
+        return stalled[0] if stalled else first
+    return first
+
+
 def first_cause(failed: list[tuple[int, int]], stall: tuple[int, str] | None = None) -> str:
-    """The cause among ``failed`` (``(rank, returncode)`` seen exiting together): a rank killed
-    by a signal (the OOM killer, a node's kill -9) takes its peers' collectives down with it,
-    so it is named, not the survivor whose all-reduce then failed ("Connection closed by peer",
-    exit 1). A stall (exit 124) names the rank that stalled (``stall``, :meth:`Stalls.culprit`),
-    not the first to exit: every rank's watchdog fires, the waiting peers' too."""
-    rank, rc = min(failed, key=lambda f: (f[1] >= 0, f[0]))  # killed first, then by rank
+    """The cause among ``failed`` (``(rank, returncode)`` seen exiting together,
+    :func:`named_first`). A stall (exit 124) names the rank that stalled (``stall``,
+    :meth:`Stalls.culprit`), not the first to exit: every rank's watchdog fires, the waiting
+    peers' too; with how it exited when it is among ``failed`` (a peer's collective fails as
+    the stalled rank exits: both are often seen in one poll), else how the first one did."""
+    rank, rc = named_first(failed, stall)
     text = f"rank {rank} {describe_exit(rc)}"
     if stall is None or exit_code_for(rc) != STALLED:
         return text
@@ -163,9 +178,9 @@ def failure_report(
     """What the launcher says when ranks fail: ``failed`` holds ``(rank, returncode)`` of the
     failed ranks seen exiting together (one poll), ``alive`` how many ranks still run; the
     cause first (``cause``, else :func:`first_cause`), the others in brackets."""
+    named = named_first(failed, stall)
     ordered = sorted(failed, key=lambda f: (f[1] >= 0, f[0]))  # killed first, then by rank
-    (rank, rc), *others = ordered
-    also = "; ".join(f"rank {r} {describe_exit(c)}" for r, c in others)
+    also = "; ".join(f"rank {r} {describe_exit(c)}" for r, c in ordered if (r, c) != named)
     text = (cause or first_cause(failed, stall)) + (f" (then {also})" if also else "")
     if alive:
         return f"{text}; stopping the other {alive} process{'es' if alive > 1 else ''}"
