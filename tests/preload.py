@@ -295,6 +295,10 @@ def run_main(python_args: Sequence[str]) -> None:
     script in the new ``__main__`` as ``python SCRIPT`` does (``__file__`` the path given, made
     absolute, not normalised)."""
     if python_args[0] == "-m":
+        # Not imported yet, as in a new interpreter: a launcher that forked this rank may have
+        # imported it (jddp.launch's restarts read jddp.train's arguments); runpy would warn
+        # "found in sys.modules ... may result in unpredictable behaviour" on the rank's stderr.
+        sys.modules.pop(python_args[1], None)
         runpy._run_module_as_main(python_args[1], alter_argv=True)
         return
     path = os.path.join(os.getcwd(), python_args[0])

@@ -106,6 +106,8 @@ MODULES = {
     "draws": "import numpy; print(numpy.random.randint(1 << 62))",
     "draws_again": "import numpy; print(numpy.random.randint(1 << 62))",
 }
+# A package's module that the forking process imported first, as jddp.launch imports jddp.train
+IMPORTED = "if __name__ == '__main__': print('as __main__')"
 SCRIPT = """
     import os, sys
     print(__name__, sys.argv, sys.path[0], __file__, os.environ.get("PROBE"))
@@ -120,6 +122,9 @@ import json, os, signal, sys
 import numpy  # imported before the forks, as the CLI server's preload does
 numpy.random.random()  # and drawn from: the generator's state is set (it seeds at first use)
 from tests.forked import start_forked
+sys.path.insert(0, sys.argv[1])
+import pkg.imported  # the forking process has the module a rank runs
+del sys.path[0]
 signal.signal(signal.SIGUSR1, lambda *a: None)
 signal.signal(signal.SIGTERM, lambda *a: None)
 folder = sys.argv[1]
@@ -139,13 +144,17 @@ def test_a_forked_command_is_what_python_dash_m_would_be(tmp_path):
     signal handlers as a new interpreter's (not the forking process's), its command line in
     ``ps``, NumPy's global generator seeded anew; and its end as the
     interpreter's: threads joined before atexit handlers, SystemExit's code or message, an
-    uncaught exception's traceback and 1, Ctrl-C's death by SIGINT; PYTHONUNBUFFERED honoured."""
+    uncaught exception's traceback and 1, Ctrl-C's death by SIGINT; PYTHONUNBUFFERED honoured;
+    a module the forking process imported runs as __main__ without a word."""
     for name, body in MODULES.items():
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "imported.py").write_text(IMPORTED)
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "tool.py").write_text(textwrap.dedent(SCRIPT))
     scripts = ["bin/tool.py", "bin/missing.py"]
-    out = run([PY, "-c", DRIVER, str(tmp_path), *MODULES, *scripts], timeout=120)
+    out = run([PY, "-c", DRIVER, str(tmp_path), *MODULES, "pkg.imported", *scripts], timeout=120)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     code, printed, err = got["shows"]
@@ -163,6 +172,9 @@ def test_a_forked_command_is_what_python_dash_m_would_be(tmp_path):
     code, _, err = got["interrupted"]
     assert code == -2 and "KeyboardInterrupt" in err, err
     assert got["unbuffered"] == [0, "no newline", ""]
+    # not runpy's warning that the module "found in sys.modules ... may result in
+    # unpredictable behaviour": as a new interpreter, it has not imported it
+    assert got["pkg.imported"] == [0, "as __main__\n", ""]
     assert got["draws"][0] == got["draws_again"][0] == 0  # NumPy's generator seeded anew
     assert got["draws"][1] != got["draws_again"][1]
     # A script as ``python bin/tool.py a1 a2`` runs it: its folder first on sys.path, argv[0]
