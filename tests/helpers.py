@@ -495,3 +495,16 @@ names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/
 eigen = sum(n.startswith("tf_XLAEigen") for n in names)
 print(len(pinned), eigen, os.environ.get("JDDP_CPU_THREADS"), sorted(os.sched_getaffinity(0)))
 """
+
+
+def failing_commit(after_s: float):
+    """One of orbax's commit threads whose write fails (a full disk) after ``after_s``."""
+    from orbax.checkpoint._src.futures import future
+
+    def write() -> None:
+        time.sleep(after_s)
+        raise ValueError('RESOURCE_EXHAUSTED: Error writing "params.w/0": No space left on device')
+
+    thread = future._SignalingThread(target=write, send_signals=[], receive_signals=[])
+    thread.start()
+    return thread

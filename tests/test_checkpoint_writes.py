@@ -213,9 +213,8 @@ def test_a_checkpoints_folder_made_read_only_mid_run_stops_every_rank_in_one_lin
 
 def test_a_save_failing_only_as_orbax_closes_is_the_checkpoints_one_line(tmp_path, monkeypatch):
     """orbax's ``CheckpointManager.close`` waits for the background commit again and raises
-    what it failed with: a save's failure that surfaces only there (once, a full disk during the
-    first save, under load) is the same one line as at ``wait``, naming the checkpoint and its
-    cause, not the error's own text."""
+    what it failed with: a save's failure that surfaces only there is the same one line as at
+    ``wait``, naming the checkpoint and its cause, not the error's own text."""
     import jax.numpy as jnp
 
     from jddp.checkpoint import Checkpoints
@@ -244,3 +243,39 @@ def test_a_save_failing_only_as_orbax_closes_is_the_checkpoints_one_line(tmp_pat
     assert said.startswith(f"checkpoint {tmp_path}/checkpoints/2 could not be written (No space ")
     assert "OCDBT" not in said and said.endswith("the checkpoints before it are intact: none")
     ckpts.close()  # again after the failure: only releases
+
+
+def test_a_save_failing_while_its_other_writes_run_is_the_checkpoints_one_line(
+    tmp_path, monkeypatch
+):
+    """A full disk during a save: the wait raises its first failed write while orbax's threads
+    for its other writes still run; before the failed save's folder is removed they are
+    awaited, and their own failures (orbax's ``join`` raises them) stay the save's one line
+    (a bare ``ValueError: RESOURCE_EXHAUSTED ...`` had escaped it, twice in full suites)."""
+    import jax.numpy as jnp
+
+    from jddp.checkpoint import Checkpoints
+    from jddp.errors import CheckpointError
+    from jddp.state import TrainState
+    from tests.helpers import failing_commit
+
+    ckpts = Checkpoints(tmp_path / "checkpoints", keep=2, async_save=True,
+                        damaged_directory=tmp_path / "damaged")  # fmt: skip
+    state = TrainState(step=jnp.int32(2), params={"w": jnp.ones(3)}, model_state={},
+                       opt_state=(), skipped_steps=jnp.int32(0))  # fmt: skip
+    assert ckpts.save(2, state, {})
+    ckpts.wait()
+    ckpts._saving = 4  # a second save in flight, whose first write failed (below)
+
+    def first_write_failed() -> None:
+        raise ValueError('RESOURCE_EXHAUSTED: Error writing "params.w/0": No space left on device')
+
+    monkeypatch.setattr(ckpts._manager, "wait_until_finished", first_write_failed)
+    other_write = failing_commit(0.5)  # still writing as the wait raises
+    with pytest.raises(CheckpointError) as raised:
+        ckpts.wait()
+    assert not other_write.is_alive()  # awaited before the folder was removed
+    said = str(raised.value)
+    assert said.startswith(f"checkpoint {tmp_path}/checkpoints/4 could not be written (No space ")
+    assert said.endswith("the checkpoints before it are intact: [2]"), said
+    ckpts.close()  # after the failure: only releases

@@ -131,6 +131,20 @@ def test_orbaxs_commits_run_in_the_thread_class_jddp_waits_for():
     assert re.search(r"=\s*_SignalingThread\(", inspect.getsource(future))
 
 
+def test_waiting_for_a_failed_saves_other_writes_raises_nothing():
+    """Orbax's commit thread's ``join`` raises what its write failed with: the wait for a
+    failed save's other writes (before its folder is removed) returns, the failure being the
+    save's to report (it had escaped the save's one line as a bare ValueError)."""
+    from jddp.compat.orbax_writes import wait_for_failed_writes
+    from tests.helpers import failing_commit
+
+    with pytest.raises(ValueError, match="No space left on device"):
+        failing_commit(0.0).join()  # orbax's join: what the thread failed with
+    thread = failing_commit(0.5)
+    wait_for_failed_writes()
+    assert not thread.is_alive()
+
+
 # Python's collector (jddp.compat.collector)
 
 

@@ -433,9 +433,8 @@ class Checkpoints:
                 self._remove_cut_saves(say=False)
             return
         self.wait()
-        # orbax's close waits for its checkpointer's background commit again and raises what
-        # that failed with: a save's failure surfacing only here (once, a full disk during the
-        # first save on a loaded machine) is the same one line as at wait.
+        # orbax's close waits for its checkpointer's background commit again and can raise what
+        # that failed with: a save's failure surfacing here is the same one line as at wait.
         self._guard(self._manager.close, self._saving)
 
     def _guard(self, action: Callable[[], Any], step: int | None) -> Any:

@@ -25,6 +25,7 @@ and nothing awaited (orbax's own behaviour, slower or racier, not wrong).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -77,7 +78,8 @@ def wait_for_failed_writes(timeout_s: float = 10.0) -> None:
     save failed, before its temporary folder is removed.
 
     Patches nothing; finds the threads by orbax's private class
-    ``orbax.checkpoint._src.futures.future._SignalingThread``. Goes when orbax's failed save
+    ``orbax.checkpoint._src.futures.future._SignalingThread``, whose ``join`` raises what the
+    thread failed with (dropped here: the save reports its failure). Goes when orbax's failed save
     (or ``CheckpointManager.close``) waits for the save's other writes before it returns; not
     known to be fixed upstream."""
     if CommitThread is None:
@@ -85,4 +87,8 @@ def wait_for_failed_writes(timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     for thread in threading.enumerate():
         if isinstance(thread, CommitThread):
-            thread.join(max(0.0, deadline - time.monotonic()))
+            # Orbax's join raises what the thread failed with (its write hit the full disk the
+            # save already reports: it had escaped that one line as a bare ValueError, twice in
+            # full suites), or TimeoutError when it still runs at the deadline: waited, done.
+            with contextlib.suppress(Exception):
+                thread.join(max(0.0, deadline - time.monotonic()))
