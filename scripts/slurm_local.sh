@@ -94,10 +94,29 @@ start() {
 }
 
 stop() {
+  local pids=() pidfile pid alive=0
   for daemon in slurmd slurmctld; do
     pidfile="$STATE/$daemon.pid"
-    if [ -s "$pidfile" ]; then kill "$(cat "$pidfile")" 2>/dev/null || true; fi
+    if [ -s "$pidfile" ]; then pids+=("$(cat "$pidfile")"); fi
   done
+  [ ${#pids[@]} = 0 ] || kill "${pids[@]}" 2>/dev/null || true
+  # A step still ending as they stop (its slurmstepd retrying the slurmctld that is gone) keeps
+  # slurmd from exiting, for good (seen after the tests' last srun), and a slurmd left running
+  # keeps the next start's node down ("did not become idle"): the daemons get 15 s, then what
+  # is left of them is killed, and with this script's cluster the steps' slurmstepd too.
+  for _ in $(seq 30); do
+    alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 0.5
+  done
+  if [ $alive = 1 ]; then
+    kill -KILL "${pids[@]}" 2>/dev/null || true
+    say "slurmd or slurmctld did not stop in 15 s: killed"
+  fi
+  if grep -qF "$MARK" "$CONF" 2>/dev/null && pkill -KILL -x slurmstepd; then
+    say "killed the slurmstepd of steps still ending"
+  fi
   say "stopped slurmd and slurmctld (munged left running)"
 }
 

@@ -60,6 +60,11 @@ def cluster():
         yield
     finally:
         subprocess.run(["bash", script, "stop"], capture_output=True, text=True, timeout=120)
+        # (a slurmd hung stopping, waiting on a step still ending, had kept the next suite's
+        # cluster down: its SLURM tests skipped)
+        daemons = ("slurmd", "slurmctld", "slurmstepd")
+        left = [pid for name in daemons for pid in run(["pgrep", "-x", name]).stdout.split()]
+        assert not left, f"SLURM daemons left after scripts/slurm_local.sh stop: {left}"
 
 
 STEPS = 10
