@@ -211,14 +211,11 @@ def test_a_checkpoints_folder_made_read_only_mid_run_stops_every_rank_in_one_lin
     assert "at step 2" in again.stdout and sorted(read_losses(wd)) == list(range(1, 7))
 
 
-def test_a_save_failing_only_as_orbax_closes_is_the_checkpoints_one_line(tmp_path, monkeypatch):
-    """orbax's ``CheckpointManager.close`` waits for the background commit again and raises
-    what it failed with: a save's failure that surfaces only there is the same one line as at
-    ``wait``, naming the checkpoint and its cause, not the error's own text."""
+def saved_at_step_2(tmp_path):
+    """Asynchronous ``Checkpoints`` under ``tmp_path`` that saved a tiny state as step 2."""
     import jax.numpy as jnp
 
     from jddp.checkpoint import Checkpoints
-    from jddp.errors import CheckpointError
     from jddp.state import TrainState
 
     ckpts = Checkpoints(tmp_path / "checkpoints", keep=2, async_save=True,
@@ -227,6 +224,16 @@ def test_a_save_failing_only_as_orbax_closes_is_the_checkpoints_one_line(tmp_pat
                        opt_state=(), skipped_steps=jnp.int32(0))  # fmt: skip
     assert ckpts.save(2, state, {})
     ckpts.wait()
+    return ckpts
+
+
+def test_a_save_failing_only_as_orbax_closes_is_the_checkpoints_one_line(tmp_path, monkeypatch):
+    """orbax's ``CheckpointManager.close`` waits for the background commit again and raises
+    what it failed with: a save's failure that surfaces only there is the same one line as at
+    ``wait``, naming the checkpoint and its cause, not the error's own text."""
+    from jddp.errors import CheckpointError
+
+    ckpts = saved_at_step_2(tmp_path)
     close = ckpts._manager.close
 
     def close_failing() -> None:
@@ -252,19 +259,10 @@ def test_a_save_failing_while_its_other_writes_run_is_the_checkpoints_one_line(
     for its other writes still run; before the failed save's folder is removed they are
     awaited, and their own failures (orbax's ``join`` raises them) stay the save's one line
     (a bare ``ValueError: RESOURCE_EXHAUSTED ...`` had escaped it, twice in full suites)."""
-    import jax.numpy as jnp
-
-    from jddp.checkpoint import Checkpoints
     from jddp.errors import CheckpointError
-    from jddp.state import TrainState
     from tests.helpers import failing_commit
 
-    ckpts = Checkpoints(tmp_path / "checkpoints", keep=2, async_save=True,
-                        damaged_directory=tmp_path / "damaged")  # fmt: skip
-    state = TrainState(step=jnp.int32(2), params={"w": jnp.ones(3)}, model_state={},
-                       opt_state=(), skipped_steps=jnp.int32(0))  # fmt: skip
-    assert ckpts.save(2, state, {})
-    ckpts.wait()
+    ckpts = saved_at_step_2(tmp_path)
     ckpts._saving = 4  # a second save in flight, whose first write failed (below)
 
     def first_write_failed() -> None:
