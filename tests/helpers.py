@@ -499,12 +499,12 @@ print(len(pinned), eigen, os.environ.get("JDDP_CPU_THREADS"), sorted(os.sched_ge
 
 def failing_commit(after_s: float):
     """One of orbax's commit threads whose write fails (a full disk) after ``after_s``."""
-    from orbax.checkpoint._src.futures import future
+    from jddp.compat.orbax_writes import CommitThread  # orbax's private class, found there
 
     def write() -> None:
         time.sleep(after_s)
         raise ValueError('RESOURCE_EXHAUSTED: Error writing "params.w/0": No space left on device')
 
-    thread = future._SignalingThread(target=write, send_signals=[], receive_signals=[])
+    thread = CommitThread(target=write, send_signals=[], receive_signals=[])
     thread.start()
     return thread
