@@ -29,6 +29,7 @@ from jddp.launch.supervise import (
     first_cause,
     held_signals,
     is_stopped,
+    killed_first,
     proc_group_has_live_member,
     pump,
     signal_name,
@@ -228,7 +229,7 @@ class Launcher:
                 stall = self._stall(failed)
                 self.cause = self._out_of_memory(failed) or first_cause(failed, stall)
                 cause = failure_report(failed, self._alive_count(), stall, self.cause)
-                self.first_failure = min(failed, key=lambda f: (f[1] >= 0, f[0]))
+                self.first_failure = min(failed, key=killed_first)
                 failure = exit_code_for(self.first_failure[1])
                 self.stderr.write(f"{PROG}: {cause}\n")
                 # Also signals the failed rank's own group, in case it left grandchildren.

@@ -20,6 +20,7 @@ from jddp.launch.supervise import (
     Stalls,
     exit_code_for,
     failure_report,
+    killed_first,
 )
 
 PROG = "jddp.ray"
@@ -263,7 +264,7 @@ class RayJob:
             )
             return f"{text}{others} (rank {i}: node {self.ranks[i].where})"
         failed = [(i, self.ranks[i].returncode) for i in ended if self.ranks[i].returncode]
-        first, code = min(failed, key=lambda f: (f[1] >= 0, f[0]))
+        first, code = min(failed, key=killed_first)
         stall = self.stalls.culprit()
         if stall is not None and exit_code_for(code) == STALLED:
             first = stall[0]  # the rank that stalled, where it ran
@@ -321,7 +322,7 @@ class RayJob:
 
     def _first_code(self, bad: list[int]) -> int:
         failed = [(i, self.ranks[i].returncode) for i in bad if self.ranks[i].returncode]
-        return exit_code_for(min(failed, key=lambda f: (f[1] >= 0, f[0]))[1])
+        return exit_code_for(min(failed, key=killed_first)[1])
 
     def cleanup(self) -> None:
         """End what the ranks left in their process groups, then the actors."""

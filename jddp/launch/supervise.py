@@ -139,9 +139,9 @@ class Aftermath:
         )
 
 
-def _killed_first(failed: tuple[int, int]) -> tuple[bool, int]:
-    """The order of a report's ``(rank, returncode)``: ranks killed by a signal first, then by
-    rank."""
+def killed_first(failed: tuple[int, int]) -> tuple[bool, int]:
+    """The order of failed ranks' ``(rank, returncode)`` in a report and for the exit code:
+    ranks killed by a signal first, then by rank."""
     return failed[1] >= 0, failed[0]
 
 
@@ -153,7 +153,7 @@ def named_first(
     did; else a rank killed by a signal (the OOM killer, a node's kill -9 takes its peers'
     collectives down with it, so it is named, not the survivor whose all-reduce then failed:
     "Connection closed by peer", exit 1); else the lowest rank."""
-    first = min(failed, key=_killed_first)
+    first = min(failed, key=killed_first)
     if stall is not None and exit_code_for(first[1]) == STALLED:
         stalled = [f for f in failed if f[0] == stall[0] and exit_code_for(f[1]) == STALLED]
         return stalled[0] if stalled else first
@@ -185,7 +185,7 @@ def failure_report(
     failed ranks seen exiting together (one poll), ``alive`` how many ranks still run; the
     cause first (``cause``, else :func:`first_cause`), the others in brackets."""
     named = named_first(failed, stall)
-    ordered = sorted(failed, key=_killed_first)
+    ordered = sorted(failed, key=killed_first)
     also = "; ".join(f"rank {r} {describe_exit(c)}" for r, c in ordered if (r, c) != named)
     text = (cause or first_cause(failed, stall)) + (f" (then {also})" if also else "")
     if alive:
